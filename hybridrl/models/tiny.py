@@ -1,0 +1,173 @@
+"""Random-weight HF checkpoints for tests and the tiny recipes (no model hub needed).
+
+``make_tiny_model`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
+char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model. Weights are
+drawn here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the
+transformers version: every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator,
+norms = 1, biases = 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from hybridrl.models.char_tokenizer import EOS_TOKEN, PAD_TOKEN, make_char_tokenizer
+
+Arch = Literal["qwen2", "qwen3", "llama"]
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "llama": LlamaConfig,
+}
+INIT_STD = 0.02
+
+
+@dataclasses.dataclass(slots=True, kw_only=True, frozen=True)
+class TinyModelSpec:
+    arch: Arch = "qwen2"
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int | None = None  # MLP size; None: 3 × hidden
+    vocab: int | Literal["chars"] = "chars"  # "chars": the tokenizer's size; an int pads to it
+    max_positions: int = 512
+    tie: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in CONFIG_CLASSES:
+            raise ValueError(f"arch={self.arch!r} is not supported; valid: {sorted(CONFIG_CLASSES)}")
+        for name in ("hidden", "layers", "heads", "kv_heads", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
+        if self.intermediate is not None and self.intermediate < 1:
+            raise ValueError(f"intermediate={self.intermediate} must be >= 1 or None (3 × hidden)")
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: Arch = "qwen2",
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int | Literal["chars"] = "chars",
+    max_positions: int = 512,
+    tie: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight HF checkpoint with a char tokenizer to ``out_dir``; return its path."""
+    spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                         intermediate=intermediate, vocab=vocab, max_positions=max_positions,
+                         tie=tie, seed=seed)
+    tokenizer = make_char_tokenizer(model_max_length=spec.max_positions)
+    n_tokens = len(tokenizer)
+    if spec.vocab == "chars":
+        vocab_size = n_tokens
+    elif isinstance(spec.vocab, int) and spec.vocab >= n_tokens:
+        vocab_size = spec.vocab
+    else:
+        raise ValueError(f"vocab={spec.vocab!r} must be 'chars' or an int >= the char vocab ({n_tokens})")
+
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = CONFIG_CLASSES[spec.arch](
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate or 3 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie,
+        rms_norm_eps=1e-6,
+        initializer_range=INIT_STD,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, seed=spec.seed)
+    # stop on <|im_end|> (chat) and <|endoftext|> (raw text); greedy unless the caller samples
+    model.generation_config = GenerationConfig(
+        eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def init_weights(model: PreTrainedModel, *, seed: int, std: float = INIT_STD) -> None:
+    """Matrices ~ N(0, std²) from one generator in parameter-name order; norms 1; biases 0."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):  # tied weights are listed once
+        if param.ndim >= 2:
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:  # RMSNorm weights (incl. Qwen3's q_norm/k_norm)
+            param.fill_(1.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hybridrl make-tiny-model OUT ...`` (arguments defined in :mod:`hybridrl.cli`)."""
+    vocab: int | Literal["chars"] = "chars" if args.vocab == "chars" else _parse_vocab(args.vocab)
+    out = make_tiny_model(
+        args.out, arch=args.arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=vocab,
+        max_positions=args.max_positions, tie=args.tie, seed=args.seed,
+    )
+    config = PretrainedConfig.from_json_file(str(out / "config.json"))
+    n_params = _count_params(out / "model.safetensors")
+    print(
+        f"wrote {out}: {args.arch}, {n_params:,} parameters, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
+        f"{config.num_key_value_heads} kv, vocab {config.vocab_size}, "
+        f"{'tied' if config.tie_word_embeddings else 'untied'} embeddings, seed {args.seed}"
+    )
+    for path in sorted(out.iterdir()):
+        print(f"  {path.name}  {path.stat().st_size:,} bytes")
+    return 0
+
+
+def _parse_vocab(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"--vocab={text!r}: expected 'chars' or an integer") from None
+
+
+def _count_params(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
