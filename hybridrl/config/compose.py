@@ -1,0 +1,101 @@
+"""Hydra composition of ``recipes/`` into a typed ``RLConfig``.
+
+The schema is registered in Hydra's ConfigStore as ``hybridrl_schema`` and is the first entry of
+``recipes/config.yaml``'s defaults list, so Hydra type-checks every recipe and override against it.
+Hydra stops at the first unknown key or wrong type; those errors are re-raised as ``ConfigError``
+naming the key, with the closest valid keys. Everything else is checked by ``validate.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.schema import RLConfig
+
+SCHEMA_NAME = "hybridrl_schema"
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RLConfig)
+
+
+def recipes_dir() -> Path:
+    """``$HYBRIDRL_RECIPES_DIR``, else the ``recipes/`` folder of this source checkout."""
+    env = os.environ.get("HYBRIDRL_RECIPES_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(
+            f"no recipes at {path} (expected {path / 'config.yaml'}); install hybridrl from a source "
+            f"checkout (pip install -e .) or point HYBRIDRL_RECIPES_DIR at a recipes folder"
+        )
+    return path
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in (recipes_dir() / "recipe").glob("*.yaml"))
+
+
+def compose_config(overrides: Sequence[str] = (), *, config_dir: Path | None = None) -> RLConfig:
+    """Compose ``config.yaml`` + overrides (e.g. ``recipe=grpo_tiny``) into an ``RLConfig``."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir or recipes_dir()), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise hydra_error(e) from e
+    return to_rl_config(cfg)
+
+
+def to_rl_config(cfg: DictConfig) -> RLConfig:
+    """Turn a composed DictConfig into the typed dataclass tree; every missing value is reported."""
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError([ConfigIssue(key=k, value="???", message="is required and has no value") for k in missing])
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise hydra_error(e) from e
+    assert isinstance(obj, RLConfig), type(obj)
+    return obj
+
+
+def hydra_error(e: Exception) -> ConfigError:
+    """Name the key behind a Hydra/OmegaConf error and suggest the valid keys closest to it."""
+    inner: BaseException = e
+    while not isinstance(inner, OmegaConfBaseException) and inner.__cause__ is not None:
+        inner = inner.__cause__
+    key = getattr(inner, "full_key", None) or ""
+    msg = str(inner).splitlines()[0] if str(inner) else type(inner).__name__
+    if not key:
+        msg = str(e).splitlines()[0]
+        if "recipe/" in msg:
+            msg += f"; available recipes: {', '.join(available_recipes()) or '(none)'}"
+        return ConfigError([ConfigIssue(key="recipe" if "recipe/" in msg else "<overrides>", value=None, message=msg)])
+    close = difflib.get_close_matches(key, list(schema_keys()), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close and key not in close else ""
+    return ConfigError([ConfigIssue(key=key, value=getattr(inner, "value", None), message=msg + hint)])
+
+
+def schema_keys(node: type = RLConfig, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the schema (for suggestions and docs)."""
+    hints = typing.get_type_hints(node)
+    for f in fields(node):  # type: ignore[arg-type]
+        yield prefix + f.name
+        if is_dataclass(hints[f.name]):
+            yield from schema_keys(hints[f.name], f"{prefix}{f.name}.")

@@ -1,0 +1,176 @@
+"""The typed config tree of a hybridrl run (registered in Hydra's ConfigStore by ``store.py``).
+
+The tree is the run's topology: ``actor_rollout_ref`` is the composite node (actor, ref, rollout,
+each with its own parallel sizes), then ``critic``, ``reward``, ``algorithm``, ``data``, ``trainer``.
+Where a concept is the same as in verl, the key has verl's name so overrides carry over
+(``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``, ...).
+
+Batch units follow verl: ``data.train_batch_size`` and ``actor.ppo_mini_batch_size`` count
+*prompts* (each expands to ``rollout.n`` samples); ``*_micro_batch_size_per_gpu`` counts *samples*
+per data-parallel rank.
+
+Plugin blocks (``reward.kwargs``, ``algorithm.adv_estimator_kwargs``,
+``algorithm.policy_loss_kwargs``, ``actor_rollout_ref.rollout.engine_kwargs``) are free-form here
+and checked against the chosen plugin's own ``Config`` dataclass by ``validate.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronConfig:
+    """Megatron-core parallel layout of one role (actor, ref or critic)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    # virtual pipeline stages per rank (interleaved 1F1B); null = plain 1F1B
+    virtual_pipeline_model_parallel_size: int | None = None
+    # verl and Megatron both call this context_parallel_size
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    optimizer: str = "adam"  # adam | sgd
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = MISSING  # HF checkpoint directory: config.json + *.safetensors + tokenizer
+    tokenizer_path: str | None = None  # defaults to path
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (× rollout.n samples)
+    ppo_micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one DP rank
+    ppo_epochs: int = 1
+    shuffle: bool = False  # shuffle samples between PPO epochs
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False  # KL(actor || ref) as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | abs
+
+
+@dataclass(kw_only=True, slots=True)
+class RefConfig:
+    # null: built only when a KL term needs it (actor.use_kl_loss or algorithm.use_kl_in_reward)
+    enable: bool | None = None
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    log_prob_micro_batch_size_per_gpu: int = 8
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutValConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    name: str = "hf"  # rollout engine plugin (group hybridrl.rollout_engines)
+    n: int = 1  # samples per prompt
+    tensor_model_parallel_size: int = 1  # ranks per engine
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    log_prob_micro_batch_size_per_gpu: int = 8
+    update_weights_bucket_megabytes: int = 512
+    val_kwargs: RolloutValConfig = field(default_factory=RolloutValConfig)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the engine plugin's Config
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    enable: bool = False
+    model_path: str | None = None  # defaults to actor_rollout_ref.model.path
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 8  # prompts
+    ppo_micro_batch_size_per_gpu: int = 4  # samples
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # group hybridrl.advantage_estimators
+    adv_estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_loss: str = "ppo_clip"  # group hybridrl.policy_losses
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    use_kl_in_reward: bool = False  # PPO-style KL penalty subtracted from token rewards
+    kl_penalty: str = "k1"  # estimator for the in-reward KL
+    kl_coef: float = 0.001
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet / jsonl
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    ground_truth_key: str = "ground_truth"
+    apply_chat_template: bool = True  # when the tokenizer has one
+    max_prompt_length: int = 64  # tokens; longer prompts are dropped (counted warning)
+    max_response_length: int = 64  # tokens generated at most
+    train_batch_size: int = 8  # prompts per RL step
+    val_batch_size: int = 64
+    shuffle: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    total_training_steps: int = 100
+    seed: int = 1
+    output_dir: str = "outputs/run"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
+    project_name: str = "hybridrl"
+    experiment_name: str = "run"
+    device: str = "auto"  # auto | cpu | cuda
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
+    test_freq: int = 10  # held-out evaluation every N steps (0 = never); also at start
+    val_before_train: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,297 @@
+"""Static validation: the whole config is checked before any model or engine is built.
+
+Every rule appends ``ConfigIssue``s instead of raising, so one run reports all violations at once.
+Reads only config files, the checkpoint's ``config.json`` and plugin classes (which import torch,
+never Megatron or an engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.model_info import ModelInfo, inspect_model_dir
+from hybridrl.config.schema import MegatronConfig, OptimConfig, RLConfig
+from hybridrl.config.topology import RoleLayout, Topology, ref_needed, world_size_of
+from hybridrl.registry import PluginError, Registry
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
+OPTIMIZERS = ("adam", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+AOR = "actor_rollout_ref"
+
+
+class _Issues(list[ConfigIssue]):
+    def add(self, key: str, value: object, message: str) -> None:
+        self.append(ConfigIssue(key=key, value=value, message=message))
+
+    def positive(self, key: str, value: int | float) -> None:
+        if value < 1:
+            self.add(key, value, "must be ≥ 1")
+
+
+def validate(cfg: RLConfig, *, world_size: int | None = None) -> Topology:
+    """Check ``cfg`` for a run on ``world_size`` ranks; return its topology or raise ConfigError."""
+    issues = _Issues()
+    world = world_size if world_size is not None else world_size_of(cfg)
+    if world < 1:
+        issues.add("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, "world size must be ≥ 1")
+        world = 1
+    aor = cfg.actor_rollout_ref
+    model = _check_model(cfg, issues)
+
+    roles = {"actor": (f"{AOR}.actor.megatron", aor.actor.megatron)}
+    if ref_needed(cfg):
+        roles["ref"] = (f"{AOR}.ref.megatron", aor.ref.megatron)
+    if cfg.critic.enable:
+        roles["critic"] = ("critic.megatron", cfg.critic.megatron)
+    layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
+    _check_rollout(cfg, world, model, issues)
+    _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues)
+    if cfg.critic.enable:
+        _check_optim("critic.optim", cfg.critic.optim, cfg.critic.megatron, issues)
+    batch = _check_batches(cfg, layouts, issues)
+    _check_algorithm(cfg, issues)
+    _check_plugins(cfg, issues)
+    _check_lengths(cfg, model, issues)
+    _check_data(cfg, issues)
+    _check_trainer(cfg, issues)
+    if issues:
+        raise ConfigError(list(issues))
+    return Topology(world_size=world, roles=layouts, rollout_tp=aor.rollout.tensor_model_parallel_size,
+                    model=model, **batch)
+
+
+def _check_model(cfg: RLConfig, issues: _Issues) -> ModelInfo | None:
+    m = cfg.actor_rollout_ref.model
+    info, problems = inspect_model_dir(m.path, tokenizer_path=m.tokenizer_path)
+    for p in problems:
+        key = f"{AOR}.model.tokenizer_path" if m.tokenizer_path and "tokenizer" in p else f"{AOR}.model.path"
+        issues.add(key, m.tokenizer_path if key.endswith("tokenizer_path") else m.path, p)
+    if cfg.critic.enable and cfg.critic.model_path:
+        _, critic_problems = inspect_model_dir(cfg.critic.model_path)
+        for p in critic_problems:
+            issues.add("critic.model_path", cfg.critic.model_path, p)
+    return info
+
+
+def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | None,
+                    issues: _Issues) -> RoleLayout:
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                    ("context_parallel_size", cp)):
+        issues.positive(f"{key}.{name}", v)
+    tp, pp, cp = max(tp, 1), max(pp, 1), max(cp, 1)
+    if world % (tp * pp * cp):
+        valid_tp = _divisors(world // (pp * cp)) if world % (pp * cp) == 0 else []
+        issues.add(f"{key}.tensor_model_parallel_size", tp,
+                   f"TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp} must divide the world size {world} "
+                   f"(valid TP for PP={pp}, CP={cp}: {valid_tp})")
+    if model is not None:
+        if model.num_heads % tp:
+            issues.add(f"{key}.tensor_model_parallel_size", tp,
+                       f"must divide the model's {model.num_heads} attention heads "
+                       f"(valid: {_divisors(model.num_heads)})")
+        if model.num_kv_heads % tp:
+            issues.add(f"{key}.tensor_model_parallel_size", tp,
+                       f"must divide the model's {model.num_kv_heads} KV heads (GQA groups) "
+                       f"(valid: {_divisors(model.num_kv_heads)})")
+        stages = pp * (m.virtual_pipeline_model_parallel_size or 1)
+        if model.num_layers % stages:
+            issues.add(f"{key}.pipeline_model_parallel_size", pp,
+                       f"PP×VPP = {stages} must divide the model's {model.num_layers} layers "
+                       f"(valid PP: {_divisors(model.num_layers)})")
+    vpp = m.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or pp == 1):
+        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                   "needs pipeline_model_parallel_size > 1 and a value ≥ 1 (or null for plain 1F1B)")
+    if m.sequence_parallel and tp == 1:
+        issues.add(f"{key}.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
+    if m.sequence_parallel and importlib.util.find_spec("transformer_engine") is None:
+        issues.add(f"{key}.sequence_parallel", True,
+                   "needs Transformer Engine (Megatron's torch-norm fallback does not support it); set false")
+    return RoleLayout.of(m, world)
+
+
+def _check_rollout(cfg: RLConfig, world: int, model: ModelInfo | None, issues: _Issues) -> None:
+    r, key = cfg.actor_rollout_ref.rollout, f"{AOR}.rollout"
+    issues.positive(f"{key}.n", r.n)
+    issues.positive(f"{key}.tensor_model_parallel_size", r.tensor_model_parallel_size)
+    issues.positive(f"{key}.update_weights_bucket_megabytes", r.update_weights_bucket_megabytes)
+    tp = max(r.tensor_model_parallel_size, 1)
+    if world % tp:
+        issues.add(f"{key}.tensor_model_parallel_size", tp,
+                   f"must divide the world size {world} (engines are colocated; valid: {_divisors(world)})")
+    if model is not None and model.num_heads % tp:
+        issues.add(f"{key}.tensor_model_parallel_size", tp,
+                   f"must divide the model's {model.num_heads} attention heads (valid: {_divisors(model.num_heads)})")
+    for sub, t, p, k in (("", r.temperature, r.top_p, r.top_k),
+                         (".val_kwargs", r.val_kwargs.temperature, r.val_kwargs.top_p, r.val_kwargs.top_k)):
+        if t < 0:
+            issues.add(f"{key}{sub}.temperature", t, "must be ≥ 0 (0 = greedy)")
+        if not 0 < p <= 1:
+            issues.add(f"{key}{sub}.top_p", p, "must be in (0, 1]")
+        if k == 0 or k < -1:
+            issues.add(f"{key}{sub}.top_k", k, "must be -1 (off) or ≥ 1")
+    issues.positive(f"{key}.val_kwargs.n", r.val_kwargs.n)
+
+
+def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues) -> None:
+    if o.optimizer not in OPTIMIZERS:
+        issues.add(f"{key}.optimizer", o.optimizer, f"valid: {', '.join(OPTIMIZERS)}")
+    if o.lr < 0:
+        issues.add(f"{key}.lr", o.lr, "must be ≥ 0")
+    if o.clip_grad < 0:
+        issues.add(f"{key}.clip_grad", o.clip_grad, "must be ≥ 0 (0 disables clipping)")
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        issues.add(f"{key}.lr_decay_style", o.lr_decay_style, f"valid: {', '.join(LR_DECAY_STYLES)}")
+    if m.use_distributed_optimizer and o.optimizer != "adam":
+        issues.add(f"{key}.optimizer", o.optimizer,
+                   "Megatron's distributed optimizer supports adam only "
+                   "(or set megatron.use_distributed_optimizer=false)")
+
+
+def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issues) -> dict[str, int]:
+    d, a, n = cfg.data, cfg.actor_rollout_ref.actor, max(cfg.actor_rollout_ref.rollout.n, 1)
+    issues.positive("data.train_batch_size", d.train_batch_size)
+    issues.positive("data.val_batch_size", d.val_batch_size)
+    roles = [("actor", f"{AOR}.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs)]
+    if cfg.critic.enable:
+        c = cfg.critic
+        roles.append(("critic", "critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
+    for role, key, mini, micro, epochs in roles:
+        issues.positive(f"{key}.ppo_mini_batch_size", mini)
+        issues.positive(f"{key}.ppo_micro_batch_size_per_gpu", micro)
+        issues.positive(f"{key}.ppo_epochs", epochs)
+        if min(mini, micro, d.train_batch_size) < 1:
+            continue
+        dp = layouts[role].dp
+        if d.train_batch_size % mini:
+            issues.add(f"{key}.ppo_mini_batch_size", mini,
+                       f"must divide data.train_batch_size={d.train_batch_size} (both count prompts; "
+                       f"valid: {_divisors(d.train_batch_size)})")
+        if (mini * n) % (micro * dp):
+            issues.add(f"{key}.ppo_micro_batch_size_per_gpu", micro,
+                       f"a mini-batch of {mini} prompts × rollout.n={n} = {mini * n} samples must split into "
+                       f"micro-batches of {micro} on each of DP={dp} ranks; valid: "
+                       f"{[v for v in _divisors(mini * n) if (mini * n) % (v * dp) == 0] or 'none at this DP'}")
+    dp_actor = layouts["actor"].dp
+    if d.train_batch_size >= 1 and d.train_batch_size % dp_actor:
+        issues.add("data.train_batch_size", d.train_batch_size,
+                   f"prompts are sharded over the actor's DP={dp_actor} ranks; must be a multiple of {dp_actor}")
+    issues.positive(f"{AOR}.ref.log_prob_micro_batch_size_per_gpu",
+                    cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+    issues.positive(f"{AOR}.rollout.log_prob_micro_batch_size_per_gpu",
+                    cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+    mini = max(a.ppo_mini_batch_size, 1)
+    micro = max(a.ppo_micro_batch_size_per_gpu, 1)
+    return {
+        "prompts_per_step": d.train_batch_size,
+        "samples_per_step": d.train_batch_size * n,
+        "mini_batches_per_epoch": max(d.train_batch_size // mini, 1),
+        "samples_per_mini_batch": mini * n,
+        "grad_accum_steps": max(mini * n // (micro * dp_actor), 1),
+    }
+
+
+def _check_algorithm(cfg: RLConfig, issues: _Issues) -> None:
+    a, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
+    if a.loss_agg_mode not in LOSS_AGG_MODES:
+        issues.add(f"{AOR}.actor.loss_agg_mode", a.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
+    if a.kl_loss_type not in KL_TYPES:
+        issues.add(f"{AOR}.actor.kl_loss_type", a.kl_loss_type, f"valid: {', '.join(KL_TYPES)}")
+    if alg.kl_penalty not in KL_TYPES:
+        issues.add("algorithm.kl_penalty", alg.kl_penalty, f"valid: {', '.join(KL_TYPES)}")
+    if a.kl_loss_coef < 0:
+        issues.add(f"{AOR}.actor.kl_loss_coef", a.kl_loss_coef, "must be ≥ 0")
+    if alg.kl_coef < 0:
+        issues.add("algorithm.kl_coef", alg.kl_coef, "must be ≥ 0")
+    if cfg.actor_rollout_ref.ref.enable is False:
+        kl_terms = ((f"{AOR}.actor.use_kl_loss", a.use_kl_loss), ("algorithm.use_kl_in_reward", alg.use_kl_in_reward))
+        for key, on in kl_terms:
+            if on:
+                issues.add(key, True, f"a KL term needs the reference model, but {AOR}.ref.enable=false; "
+                                      f"enable the ref (or leave it null) or turn the KL term off")
+
+
+def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
+    r, alg = cfg.actor_rollout_ref.rollout, cfg.algorithm
+    chosen = [
+        ("rollout_engines", f"{AOR}.rollout.name", r.name, f"{AOR}.rollout.engine_kwargs", r.engine_kwargs),
+        ("reward_managers", "reward.name", cfg.reward.name, "reward.kwargs", cfg.reward.kwargs),
+        ("advantage_estimators", "algorithm.adv_estimator", alg.adv_estimator,
+         "algorithm.adv_estimator_kwargs", alg.adv_estimator_kwargs),
+        ("policy_losses", "algorithm.policy_loss", alg.policy_loss,
+         "algorithm.policy_loss_kwargs", alg.policy_loss_kwargs),
+    ]
+    for group, name_key, name, kwargs_key, kwargs in chosen:
+        reg = Registry(group)
+        try:
+            cls = reg.load(name, key=name_key)
+        except PluginError as e:
+            issues.add(name_key, name, str(e).removeprefix(f"{name_key}={name!r}: "))
+            continue
+        try:
+            reg.make_config(name, kwargs, key=kwargs_key)
+        except PluginError as e:
+            issues.add(kwargs_key, dict(kwargs), str(e))
+        if group == "advantage_estimators":
+            if getattr(cls, "needs_group", False) and r.n < 2:
+                issues.add(f"{AOR}.rollout.n", r.n,
+                           f"advantage estimator {name!r} compares samples of one prompt: needs rollout.n ≥ 2")
+            if getattr(cls, "needs_critic", False) and not cfg.critic.enable:
+                issues.add("critic.enable", False,
+                           f"advantage estimator {name!r} needs a critic: set critic.enable=true")
+
+
+def _check_lengths(cfg: RLConfig, model: ModelInfo | None, issues: _Issues) -> None:
+    d = cfg.data
+    issues.positive("data.max_prompt_length", d.max_prompt_length)
+    issues.positive("data.max_response_length", d.max_response_length)
+    if model is not None and d.max_prompt_length + d.max_response_length > model.max_position_embeddings:
+        issues.add("data.max_response_length", d.max_response_length,
+                   f"data.max_prompt_length + data.max_response_length = "
+                   f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "
+                   f"{model.max_position_embeddings}; at most {model.max_position_embeddings - d.max_prompt_length}")
+
+
+def _check_data(cfg: RLConfig, issues: _Issues) -> None:
+    d = cfg.data
+    if not d.train_files:
+        issues.add("data.train_files", list(d.train_files), "needs at least one parquet or jsonl file")
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        for f in files:
+            if not Path(f).is_file():
+                issues.add(key, f, "file does not exist")
+            elif Path(f).suffix not in DATA_SUFFIXES:
+                issues.add(key, f, f"unsupported file type; valid: {', '.join(DATA_SUFFIXES)}")
+
+
+def _check_trainer(cfg: RLConfig, issues: _Issues) -> None:
+    t = cfg.trainer
+    issues.positive("trainer.total_training_steps", t.total_training_steps)
+    issues.positive("trainer.nnodes", t.nnodes)
+    issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
+    if t.test_freq < 0:
+        issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
+    bad = [lg for lg in t.loggers if lg not in LOGGERS]
+    if bad:
+        issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
+    if t.device not in DEVICES:
+        issues.add("trainer.device", t.device, f"valid: {', '.join(DEVICES)}")
+    elif t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+

@@ -1,0 +1,180 @@
+"""The plugin registry against real installed distributions (pip-installed into a temp site dir)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hybridrl.registry import (
+    GROUPS,
+    PluginConfigError,
+    PluginNotFoundError,
+    Registry,
+    make_plugin_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pip_install(src: Path, target: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-compile", "--target", str(target), str(src)],
+        check=True, capture_output=True, text=True,
+    )
+
+
+def _write_dist(root: Path, dist: str, module: str, group: str, entries: dict[str, str], body: str) -> Path:
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text(textwrap.dedent(body))
+    eps = "\n".join(f'{k} = "{v}"' for k, v in entries.items())
+    (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
+        [build-system]
+        requires = ["setuptools>=69"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "{dist}"
+        version = "9.9.1"
+        [project.entry-points."{group}"]
+        """) + eps + f'\n[tool.setuptools]\npackages = ["{module}"]\n')
+    return root
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three site dirs: the example plugin package; a rival claiming a built-in name; a broken one."""
+    tmp = tmp_path_factory.mktemp("plugins")
+    example = tmp / "site_example"
+    _pip_install(REPO / "plugins" / "hybridrl-length-reward", example)
+    rival_src = _write_dist(tmp / "rival_src", "rival-rewards", "rival_rewards", GROUPS["reward_managers"],
+                            {"arithmetic": "rival_rewards:Arith"},
+                            """
+                            from dataclasses import dataclass
+                            class Arith:
+                                @dataclass(kw_only=True)
+                                class Config:
+                                    pass
+                            """)
+    rival = tmp / "site_rival"
+    _pip_install(rival_src, rival)
+    broken_src = _write_dist(tmp / "broken_src", "broken-plugin", "broken_plugin", GROUPS["policy_losses"],
+                             {"noconfig": "broken_plugin:NoConfig", "crashes": "broken_plugin.missing:X"},
+                             "class NoConfig:\n    pass\n")
+    broken = tmp / "site_broken"
+    _pip_install(broken_src, broken)
+    return {"example": example, "rival": rival, "broken": broken}
+
+
+def _run(code: str, *sites: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(s) for s in sites)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+
+
+def test_installed_plugin_appears_in_cli_listing(sites: dict[str, Path]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(sites["example"])}
+    out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plugins"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert ["reward_managers", "length", "hybridrl-length-reward", "0.1.0",
+            "hybridrl_length_reward:LengthReward"] in rows
+    # built-ins come through the same entry-point path, from our own distribution
+    assert any(r[:3] == ["advantage_estimators", "grpo", "hybridrl"] for r in rows)
+
+
+def test_plugin_is_loaded_lazily_and_its_config_validated(sites: dict[str, Path]) -> None:
+    r = _run("""
+        import sys
+        from hybridrl.registry import Registry, PluginConfigError, all_entries
+        reg = Registry("reward_managers")
+        all_entries(); assert "length" in reg.names()
+        assert "hybridrl_length_reward" not in sys.modules, "listing must not import plugins"
+        cfg = reg.make_config("length", {"target_length": 4}, key="reward.kwargs")
+        assert "hybridrl_length_reward" in sys.modules
+        assert cfg.target_length == 4 and cfg.scale == 16.0
+        try:
+            reg.make_config("length", {"target_lenght": 4}, key="reward.kwargs")
+        except PluginConfigError as e:
+            print(e)
+        """, sites["example"])
+    assert r.returncode == 0, r.stderr
+    assert "unknown key reward.kwargs.target_lenght" in r.stdout
+    assert "target_length: int" in r.stdout and "scale: float" in r.stdout  # lists the valid keys
+
+
+def test_same_name_from_two_distributions_names_both(sites: dict[str, Path]) -> None:
+    r = _run("""
+        from hybridrl.registry import Registry, DuplicatePluginError
+        try:
+            Registry("reward_managers").load("arithmetic", key="reward.name")
+        except DuplicatePluginError as e:
+            print(e)
+        """, sites["rival"])
+    assert r.returncode == 0, r.stderr
+    assert "reward.name='arithmetic'" in r.stdout
+    assert "hybridrl 0.1.0" in r.stdout and "rival-rewards 9.9.1" in r.stdout
+
+
+def test_broken_plugins_fail_with_their_distribution_named(sites: dict[str, Path]) -> None:
+    r = _run("""
+        from hybridrl.registry import Registry, PluginLoadError
+        reg = Registry("policy_losses")
+        for name in ("noconfig", "crashes"):
+            try:
+                reg.load(name)
+            except PluginLoadError as e:
+                print(e)
+        """, sites["broken"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "noconfig" in lines[0] and "no nested `Config` dataclass" in lines[0]
+    assert "crashes" in lines[1] and "broken-plugin 9.9.1" in lines[1] and "ModuleNotFoundError" in lines[1]
+
+
+def test_unknown_name_lists_installed() -> None:
+    with pytest.raises(PluginNotFoundError) as e:
+        Registry("advantage_estimators").entry("grpoo", key="algorithm.adv_estimator")
+    msg = str(e.value)
+    assert msg.startswith("algorithm.adv_estimator='grpoo'")
+    assert "grpo" in msg and "rloo" in msg and "gae" in msg
+
+
+def test_unknown_group() -> None:
+    with pytest.raises(ValueError, match="valid: "):
+        Registry("reward_manager")
+
+
+@dataclass(kw_only=True)
+class _Cfg:
+    alpha: float
+    mode: str = "a"
+    n: int = 2
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("a", "b"):
+            raise ValueError(f"mode={self.mode!r}: valid modes are 'a', 'b'")
+
+
+class _Plugin:
+    Config = _Cfg
+
+
+def test_plugin_config_reports_every_mistake_with_its_key() -> None:
+    with pytest.raises(PluginConfigError) as e:
+        make_plugin_config(_Plugin, "toy", {"n": "3", "bogus": 1}, key="reward.kwargs")
+    msg = str(e.value)
+    assert "unknown key reward.kwargs.bogus" in msg
+    assert "reward.kwargs.n='3' has type str, expected int" in msg
+    assert "missing required key reward.kwargs.alpha" in msg
+    assert "Valid keys of 'toy': alpha: float, mode: str, n: int" in msg
+
+
+def test_plugin_config_runs_the_plugins_own_checks() -> None:
+    with pytest.raises(PluginConfigError, match="mode='c': valid modes are 'a', 'b'"):
+        make_plugin_config(_Plugin, "toy", {"alpha": 1, "mode": "c"}, key="reward.kwargs")
+    assert make_plugin_config(_Plugin, "toy", {"alpha": 1}, key="k").alpha == 1  # int accepted as float
