@@ -1,0 +1,171 @@
+"""``RolloutBatch``: the one typed object that flows through the RL loop.
+
+Generation fills the prompt/response tensors; later stages fill the optional fields (reward →
+``token_level_scores``/``token_level_rewards``, actor → ``old_logprobs``, ref → ``ref_logprobs``,
+critic → ``values``, advantage estimator → ``advantages``/``returns``).
+
+Shapes: ``B`` samples (prompts × n), ``P`` prompt tokens (**left**-padded), ``T`` response tokens
+(**right**-padded). So ``cat([prompt, response])`` is one contiguous run of real tokens per row.
+Padded positions hold ``pad_token_id`` in id tensors, 0 in masks and 0.0 in float tensors; always
+read them through the masks. ``response_mask`` marks the generated tokens (EOS included); in this
+single-turn batch it is both the loss mask and the attention mask of the response part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+Index = slice | Sequence[int] | torch.Tensor  # slice, list of ints, 1-D long or bool tensor
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class SampleMeta:
+    """Non-tensor facts about one sample, carried from the dataset to the reward manager."""
+
+    ground_truth: str | None = None  # the reference answer of a verifiable task
+    data_source: str = ""  # dataset name, for per-source metrics
+    finish_reason: str = ""  # "stop" (EOS / stop token) or "length"; "" before generation
+    extra: Mapping[str, Any] = field(default_factory=dict)  # other dataset columns, untouched
+
+
+@dataclass(slots=True, kw_only=True)
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, T] long, right-padded
+    response_mask: torch.Tensor  # [B, T] 1 on generated tokens
+    rollout_logprobs: torch.Tensor  # [B, T] float, log-prob of each token under the sampling engine
+    weight_version: torch.Tensor  # [B] long, policy version that generated the sample
+    group_index: torch.Tensor  # [B] long, which prompt the sample answers (GRPO groups)
+    meta: list[SampleMeta]  # [B]
+    pad_token_id: int  # fill value of padded id positions
+
+    token_level_scores: torch.Tensor | None = None  # [B, T] raw reward (score on the last token)
+    token_level_rewards: torch.Tensor | None = None  # [B, T] scores after KL penalty etc.
+    old_logprobs: torch.Tensor | None = None  # [B, T] actor log-probs before the update
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
+    values: torch.Tensor | None = None  # [B, T] critic values
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T]
+
+    PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask")
+    RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "response_ids", "response_mask", "rollout_logprobs", "token_level_scores",
+        "token_level_rewards", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
+    )
+    SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "group_index")
+
+    def __post_init__(self) -> None:
+        b, p = self.prompt_ids.shape
+        t = self.response_ids.shape[1]
+        for name, shape in self._expected_shapes(b, p, t).items():
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected {shape} "
+                    f"(B={b} from prompt_ids, P={p}, T={t} from response_ids)"
+                )
+        if len(self.meta) != b:
+            raise ValueError(f"RolloutBatch.meta has {len(self.meta)} entries, expected B={b}")
+
+    @staticmethod
+    def _expected_shapes(b: int, p: int, t: int) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {n: (b, p) for n in RolloutBatch.PROMPT_FIELDS}
+        shapes.update({n: (b, t) for n in RolloutBatch.RESPONSE_FIELDS})
+        shapes.update({n: (b,) for n in RolloutBatch.SAMPLE_FIELDS})
+        return shapes
+
+    # ---- size and selection ----
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def index(self, idx: Index) -> RolloutBatch:
+        """The samples at ``idx`` (slice, list of ints, 1-D long or bool tensor), in that order."""
+        if isinstance(idx, int):
+            raise TypeError(f"RolloutBatch index must select a batch; use [{idx}:{idx + 1}], not [{idx}]")
+        if isinstance(idx, slice):
+            positions = list(range(len(self)))[idx]
+        else:
+            if not isinstance(idx, torch.Tensor):
+                idx = torch.tensor(list(idx), dtype=None if len(idx) else torch.long)
+            if idx.dtype == torch.bool:
+                idx = idx.nonzero().squeeze(-1)
+            positions = idx.tolist()
+        tensors = {n: v[idx] for n, v in self._tensors().items() if v is not None}
+        return dataclasses.replace(self, **tensors, meta=[self.meta[i] for i in positions])
+
+    __getitem__ = index
+
+    def split(self, size: int) -> list[RolloutBatch]:
+        """Consecutive chunks of ``size`` samples; the last one is smaller when B % size != 0."""
+        if size < 1:
+            raise ValueError(f"split size must be >= 1, got {size}")
+        return [self.index(slice(start, start + size)) for start in range(0, len(self), size)]
+
+    @classmethod
+    def cat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Concatenate along B, re-padding prompts (left) and responses (right) to the longest."""
+        if not batches:
+            raise ValueError("RolloutBatch.cat needs at least one batch")
+        first = batches[0]
+        if any(b.pad_token_id != first.pad_token_id for b in batches):
+            raise ValueError(f"cannot cat batches with different pad_token_id: "
+                             f"{sorted({b.pad_token_id for b in batches})}")
+        p = max(b.prompt_ids.shape[1] for b in batches)
+        t = max(b.response_ids.shape[1] for b in batches)
+        tensors: dict[str, torch.Tensor | None] = {}
+        for name in (*cls.PROMPT_FIELDS, *cls.RESPONSE_FIELDS, *cls.SAMPLE_FIELDS):
+            values = [getattr(b, name) for b in batches]
+            present = [v is not None for v in values]
+            if not any(present):
+                tensors[name] = None
+                continue
+            if not all(present):
+                raise ValueError(f"cannot cat batches where only some have RolloutBatch.{name} "
+                                 f"(present in batches {[i for i, ok in enumerate(present) if ok]})")
+            fill = first.pad_token_id if name.endswith("_ids") else 0
+            if name in cls.PROMPT_FIELDS:
+                values = [_pad(v, p, fill, left=True) for v in values]
+            elif name in cls.RESPONSE_FIELDS:
+                values = [_pad(v, t, fill, left=False) for v in values]
+            tensors[name] = torch.cat(values)
+        meta = [m for b in batches for m in b.meta]
+        return cls(**tensors, meta=meta, pad_token_id=first.pad_token_id)  # type: ignore[arg-type]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        moved = {n: v.to(device) for n, v in self._tensors().items() if v is not None}
+        return dataclasses.replace(self, **moved)
+
+    # ---- views for the actor/critic forward over prompt + response ----
+    @property
+    def input_ids(self) -> torch.Tensor:  # [B, P+T]
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # [B, P+T]
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # [B, P+T] long, 0 at each row's first real token
+        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def response_length(self) -> torch.Tensor:  # [B] long
+        return self.response_mask.long().sum(dim=1)
+
+    def _tensors(self) -> dict[str, torch.Tensor | None]:
+        return {n: getattr(self, n) for n in (*self.PROMPT_FIELDS, *self.RESPONSE_FIELDS, *self.SAMPLE_FIELDS)}
+
+
+def _pad(x: torch.Tensor, length: int, fill: float | int, *, left: bool) -> torch.Tensor:
+    """Pad dim 1 of ``x`` [B, L] to ``length`` with ``fill`` on the left or the right."""
+    extra = length - x.shape[1]
+    if extra == 0:
+        return x
+    pad = torch.full((x.shape[0], extra), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)

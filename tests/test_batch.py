@@ -1,0 +1,139 @@
+"""RolloutBatch: split/cat/index round trips, re-padding, optional fields, shape errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridrl.batch import RolloutBatch, SampleMeta
+
+PAD = 97
+
+
+def make_batch(prompt_lens: list[int], response_lens: list[int], *, first_group: int = 0,
+               with_scores: bool = False) -> RolloutBatch:
+    """Rows with distinct token values, left-padded prompts and right-padded responses."""
+    b, p, t = len(prompt_lens), max(prompt_lens), max(response_lens)
+    prompt_ids = torch.full((b, p), PAD)
+    prompt_mask = torch.zeros(b, p, dtype=torch.long)
+    response_ids = torch.full((b, t), PAD)
+    response_mask = torch.zeros(b, t, dtype=torch.long)
+    logprobs = torch.zeros(b, t)
+    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        prompt_ids[i, p - pl:] = torch.arange(pl) + 10 * i
+        prompt_mask[i, p - pl:] = 1
+        response_ids[i, :rl] = torch.arange(rl) + 10 * i + 5
+        response_mask[i, :rl] = 1
+        logprobs[i, :rl] = -0.1 * (torch.arange(rl) + 1 + i)
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, rollout_logprobs=logprobs,
+        weight_version=torch.full((b,), 3), group_index=torch.arange(b) // 2 + first_group,
+        meta=[SampleMeta(ground_truth=str(first_group * 100 + i), finish_reason="stop") for i in range(b)],
+        pad_token_id=PAD,
+    )
+    if with_scores:
+        batch.token_level_scores = logprobs * -2.0
+    return batch
+
+
+def real_tokens(batch: RolloutBatch) -> list[tuple[list[int], list[int]]]:
+    """Each row's prompt and response tokens with padding removed."""
+    return [
+        (batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist(),
+         batch.response_ids[i][batch.response_mask[i].bool()].tolist())
+        for i in range(len(batch))
+    ]
+
+
+def assert_same(a: RolloutBatch, b: RolloutBatch) -> None:
+    for f in dataclasses.fields(RolloutBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=f.name)
+        else:
+            assert x == y, f.name
+
+
+def test_len_and_split_cat_round_trip() -> None:
+    batch = make_batch([3, 1, 2, 3, 2], [4, 2, 1, 4, 3], with_scores=True)
+    assert len(batch) == 5
+    parts = batch.split(2)
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert_same(RolloutBatch.cat(parts), batch)
+
+
+def test_index_with_slice_list_and_tensors() -> None:
+    batch = make_batch([3, 1, 2, 3], [4, 2, 1, 3])
+    rows = real_tokens(batch)
+    picked = batch[torch.tensor([2, 0])]
+    assert real_tokens(picked) == [rows[2], rows[0]]
+    assert [m.ground_truth for m in picked.meta] == ["2", "0"]
+    assert_same(batch[torch.tensor([True, False, True, False])], batch[[0, 2]])
+    assert_same(batch.index(slice(1, 3)), batch[[1, 2]])
+    assert len(batch[[]]) == 0
+    with pytest.raises(TypeError, match=r"use \[1:2\]"):
+        batch.index(1)  # type: ignore[arg-type]
+
+
+def test_index_then_cat_restores_order() -> None:
+    batch = make_batch([1, 2, 3, 4], [4, 3, 2, 1], with_scores=True)
+    perm = torch.tensor([3, 1, 0, 2])
+    shuffled = batch[perm]
+    restored = shuffled[torch.argsort(perm)]
+    assert_same(restored, batch)
+
+
+def test_cat_repads_prompts_left_and_responses_right() -> None:
+    short = make_batch([1, 2], [1, 1], first_group=0)
+    long = make_batch([5, 3], [6, 2], first_group=1)
+    both = RolloutBatch.cat([short, long])
+    assert both.prompt_ids.shape == (4, 5) and both.response_ids.shape == (4, 6)
+    assert real_tokens(both) == real_tokens(short) + real_tokens(long)
+    # short prompts gained padding on the left, short responses on the right
+    assert both.prompt_mask[0].tolist() == [0, 0, 0, 0, 1]
+    assert both.prompt_ids[0, :4].tolist() == [PAD] * 4
+    assert both.response_mask[0].tolist() == [1, 0, 0, 0, 0, 0]
+    assert both.response_ids[0, 1:].tolist() == [PAD] * 5
+    assert both.rollout_logprobs[0, 1:].abs().sum() == 0
+    assert both.group_index.tolist() == [0, 0, 1, 1]
+    assert [m.ground_truth for m in both.meta] == ["0", "1", "100", "101"]
+
+
+def test_optional_fields_survive_every_operation() -> None:
+    batch = make_batch([2, 3, 1], [2, 3, 3], with_scores=True)
+    batch.old_logprobs = batch.rollout_logprobs.clone()
+    for out in (batch[[2, 0]], batch.split(2)[1], RolloutBatch.cat(batch.split(1)), batch.to("cpu")):
+        assert out.token_level_scores is not None and out.old_logprobs is not None
+        assert out.ref_logprobs is None and out.advantages is None
+        assert out.token_level_scores.shape == out.response_ids.shape
+
+
+def test_cat_rejects_partially_present_fields_and_mixed_pad_ids() -> None:
+    a, b = make_batch([1], [1], with_scores=True), make_batch([1], [1])
+    with pytest.raises(ValueError, match="token_level_scores"):
+        RolloutBatch.cat([a, b])
+    c = dataclasses.replace(b, pad_token_id=0)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        RolloutBatch.cat([b, c])
+
+
+def test_mismatched_sizes_name_the_field() -> None:
+    batch = make_batch([2, 2], [3, 3])
+    with pytest.raises(ValueError, match=r"group_index has shape \(3,\), expected \(2,\)"):
+        dataclasses.replace(batch, group_index=torch.arange(3))
+    with pytest.raises(ValueError, match=r"advantages has shape \(2, 4\), expected \(2, 3\)"):
+        dataclasses.replace(batch, advantages=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="meta has 1 entries, expected B=2"):
+        dataclasses.replace(batch, meta=batch.meta[:1])
+
+
+def test_sequence_views_for_the_actor_forward() -> None:
+    batch = make_batch([1, 3], [2, 1])
+    assert batch.input_ids.shape == (2, 5)
+    assert batch.attention_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch.position_ids.tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+    assert batch.input_ids[0, 2:5].tolist() == [0, 5, 6]
+    assert batch.response_length.tolist() == [2, 1]
