@@ -1,0 +1,69 @@
+"""Reducing a per-token loss ``loss_BT`` to the scalar that is back-propagated.
+
+    token-mean           L = sum_{i,t} m_{i,t} l_{i,t} / sum_{i,t} m_{i,t}
+    seq-mean-token-mean  L = (1/N) sum_i [ sum_t m_{i,t} l_{i,t} / sum_t m_{i,t} ]
+    seq-mean-token-sum   L = (1/N) sum_i   sum_t m_{i,t} l_{i,t}
+
+with ``m`` the response mask and ``N`` the number of sequences with at least one response token.
+Mode names are verl's ``actor.loss_agg_mode``. ``seq-mean-token-mean`` is the original GRPO
+objective (Shao et al. 2024) and GSPO's; ``token-mean`` is DAPO's token-level loss (Yu et al. 2025),
+which stops long responses from being down-weighted; ``seq-mean-token-sum`` drops the length
+normalisation (as Dr. GRPO, Liu et al. 2025, which also divides by a constant max length instead of N).
+
+Gradient accumulation: a micro-batch's ``token-mean`` divides by *its own* token count, so summing
+micro-batch losses does not give the mini-batch loss (micro-batches with few tokens get too much
+weight); the same holds for the sequence count ``N`` of the seq-mean modes. To make the sum of
+micro-batch losses equal the mini-batch loss, pass ``global_normalizer`` = the sum of
+``local_normalizer(mask, mode)`` over all micro-batches of the mini-batch (and over data-parallel
+ranks too, if the gradients are summed rather than averaged across them; with DDP's averaging,
+multiply the loss by the DP size as well).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r} is invalid; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def local_normalizer(mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
+    """What ``mode`` divides by on this batch: its response-token count for ``token-mean``, its
+    number of non-empty sequences for the seq-mean modes (0-dim float tensor)."""
+    _check_mode(mode)
+    m_BT = mask_BT.float()
+    if mode == "token-mean":
+        return m_BT.sum()
+    return (m_BT.sum(-1) > 0).float().sum()
+
+
+def aggregate(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    *,
+    global_normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce ``loss_BT`` over the masked tokens as ``mode`` says (see the module docstring).
+
+    ``global_normalizer`` replaces this batch's own denominator (``local_normalizer``): a token
+    count for ``token-mean``, a sequence count for the seq-mean modes. Without it, an empty mask
+    gives a loss of 0.
+    """
+    _check_mode(mode)
+    m_BT = mask_BT.to(loss_BT.dtype)
+    masked_BT = loss_BT * m_BT
+    if mode == "token-mean":
+        total = masked_BT.sum()
+    else:
+        per_seq_B = masked_BT.sum(-1)
+        if mode == "seq-mean-token-mean":
+            per_seq_B = per_seq_B / m_BT.sum(-1).clamp_min(1)
+        total = per_seq_B.sum()  # empty sequences contribute 0 and are not counted in N
+    if global_normalizer is None:
+        return total / local_normalizer(mask_BT, mode).to(total.dtype).clamp_min(1)
+    return total / global_normalizer
