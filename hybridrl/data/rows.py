@@ -1,0 +1,60 @@
+"""Read and write tables of rows (one dict per row) as parquet or jsonl, chosen by file suffix."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+Row = dict[str, Any]
+SUFFIXES = (".parquet", ".jsonl")
+
+
+def read_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, Row]]:
+    """``(row number, row)`` for every row of a parquet or jsonl file; rows are numbered from 0."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    if path.suffix == ".parquet":
+        yield from enumerate(pq.read_table(path).to_pylist())
+    elif path.suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    else:
+        raise ValueError(f"data file {str(path)!r}: unsupported suffix {path.suffix!r}; valid: {SUFFIXES}")
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Row]]:
+    row = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {line_no} (row {row}): invalid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{path} line {line_no} (row {row}): expected a JSON object, "
+                                 f"got {type(value).__name__}")
+            yield row, value
+            row += 1
+
+
+def write_rows(rows: Sequence[Row], path: str | os.PathLike[str]) -> Path:
+    """Write ``rows`` to ``path`` (.parquet or .jsonl); parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    elif path.suffix == ".jsonl":
+        with path.open("w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    else:
+        raise ValueError(f"cannot write {str(path)!r}: unsupported suffix {path.suffix!r}; valid: {SUFFIXES}")
+    return path
