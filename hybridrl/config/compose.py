@@ -87,8 +87,11 @@ def hydra_error(e: Exception) -> ConfigError:
         if "recipe/" in msg:
             msg += f"; available recipes: {', '.join(available_recipes()) or '(none)'}"
         return ConfigError([ConfigIssue(key="recipe" if "recipe/" in msg else "<overrides>", value=None, message=msg)])
+    append = [line for line in str(e).splitlines() if line.startswith("To append to your config use")]
+    if append:  # a new key in a free-form block (plugin kwargs) is added with +key=value, as in verl
+        msg += f" ({append[0].strip()})"
     close = difflib.get_close_matches(key, list(schema_keys()), n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(close)}?" if close and key not in close else ""
+    hint = f"; did you mean {' or '.join(close)}?" if close and key not in close and not append else ""
     return ConfigError([ConfigIssue(key=key, value=getattr(inner, "value", None), message=msg + hint)])
 
 

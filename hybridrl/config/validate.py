@@ -241,6 +241,10 @@ def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
             reg.make_config(name, kwargs, key=kwargs_key)
         except PluginError as e:
             issues.add(kwargs_key, dict(kwargs), str(e))
+        if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not getattr(
+                cls, "supports_tensor_parallel", True):
+            issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
+                       f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")
         if group == "advantage_estimators":
             if getattr(cls, "needs_group", False) and r.n < 2:
                 issues.add(f"{AOR}.rollout.n", r.n,

@@ -1,0 +1,162 @@
+"""Rollout engine ``hf``: batched sampling with transformers on the engine's own copy of the weights.
+
+One engine per rank (no tensor parallelism); the simplest engine and the reference the SGLang engine
+is checked against. Log-probs are those of the sampled token under softmax(logits / temperature),
+i.e. before top-k/top-p truncation — the distribution the actor recomputes (as in verl/SGLang);
+with top_k=-1 and top_p=1 that *is* the sampling distribution. Greedy (temperature 0) reports
+log-probs under the untempered softmax.
+
+``update_weights`` copies each streamed tensor into the existing parameter storage (``copy_``), so
+the engine never reallocates or reloads: the weight swap is in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFRolloutEngine:
+    supports_tensor_parallel: ClassVar[bool] = False
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        dtype: str = "float32"  # float32 | bfloat16 | float16
+        max_batch_size: int = 256  # sequences decoded together; larger prompt lists are chunked
+        offload_weights_on_release: bool = False  # on GPU: move weights to CPU during the train phase
+
+        def __post_init__(self) -> None:
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(_DTYPES)}")
+            if self.max_batch_size < 1:
+                raise ValueError(f"max_batch_size={self.max_batch_size} must be ≥ 1")
+
+    def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", **ctx: Any) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype])
+        self.model.to(self.device).eval()
+        gen = GenerationConfig.from_model_config(self.model.config)
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_id: int = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.version = 0
+        # transformers ≥ 5.2x names the KV cache `cache` (argument and output); earlier, `past_key_values`
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        expanded = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        out: list[Generation] = []
+        for start in range(0, len(expanded), self.config.max_batch_size):
+            chunk = expanded[start:start + self.config.max_batch_size]
+            out += self._generate_chunk(chunk, params, gen)
+        return out
+
+    def _generate_chunk(self, chunk: list[tuple[int, list[int]]], params: SamplingParams,
+                        gen: torch.Generator) -> list[Generation]:
+        B, P = len(chunk), max(len(p) for _, p in chunk)
+        ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask_BP = torch.zeros((B, P), dtype=torch.long)
+        for b, (_, p) in enumerate(chunk):  # left padding
+            ids_BP[b, P - len(p):] = torch.tensor(p)
+            mask_BP[b, P - len(p):] = 1
+        ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
+        stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_token_ids)), device=self.device)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        done_B = torch.zeros(B, dtype=torch.bool, device=self.device)
+        finished_by_stop_B = torch.zeros(B, dtype=torch.bool, device=self.device)
+        past = None
+        step_ids, attn = ids_BP, mask_BP
+        pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        for _ in range(params.max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_BP, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: past})
+            past = getattr(out, self._cache_kw)
+            logits_BV = out.logits[:, -1, :].float()
+            token_B, logprob_B = sample(logits_BV, params, gen)
+            token_B = torch.where(done_B, torch.full_like(token_B, self.pad_id), token_B)
+            tokens.append(token_B)
+            logprobs.append(torch.where(done_B, torch.zeros_like(logprob_B), logprob_B))
+            hit_B = torch.isin(token_B, stop) & ~done_B
+            finished_by_stop_B |= hit_B
+            done_B |= hit_B
+            if bool(done_B.all()):
+                break
+            step_ids = token_B[:, None]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # rows already done are discarded
+            pos_BP = pos_BP[:, -1:] + 1
+        tok_BT = torch.stack(tokens, dim=1).cpu()
+        lp_BT = torch.stack(logprobs, dim=1).cpu()
+        results = []
+        for b, (prompt_index, _) in enumerate(chunk):
+            row = tok_BT[b].tolist()
+            length = next((t + 1 for t, tok in enumerate(row) if tok in set(stop.tolist())), len(row))
+            results.append(Generation(
+                prompt_index=prompt_index, token_ids=row[:length], logprobs=lp_BT[b, :length].tolist(),
+                finish_reason="stop" if bool(finished_by_stop_B[b]) else "length", weight_version=self.version,
+            ))
+        return results
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        for bucket in buckets:
+            for name, tensor in bucket:
+                param = self.params.get(name)
+                if param is None:
+                    raise KeyError(f"hf engine: weight {name!r} is not a parameter of the rollout model; "
+                                   f"known names look like {next(iter(self.params))!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(f"hf engine: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the rollout model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)  # into the existing storage: in place, no reallocation
+        self.version = version
+
+    def release_memory(self) -> None:
+        if self.config.offload_weights_on_release and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.config.offload_weights_on_release and self.device.type == "cuda":
+            self.model.to(self.device)
+            self.params = dict(self.model.named_parameters(remove_duplicate=False))
+
+    def shutdown(self) -> None:
+        del self.model
+        self.params.clear()
+
+
+def sample(logits_BV: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return it and its log-prob under softmax(logits / temperature)."""
+    if params.temperature == 0:
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        token_B = logits_BV.argmax(dim=-1)
+        return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)
+    logp_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+    filtered_BV = logp_BV
+    if params.top_k > 0:
+        kth = torch.topk(filtered_BV, min(params.top_k, filtered_BV.shape[-1]), dim=-1).values[:, -1:]
+        filtered_BV = filtered_BV.masked_fill(filtered_BV < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_BV, idx_BV = torch.sort(filtered_BV, dim=-1, descending=True)
+        cum_BV = sorted_BV.exp().cumsum(dim=-1)
+        drop_BV = cum_BV - sorted_BV.exp() > params.top_p  # keep the smallest prefix with mass ≥ top_p
+        filtered_BV = filtered_BV.scatter(-1, idx_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    probs_BV = torch.softmax(filtered_BV, dim=-1)
+    token_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(-1)
+    return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)

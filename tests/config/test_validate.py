@@ -1,0 +1,217 @@
+"""Static validation: each rule names its key; all violations come in one error, before any model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config.compose import compose_config
+from hybridrl.config.errors import ConfigError
+from hybridrl.config.validate import validate
+from hybridrl.models.tiny import make_tiny_model
+
+AOR = "actor_rollout_ref"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides of a valid 1-rank run on a tiny model (4 heads, 2 KV heads, 4 layers, 512 positions)."""
+    tmp = tmp_path_factory.mktemp("validate")
+    model = make_tiny_model(tmp / "model", hidden=32, layers=4, heads=4, kv_heads=2, max_positions=512)
+    data = tmp / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "ground_truth": "2"}) + "\n")
+    return [f"{AOR}.model.path={model}", f"data.train_files=[{data}]", f"{AOR}.rollout.n=4",
+            "data.train_batch_size=8", f"{AOR}.actor.ppo_mini_batch_size=4",
+            f"{AOR}.actor.ppo_micro_batch_size_per_gpu=4", "data.max_prompt_length=32",
+            "data.max_response_length=16"]
+
+
+def issues(base: list[str], *overrides: str, world: int | None = None) -> list[str]:
+    try:
+        validate(compose_config([*base, *overrides]), world_size=world)
+    except ConfigError as e:
+        return [str(i) for i in e.issues]
+    return []
+
+
+def only(base: list[str], *overrides: str, world: int | None = None) -> str:
+    found = issues(base, *overrides, world=world)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_valid_config_gives_its_topology(base: list[str]) -> None:
+    topo = validate(compose_config([*base, f"{AOR}.actor.megatron.tensor_model_parallel_size=2"]), world_size=4)
+    assert (topo.roles["actor"].tp, topo.roles["actor"].dp) == (2, 2)
+    assert "ref" not in topo.roles  # no KL term: no reference model
+    assert (topo.samples_per_step, topo.mini_batches_per_epoch, topo.samples_per_mini_batch) == (32, 2, 16)
+    assert topo.grad_accum_steps == 2  # 16 samples / (4 per micro × DP 2)
+    text = topo.render()
+    assert "rank 3: actor(tp1 pp0 cp0 dp1)" in text
+    assert "rollout 4 engine(s) × TP=1" in text
+
+
+def test_parallel_sizes_must_divide_world(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.megatron.tensor_model_parallel_size=2",
+               f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", world=6)
+    assert msg.startswith(f"{AOR}.actor.megatron.tensor_model_parallel_size=2")
+    assert "must divide the world size 6" in msg
+
+
+def test_tp_must_divide_kv_heads(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.megatron.tensor_model_parallel_size=4", world=4)
+    assert msg.startswith(f"{AOR}.actor.megatron.tensor_model_parallel_size=4")
+    assert "2 KV heads" in msg and "valid: [1, 2]" in msg
+
+
+def test_tp_must_divide_heads(base: list[str]) -> None:
+    found = issues(base, f"{AOR}.actor.megatron.tensor_model_parallel_size=8", world=8)
+    assert any("4 attention heads" in m for m in found) and any("KV heads" in m for m in found)
+
+
+def test_pp_must_divide_layers(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.megatron.pipeline_model_parallel_size=3", "data.train_batch_size=8", world=3)
+    assert msg.startswith(f"{AOR}.actor.megatron.pipeline_model_parallel_size=3") and "4 layers" in msg
+
+
+def test_ref_layout_checked_only_when_ref_is_built(base: list[str]) -> None:
+    bad_ref = f"{AOR}.ref.megatron.tensor_model_parallel_size=3"
+    assert issues(base, bad_ref) == []
+    msg = only(base, bad_ref, f"{AOR}.actor.use_kl_loss=true")
+    assert msg.startswith(f"{AOR}.ref.megatron.tensor_model_parallel_size=3")
+
+
+def test_rollout_tp(base: list[str]) -> None:
+    found = issues(base, f"{AOR}.rollout.tensor_model_parallel_size=3", world=4)
+    assert all(m.startswith(f"{AOR}.rollout.tensor_model_parallel_size=3") for m in found), found
+    assert any("world size 4" in m for m in found) and any("4 attention heads" in m for m in found)
+    assert any("one engine per rank" in m for m in found)  # the hf engine has no TP
+
+
+def test_mini_batch_must_divide_train_batch(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.ppo_mini_batch_size=3", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2")
+    assert msg.startswith(f"{AOR}.actor.ppo_mini_batch_size=3") and "data.train_batch_size=8" in msg
+
+
+def test_micro_batch_times_dp_must_divide_mini_batch(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.ppo_micro_batch_size_per_gpu=3")
+    assert msg.startswith(f"{AOR}.actor.ppo_micro_batch_size_per_gpu=3") and "16 samples" in msg
+    msg = only(base, f"{AOR}.actor.ppo_micro_batch_size_per_gpu=8", world=4)  # 16 samples, 8 × DP 4
+    assert "DP=4" in msg and "valid: [1, 2, 4]" in msg
+
+
+def test_prompts_shard_over_dp(base: list[str]) -> None:
+    found = issues(base, "data.train_batch_size=6", f"{AOR}.actor.ppo_mini_batch_size=3",
+                   f"{AOR}.actor.ppo_micro_batch_size_per_gpu=3", world=4)
+    assert any(m.startswith("data.train_batch_size=6") and "DP=4" in m for m in found), found
+
+
+def test_group_estimator_needs_n_at_least_2(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.rollout.n=1", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2")
+    assert msg.startswith(f"{AOR}.rollout.n=1") and "'grpo'" in msg
+
+
+def test_gae_needs_critic(base: list[str]) -> None:
+    msg = only(base, "algorithm.adv_estimator=gae")
+    assert msg.startswith("critic.enable=False") and "'gae'" in msg
+    assert issues(base, "algorithm.adv_estimator=gae", "critic.enable=true") == []
+
+
+def test_kl_needs_ref(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.actor.use_kl_loss=true", f"{AOR}.ref.enable=false")
+    assert msg.startswith(f"{AOR}.actor.use_kl_loss=True") and f"{AOR}.ref.enable=false" in msg
+    msg = only(base, "algorithm.use_kl_in_reward=true", f"{AOR}.ref.enable=false")
+    assert msg.startswith("algorithm.use_kl_in_reward=True")
+
+
+def test_lengths_fit_max_positions(base: list[str]) -> None:
+    msg = only(base, "data.max_prompt_length=400", "data.max_response_length=200")
+    assert msg.startswith("data.max_response_length=200") and "512" in msg and "at most 112" in msg
+
+
+@pytest.mark.parametrize(("key", "value", "expect"), [
+    ("reward.name", "nope", "installed: "),
+    ("algorithm.adv_estimator", "grpoo", "grpo"),
+    ("algorithm.policy_loss", "ppo", "ppo_clip"),
+    (f"{AOR}.rollout.name", "vllm", "installed: "),
+])
+def test_plugin_names(base: list[str], key: str, value: str, expect: str) -> None:
+    msg = only(base, f"{key}={value}")
+    assert msg.startswith(f"{key}='{value}'") and expect in msg
+
+
+def test_plugin_config_keys(base: list[str]) -> None:
+    msg = only(base, "+algorithm.policy_loss_kwargs.clip_ratio_hihg=0.3")
+    assert msg.startswith("algorithm.policy_loss_kwargs=")
+    assert "unknown key algorithm.policy_loss_kwargs.clip_ratio_hihg" in msg and "clip_ratio_high" in msg
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_model_dir_contents(base: list[str], tmp_path: Path, missing: str) -> None:
+    model = Path(next(o for o in base if o.startswith(f"{AOR}.model.path=")).split("=", 1)[1])
+    copy = tmp_path / "m"
+    copy.mkdir()
+    for f in model.iterdir():
+        if f.name != missing and not (missing == "tokenizer.json" and f.name.startswith(("tokenizer", "vocab"))):
+            (copy / f.name).write_bytes(f.read_bytes())
+    found = issues(base, f"{AOR}.model.path={copy}")
+    assert any(m.startswith(f"{AOR}.model.path=") and missing.split(".")[0] in m for m in found), found
+
+
+def test_missing_model_dir(base: list[str]) -> None:
+    msg = only(base, f"{AOR}.model.path=/does/not/exist")
+    assert msg.startswith(f"{AOR}.model.path='/does/not/exist'") and "does not exist" in msg
+
+
+def test_unknown_key_suggests_the_valid_one(base: list[str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        compose_config([*base, f"{AOR}.actor.megatron.context_model_parallel_size=2"])
+    assert f"did you mean {AOR}.actor.megatron.context_parallel_size" in str(e.value)
+
+
+def test_bad_type_names_key(base: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.seed='abc'"):
+        compose_config([*base, "trainer.seed=abc"])
+
+
+def test_three_mistakes_one_error_before_any_model(base: list[str]) -> None:
+    """Run in a fresh interpreter to prove nothing heavy (Megatron, transformers models) is imported."""
+    overrides = [*base, f"{AOR}.actor.megatron.tensor_model_parallel_size=3", f"{AOR}.rollout.n=1",
+                 "data.max_response_length=1000", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=1"]
+    code = textwrap.dedent(f"""
+        import sys
+        from hybridrl.config.compose import compose_config
+        from hybridrl.config.errors import ConfigError
+        from hybridrl.config.validate import validate
+        try:
+            validate(compose_config({overrides!r}), world_size=4)
+        except ConfigError as e:
+            print("\\n".join(i.key for i in e.issues))
+        heavy = [m for m in ("megatron", "megatron.core", "transformers.models.qwen2.modeling_qwen2")
+                 if m in sys.modules]
+        print("HEAVY", heavy)
+        """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    keys = r.stdout.splitlines()
+    assert keys[:-1] == [f"{AOR}.actor.megatron.tensor_model_parallel_size", f"{AOR}.rollout.n",
+                         "data.max_response_length"]
+    assert keys[-1] == "HEAVY []"
+
+
+def test_validate_cli_prints_topology(base: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base,
+                        f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", "--world-size", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "actor   TP=1 PP=2 CP=1 DP=1" in r.stdout and "rank 1: actor(tp0 pp1 cp0 dp0)" in r.stdout
+    assert r.stdout.strip().endswith("config OK")
+    bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base, f"{AOR}.rollout.n=1",
+                          f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and f"{AOR}.rollout.n=1" in bad.stderr
