@@ -8,6 +8,7 @@ whose defaults construct, satisfies its Protocol, and runs on a small random bat
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -25,10 +26,11 @@ def _mask_BT(lengths: list[int], t: int) -> torch.Tensor:
 
 
 def _check_config(group: str, name: str, key: str) -> None:
-    cls = Registry(group).load(name, key=key)
-    assert dataclasses.is_dataclass(cls.Config)
-    assert all(f.kw_only for f in dataclasses.fields(cls.Config)), f"{name}.Config fields must be kw-only"
-    cls.Config()  # defaults construct
+    cls: Any = Registry(group).load(name, key=key)  # a plugin class: its attributes are checked here
+    config_cls = cls.Config
+    assert isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)
+    assert all(f.kw_only for f in dataclasses.fields(config_cls)), f"{name}.Config fields must be kw-only"
+    config_cls()  # defaults construct
     Registry(group).make_config(name, {}, key=key)
 
 
@@ -36,7 +38,7 @@ def _check_config(group: str, name: str, key: str) -> None:
 def test_advantage_estimator_contract(name: str) -> None:
     key = "algorithm.adv_estimator_kwargs"
     _check_config("advantage_estimators", name, key)
-    cls = Registry("advantage_estimators").load(name)
+    cls: Any = Registry("advantage_estimators").load(name)
     # read by the static validation before anything is built: class attributes, plain bools
     assert isinstance(cls.needs_group, bool) and isinstance(cls.needs_critic, bool)
     est = Registry("advantage_estimators").build(name, {}, key=key)

@@ -28,11 +28,11 @@ def test_micro_batches_sum_to_the_mini_batch_loss_with_a_global_normalizer(mode:
     loss_BT = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     mask_BT = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
     micro = [slice(0, 2), slice(2, 3), slice(3, 6)]
-    total = sum(local_normalizer(mask_BT[s], mode) for s in micro)
-    summed = sum(aggregate(loss_BT[s], mask_BT[s], mode, global_normalizer=total) for s in micro)
+    total = torch.stack([local_normalizer(mask_BT[s], mode) for s in micro]).sum()
+    summed = torch.stack([aggregate(loss_BT[s], mask_BT[s], mode, global_normalizer=total) for s in micro]).sum()
     torch.testing.assert_close(summed, aggregate(loss_BT, mask_BT, mode))
     # without it, micro-batch means do not add up (the point of the normaliser)
-    naive = sum(aggregate(loss_BT[s], mask_BT[s], mode) for s in micro) / len(micro)
+    naive = torch.stack([aggregate(loss_BT[s], mask_BT[s], mode) for s in micro]).mean()
     assert not torch.isclose(naive, aggregate(loss_BT, mask_BT, mode))
 
 
