@@ -21,7 +21,7 @@ def _outcome_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group 7: rewards 1, 0        (sample 0 has its reward split 0.5 + 0.5 over two tokens)
     group 3: rewards 2, 2, 2     (identical)
     group 5: reward 3            (a group of one)
-    group 9: rewards 0, 4        -- with 2 more from group 7/3 interleaved
+    group 9: rewards 0, 4
     """
     mask_BT = torch.tensor(
         [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
