@@ -1,0 +1,28 @@
+"""Response tokens of a RolloutBatch as the reward managers see them."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from transformers import PreTrainedTokenizerBase
+
+from hybridrl.batch import RolloutBatch
+
+
+def response_tokens(batch: RolloutBatch) -> list[list[int]]:
+    """Each sample's generated tokens (those under ``response_mask``), EOS included if sampled."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch.response_ids, batch.response_mask, strict=True)]
+
+
+def cut_at_end(tokens: list[int], end_ids: Collection[int]) -> list[int] | None:
+    """The tokens before the first of ``end_ids``; ``None`` when the response never ended."""
+    for i, token in enumerate(tokens):
+        if token in end_ids:
+            return tokens[:i]
+    return None
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, tokens: list[int], *, skip_special_tokens: bool = False) -> str:
+    text = tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)  # one sequence in, one string out
+    return text
