@@ -96,7 +96,7 @@ class RolloutBatch:
             if idx.dtype == torch.bool:
                 idx = idx.nonzero().squeeze(-1)
             positions = idx.tolist()
-        tensors = {n: v[idx] for n, v in self._tensors().items() if v is not None}
+        tensors: dict[str, Any] = {n: v[idx] for n, v in self._tensors().items() if v is not None}
         return dataclasses.replace(self, **tensors, meta=[self.meta[i] for i in positions])
 
     __getitem__ = index
@@ -138,7 +138,7 @@ class RolloutBatch:
         return cls(**tensors, meta=meta, pad_token_id=first.pad_token_id)  # type: ignore[arg-type]
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        moved = {n: v.to(device) for n, v in self._tensors().items() if v is not None}
+        moved: dict[str, Any] = {n: v.to(device) for n, v in self._tensors().items() if v is not None}
         return dataclasses.replace(self, **moved)
 
     # ---- views for the actor/critic forward over prompt + response ----

@@ -49,7 +49,7 @@ def make_char_tokenizer(*, model_max_length: int) -> Qwen2Tokenizer:
     tokenizer = Qwen2Tokenizer(
         vocab=char_vocab(),
         merges=[],
-        unk_token=None,
+        unk_token=None,  # type: ignore[arg-type]  # merge-free BPE: no unk, unknown chars are dropped
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START],

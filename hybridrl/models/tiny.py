@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -94,7 +94,7 @@ def make_tiny_model(
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = CONFIG_CLASSES[spec.arch](
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate or 3 * spec.hidden,
@@ -111,6 +111,7 @@ def make_tiny_model(
         pad_token_id=pad_id,
         dtype="float32",
     )
+    config = CONFIG_CLASSES[spec.arch](**fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed=spec.seed)
     # stop on <|im_end|> (chat) and <|endoftext|> (raw text); greedy unless the caller samples
