@@ -69,12 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the Megatron model from an HF checkpoint, compare logits with transformers, "
         "and check the HF->Megatron->HF round trip is bitwise",
     )
-    sp.add_argument("model_dir")
+    sp.add_argument("model_dir", nargs="+",
+                    help="HF checkpoint dir(s); several are checked in one launch of the ranks")
     sp.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     sp.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)
+    sp.add_argument("--bucket-bytes", type=int, default=32 << 20,
+                    help="size bound of the weight-export buckets checked by the round trip")
     sp.set_defaults(fn=_verify_model)
     return p
 

@@ -1,0 +1,176 @@
+"""HF <-> Megatron tensor layouts for the dense Qwen2/Qwen3/Llama families (pure tensor code).
+
+Why hand-written and not mbridge 0.15.1: mbridge targets Transformer Engine's layer spec. On
+Megatron's local spec (what runs on CPU) it needs four overrides (local spec instead of its
+hard-coded TE spec, the local norm names, sequence parallel forced off, masked-softmax fusion off),
+it yields one tensor at a time with no bucketing (tied embeddings twice under PP), and its tied
+embedding handling mutates a class-level dict. The dense layouts are a few rules, written out below
+and cross-checked in the tests against transformers' logits and a bitwise round trip. MoE/VL
+families would add rules (experts: one unit per expert matrix, EP instead of TP split) or, if they
+multiply, a reason to adopt a bridge.
+
+One *unit* is one Megatron parameter (canonical local-spec name with a *global* layer number) and the
+HF tensors it is made of. Layouts, TP size ``T``, rank ``r``:
+
+- ``qkv``: Megatron interleaves per KV group: ``[q_g (heads_per_group·d); k_g (d); v_g (d)]`` for each
+  group ``g``; rank ``r`` holds groups ``[r·G/T, (r+1)·G/T)`` whole. Same for the biases.
+- ``fc1``: ``[gate_r; up_r]`` per rank (SwiGLU: ``silu(first half) * second half``).
+- ``row`` (``linear_proj``, ``linear_fc2``): split along the input dim (1).
+- ``vocab`` (embedding, output layer): rows, after padding the vocab to Megatron's size.
+- ``replicated``: norms, QK norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hybridrl.megatron.hf_config import HFArch
+
+Kind = Literal["replicated", "row", "vocab", "qkv", "fc1"]
+# Reads part of an HF tensor: ``read(name, (slice(lo, hi),))`` rows, ``(slice(None), slice(lo, hi))``
+# columns, ``()`` all of it. A safetensors reader reads only that part from disk.
+Read = Callable[[str, tuple[slice, ...]], torch.Tensor]
+ALL: tuple[slice, ...] = ()
+
+
+def _rows(lo: int, hi: int) -> tuple[slice, ...]:
+    return (slice(lo, hi),)
+
+# Transformer Engine fuses the pre-attention/pre-MLP norms into the following linear layer.
+TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class Unit:
+    megatron_name: str  # local-spec name, global layer number: decoder.layers.<global>.<suffix>
+    hf_names: tuple[str, ...]
+    kind: Kind
+    layer: int | None  # global layer index; None for embedding / final norm / output layer
+
+
+def layer_units(arch: HFArch, layer: int) -> list[Unit]:
+    m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    attn = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
+    units = [
+        Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", layer),
+        Unit(m + "self_attention.linear_qkv.weight", attn, "qkv", layer),
+    ]
+    if arch.qkv_bias:
+        bias = tuple(f"{h}self_attn.{p}_proj.bias" for p in "qkv")
+        units.append(Unit(m + "self_attention.linear_qkv.bias", bias, "qkv", layer))
+    if arch.qk_layernorm:
+        units.append(Unit(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",),
+                          "replicated", layer))
+        units.append(Unit(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",),
+                          "replicated", layer))
+    return units + [
+        Unit(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", layer),
+        Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated", layer),
+        Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1",
+             layer),
+        Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", layer),
+    ]
+
+
+def all_units(arch: HFArch) -> list[Unit]:
+    """Every unit of the model in HF order; with tied embeddings there is no output-layer unit."""
+    units = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", None)]
+    for layer in range(arch.num_layers):
+        units += layer_units(arch, layer)
+    units.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", None))
+    if not arch.tie_word_embeddings:
+        units.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", None))
+    return units
+
+
+def hf_shapes(unit: Unit, arch: HFArch) -> list[tuple[int, ...]]:
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    if unit.kind == "qkv":
+        tail = (h,) if unit.megatron_name.endswith("weight") else ()
+        return [(q, *tail), (kv, *tail), (kv, *tail)]
+    if unit.kind == "fc1":
+        return [(f, h), (f, h)]
+    if unit.kind == "vocab":
+        return [(arch.vocab_size, h)]
+    if unit.kind == "row":
+        return [(h, q)] if "linear_proj" in unit.megatron_name else [(h, f)]
+    suffix = unit.megatron_name.rsplit(".", 2)[-2]
+    return [(d,)] if suffix in ("q_layernorm", "k_layernorm") else [(h,)]
+
+
+def full_shape(unit: Unit, arch: HFArch) -> tuple[int, ...]:
+    """Shape of the TP-gathered Megatron tensor (true vocab, no padding)."""
+    shapes = hf_shapes(unit, arch)
+    if unit.kind in ("qkv", "fc1"):
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return shapes[0]
+
+
+def shard_from_hf(unit: Unit, arch: HFArch, read: Read, *, tp_rank: int, tp_size: int,
+                  padded_vocab: int) -> torch.Tensor:
+    """This TP rank's Megatron shard of ``unit``, reading only the part of each HF tensor it needs."""
+    r, t = tp_rank, tp_size
+    if unit.kind == "replicated":
+        return read(unit.hf_names[0], ALL)
+    if unit.kind == "row":
+        n = hf_shapes(unit, arch)[0][1] // t
+        return read(unit.hf_names[0], (slice(None), slice(r * n, (r + 1) * n)))
+    if unit.kind == "vocab":
+        n = padded_vocab // t
+        lo, hi = r * n, min((r + 1) * n, arch.vocab_size)
+        shard = torch.zeros(n, arch.hidden_size)
+        if hi > lo:
+            rows = read(unit.hf_names[0], _rows(lo, hi))
+            shard = shard.to(rows.dtype)
+            shard[: hi - lo] = rows
+        return shard
+    if unit.kind == "fc1":
+        n = arch.ffn_hidden_size // t
+        return torch.cat([read(name, _rows(r * n, (r + 1) * n)) for name in unit.hf_names])
+    # qkv: whole groups [r·G/T, (r+1)·G/T) of q (heads_per_group·d rows each), k and v (d rows each)
+    groups, d, rep = arch.num_query_groups // t, arch.head_dim, arch.heads_per_group
+    q_name, k_name, v_name = unit.hf_names
+    q = read(q_name, _rows(r * groups * rep * d, (r + 1) * groups * rep * d))
+    k = read(k_name, _rows(r * groups * d, (r + 1) * groups * d))
+    v = read(v_name, _rows(r * groups * d, (r + 1) * groups * d))
+    tail = q.shape[1:]
+    per_group = [x.reshape(groups, -1, *tail) for x in (q, k, v)]
+    return torch.cat(per_group, dim=1).reshape(-1, *tail)
+
+
+def gather_dim(unit: Unit) -> int:
+    """Dimension along which the TP shards of ``unit`` concatenate (replicated units: none, -1)."""
+    return {"replicated": -1, "row": 1}.get(unit.kind, 0)
+
+
+def full_from_shards(unit: Unit, arch: HFArch, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate TP shards (rank order) into the full Megatron tensor, true vocab rows only."""
+    if unit.kind == "replicated":
+        return shards[0]
+    full = torch.cat(shards, dim=gather_dim(unit))
+    return full[: arch.vocab_size] if unit.kind == "vocab" else full
+
+
+def hf_from_full(unit: Unit, arch: HFArch, full: torch.Tensor, *, tp_size: int) -> list[torch.Tensor]:
+    """Split a full Megatron tensor (as from :func:`full_from_shards`) into ``unit.hf_names``' tensors.
+
+    The per-rank layouts of ``qkv`` (whole groups in group order) and ``fc1`` (``[gate_r; up_r]``) make
+    the inverse depend on how many ranks the full tensor was concatenated from: ``tp_size``.
+    """
+    if unit.kind == "qkv":
+        d, rep, tail = arch.head_dim, arch.heads_per_group, full.shape[1:]
+        grouped = full.reshape(arch.num_query_groups, rep + 2, d, *tail)
+        return [grouped[:, :rep].reshape(-1, *tail), grouped[:, rep].reshape(-1, *tail),
+                grouped[:, rep + 1].reshape(-1, *tail)]
+    if unit.kind == "fc1":
+        halves = full.reshape(tp_size, 2, arch.ffn_hidden_size // tp_size, -1)
+        return [halves[:, 0].reshape(arch.ffn_hidden_size, -1), halves[:, 1].reshape(arch.ffn_hidden_size, -1)]
+    return [full]

@@ -1,0 +1,209 @@
+"""Every adaptation that lets megatron-core 0.16.1 run on a CPU-only torch build, in one place.
+
+megatron-core assumes CUDA in a handful of spots (PLATFORM.md lists them). Where Megatron takes an
+explicit argument that avoids the CUDA path we pass it (:func:`causal_attention_mask`,
+:func:`cpu_model_parallel_kwargs`); the rest are patches, installed by :func:`apply_cpu_adaptations`,
+which is idempotent and does nothing when CUDA is available. Each function's docstring names the
+upstream file and behaviour it works around; ``tests/megatron/test_cpu_adaptations.py`` runs each
+upstream behaviour without its adaptation and fails once upstream no longer needs it.
+
+Not adapted (not used yet; they fail loudly if reached): CP rope helpers (``pin_memory=True`` +
+``.cuda()`` in ``models/common/embeddings/rope_utils.get_pos_emb_on_this_cp_rank``), the fp16/bf16
+and distributed optimizers' ``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event``
+in the inference controller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import random as mcore_random
+
+_MARK = "_hybridrl_cpu_adaptation"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_adaptations() -> None:
+    """Install every CPU patch below (once; a no-op when CUDA is available)."""
+    if cuda_available():
+        return
+    use_cpu_as_current_device()
+    use_cpu_rng_tracker()
+    use_cpu_in_pipeline_schedules()
+    use_cpu_in_tied_embedding_setup()
+
+
+# --- explicit arguments (preferred: no patch) ---------------------------------------------------
+
+
+def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The causal mask to pass to ``GPTModel.forward(attention_mask=...)``; None on CUDA.
+
+    Works around ``transformer/utils.py:get_default_causal_mask``, which Megatron's local
+    ``FusedScaleMaskSoftmax`` calls when no mask is given and which allocates with ``device="cuda"``.
+    Shape ``[1, 1, s, s]``, True = masked (Megatron's convention), broadcast over batch and heads.
+    """
+    if cuda_available():
+        return None
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def cpu_model_parallel_kwargs() -> dict[str, Any]:
+    """``ModelParallelConfig`` fields to set on CPU (empty on CUDA).
+
+    - ``batch_p2p_comm=False``: with it True, ``pipeline_parallel/p2p_communication.py``
+      (``P2PCommunicator._communicate``) calls ``torch.cuda.synchronize()`` after
+      ``batch_isend_irecv`` when ``batch_p2p_sync`` is True, and unconditionally in
+      ``_communicate_shapes`` (variable sequence lengths); PLATFORM.md also found the interleaved
+      schedule's gradients silently wrong on gloo with batched p2p.
+    - ``batch_p2p_sync=False``: the flag that guards that synchronize, for anyone who turns
+      ``batch_p2p_comm`` back on.
+    """
+    if cuda_available():
+        return {}
+    return {"batch_p2p_comm": False, "batch_p2p_sync": False}
+
+
+# --- patches ------------------------------------------------------------------------------------
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def use_cpu_as_current_device() -> None:
+    """Make ``torch.cuda.current_device()`` return ``torch.device("cpu")``.
+
+    megatron-core uses ``torch.cuda.current_device()`` as a device in ~30 places on the paths we run:
+    ``models/common/embeddings/rotary_pos_embedding.py`` (``RotaryEmbedding.get_emb`` moves
+    ``inv_freq`` "to GPU once at the first micro-batch"), ``tensor_parallel/mappings.py``
+    (``_gather_along_last_dim`` and friends allocate their output there), ``utils.py``
+    (``GlobalMemoryBuffer.get_tensor``, used by the local ``DotProductAttention``),
+    ``pipeline_parallel/p2p_communication.py`` (receive buffers). On a CPU build each raises
+    ``AssertionError: Torch not compiled with CUDA enabled``. A global patch, because the calls are
+    spread over many modules; on a CPU build nothing else can call the original successfully.
+    """
+    if not getattr(torch.cuda.current_device, _MARK, False):
+        setattr(_cpu_current_device, _MARK, True)
+        torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """Megatron's named RNG states (``model-parallel-rng``, …) kept as CPU generator states."""
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")  # same errors as upstream
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def use_cpu_rng_tracker() -> None:
+    """Keep Megatron's tracked RNG states on the CPU generator.
+
+    ``tensor_parallel/random.py``: ``CudaRNGStatesTracker.add`` (called by
+    ``model_parallel_cuda_manual_seed``) reads ``torch.cuda.get_rng_state()`` → ``AssertionError:
+    Torch not compiled with CUDA enabled``; without a seeded tracker the first forward fails in
+    ``transformer/dot_product_attention.py`` (``get_cuda_rng_tracker().fork()`` around attention
+    dropout) with ``Exception: cuda rng state model-parallel-rng is not added``. Activation
+    recomputation (``CheckpointFunction``) saves/restores ``_get_cuda_rng_state()``, which fails the
+    same way; there is no CUDA state on CPU, so those two become no-ops (the CPU state and the
+    tracker's states are still saved and restored by upstream).
+    ``initialize_rng_tracker`` builds the tracker from the module attribute ``CudaRNGStatesTracker``,
+    so rebinding it makes every (re)initialisation, including ``force_reset_rng``, CPU-backed.
+    """
+    if getattr(mcore_random.CudaRNGStatesTracker, _MARK, False):
+        return
+    setattr(CpuRNGStatesTracker, _MARK, True)
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc]
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    if not isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mcore_random.initialize_rng_tracker(force_reset=True)
+
+
+class _TorchWithCpuFactories:
+    """``torch`` as seen by one Megatron module, with ``device="cuda"`` factory calls sent to CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device == "cuda":
+            device = "cpu"
+        return torch.zeros(*size, device=device, **kwargs)
+
+
+def use_cpu_in_pipeline_schedules() -> None:
+    """Send ``pipeline_parallel/schedules.py``'s literal ``device="cuda"`` tensors to CPU.
+
+    ``forward_backward_no_pipelining`` and both pipelined schedules start with
+    ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`` → ``AssertionError:
+    Torch not compiled with CUDA enabled`` (or ``RuntimeError`` about CUDA). The module's ``torch``
+    name is replaced by a proxy whose ``zeros`` maps ``"cuda"`` to ``"cpu"``; everything else is torch.
+    """
+    if not isinstance(schedules.torch, _TorchWithCpuFactories):
+        schedules.torch = _TorchWithCpuFactories()  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def use_cpu_in_tied_embedding_setup() -> None:
+    """Keep the tied output weight on CPU while Megatron syncs it across pipeline stages.
+
+    ``models/common/language_module/language_module.py``:
+    ``LanguageModule.setup_embeddings_and_output_layer`` (run by ``GPTModel.__init__``) does
+    ``weight.data = weight.data.cuda()`` before all-reducing the shared embedding over the embedding
+    group when PP > 1 and embeddings are tied → ``AssertionError: Torch not compiled with CUDA
+    enabled``. The method is wrapped so that ``Tensor.cuda`` is the identity during that call only.
+    """
+    method = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(method, _MARK, False):
+        return
+
+    def setup_embeddings_and_output_layer(self: LanguageModule) -> None:
+        with _tensor_cuda_is_identity():
+            method(self)
+
+    setattr(setup_embeddings_and_output_layer, _MARK, True)
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]

@@ -1,0 +1,162 @@
+"""Build a megatron-core ``GPTModel`` (this rank's pipeline stage) from a Hugging Face config.
+
+Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
+[gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling), QKV bias (Qwen2), per-head
+QK RMSNorm (Qwen3), tied or untied embeddings. Transformer Engine's layer spec is used when
+``transformer_engine`` imports (GPU), Megatron's local spec otherwise; fp32 on CPU.
+
+The vocabulary is padded to a multiple of ``vocab_multiple × TP`` (VocabParallelEmbedding needs equal
+shards). Padded rows are zero and never leave this package: :func:`gather_vocab_logits` and the weight
+export slice back to the true vocab. Code that reads TP-local logits directly (vocab-parallel
+log-softmax) must mask the padded columns itself: their logits are 0, not -inf.
+
+The model is built without initialising weights (``perform_initialization=False``): call
+:func:`hybridrl.megatron.weights.load_hf_weights` next.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
+from hybridrl.megatron.hf_config import HFArch
+from hybridrl.megatron.parallel import ParallelConfig
+
+__all__ = [
+    "HFArch",
+    "ParallelConfig",
+    "build_gpt_model",
+    "gather_vocab_logits",
+    "padded_vocab_size",
+    "transformer_config",
+    "unwrap_model",
+    "use_transformer_engine",
+]
+
+
+@functools.cache
+def use_transformer_engine() -> bool:
+    """True when Transformer Engine's torch extension imports (i.e. on a GPU machine with TE)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE's meta package raises (not only ImportError) where it can't load
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
+    """Smallest multiple of ``multiple × tp`` that holds ``vocab_size`` rows (Megatron-LM's rule)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
+    arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size)
+    if not use_transformer_engine():
+        if parallel.context_parallel_size > 1:
+            raise NotImplementedError(
+                f"context_parallel_size={parallel.context_parallel_size} needs Transformer Engine's "
+                "attention, which is not importable here; use context_parallel_size=1")
+        if parallel.sequence_parallel:
+            raise NotImplementedError(
+                "sequence_parallel=True is not supported with Megatron's torch norms (no Transformer "
+                "Engine here); use sequence_parallel=False")
+
+
+def transformer_config(
+    arch: HFArch, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """Megatron's TransformerConfig for ``arch`` under ``parallel`` (``overrides`` win, e.g. recompute)."""
+    _check_supported(arch, parallel)
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        perform_initialization=False,  # weights come from the HF checkpoint
+        **cpu_model_parallel_kwargs(),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: HFArch) -> ModuleSpec:
+    if use_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt_model(
+    arch: HFArch,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 128,
+    **config_overrides: Any,
+) -> GPTModel:
+    """This rank's stage of the model (uninitialised weights); needs :func:`init_parallel` first."""
+    config = transformer_config(arch, parallel, params_dtype=params_dtype, **config_overrides)
+    scaling = arch.rope_scaling
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch),
+        vocab_size=padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size,
+                                     multiple=vocab_multiple),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # annotated int, used as a float
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
+    )
+
+
+def unwrap_model(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not isinstance(model, GPTModel):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(f"{type(model).__name__} is not a GPTModel and wraps none (.module)")
+        model = inner
+    return model
+
+
+def gather_vocab_logits(logits_BSv: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """TP-local logits ``[b, s, Vpad/TP]`` → full logits ``[b, s, vocab_size]`` (padding sliced off)."""
+    full_BSV = tensor_parallel.gather_from_tensor_model_parallel_region(logits_BSv)
+    return full_BSV[..., :vocab_size]

@@ -1,0 +1,90 @@
+"""Process groups: torch.distributed from the torchrun environment, then Megatron's parallel_state.
+
+gloo on CPU, NCCL on GPU. Under torchrun the rendezvous comes from ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT``; a plain ``python`` process (no ``RANK``) gets a world of one, which
+Megatron still needs for ``initialize_model_parallel``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from hybridrl.megatron.cpu import apply_cpu_adaptations, cuda_available
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class ParallelConfig:
+    """Megatron model parallelism of one model (actor, ref, critic); DP is what remains of the world."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that split each layer's matrices (whole KV groups per rank)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: stages that split the layers (num_layers must divide evenly)."""
+    context_parallel_size: int = 1
+    """CP: ranks that split the sequence (needs Transformer Engine attention; not on CPU yet)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations over TP (needs TP > 1 and Transformer Engine norms)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of tensor_model_parallel_size × "
+                f"pipeline_model_parallel_size × context_parallel_size = {self.model_parallel_size}"
+            )
+        return world_size // self.model_parallel_size
+
+
+def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None:
+    """Start torch.distributed (if not yet) and Megatron's model-parallel groups for ``parallel``."""
+    apply_cpu_adaptations()
+    if not dist.is_initialized():
+        backend = "nccl" if cuda_available() else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            if cuda_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:  # a single process outside torchrun
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    parallel.data_parallel_size(dist.get_world_size())  # raises with the keys to fix
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch and Megatron's tracked RNG states.
+
+    The default generator gets ``seed`` on every rank; Megatron's ``model-parallel-rng`` state gets
+    ``seed + 2718 + tp_rank`` (distinct dropout masks inside TP regions), as upstream does.
+    """
+    random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,259 @@
+"""``hybridrl verify-model``: is the Megatron model built from an HF checkpoint the same model?
+
+For each checkpoint, on ``tp × pp`` ranks that it launches itself (torchrun; gloo on CPU): build the
+Megatron model, load the HF weights, run the same token ids through it (Megatron's forward-only
+pipeline schedule) and through transformers (``AutoModelForCausalLM``, fp32, eager attention), then
+export the weights back through the bucketed stream and compare every tensor bit for bit with the
+safetensors original, on every rank. The last line printed is
+``max_abs_logit_diff=<float> roundtrip=<exact|MISMATCH>`` (the worst over the checkpoints given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridrl.megatron.hf_config import HFArch
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ModelReport:
+    model_dir: str
+    max_abs_logit_diff: float
+    roundtrip_exact: bool
+    mismatches: list[str]  # first few names that differ, are missing or unexpected
+    n_tensors: int
+    bucket_sizes: list[int]  # bytes per bucket, in stream order (as seen by rank 0)
+    bucket_bytes: int
+    seconds: dict[str, float]
+
+
+class VerifyError(RuntimeError):
+    pass
+
+
+def check_model_dir(model_dir: Path) -> HFArch:
+    """Raise with what is missing unless ``model_dir`` is a HF checkpoint of a supported family."""
+    if not model_dir.is_dir():
+        raise VerifyError(f"{model_dir}: not a directory (expected a HF checkpoint directory)")
+    if not (model_dir / "config.json").is_file():
+        raise VerifyError(f"{model_dir}: no config.json (a HF checkpoint directory holds config.json "
+                          f"and {' or '.join(WEIGHT_FILES)})")
+    if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
+        raise VerifyError(f"{model_dir}: no weights (expected {' or '.join(WEIGHT_FILES)})")
+    try:
+        return HFArch.from_hf(model_dir)
+    except (KeyError, ValueError, NotImplementedError) as e:
+        raise VerifyError(str(e)) from None
+
+
+def run_verification(
+    model_dirs: list[Path],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    seq_len: int = 16,
+    batch: int = 2,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = 900.0,
+) -> list[ModelReport]:
+    """Check each checkpoint on ``tp × pp`` ranks launched once for all of them."""
+    for model_dir in model_dirs:
+        check_model_dir(model_dir).check_split(tp=tp, pp=pp)
+    with tempfile.TemporaryDirectory(prefix="hybridrl-verify-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
+            "-m", "hybridrl.megatron.verify", "--worker", f"--report={report}", f"--tp={tp}", f"--pp={pp}",
+            f"--seq-len={seq_len}", f"--batch={batch}", f"--bucket-bytes={bucket_bytes}",
+            *[str(d) for d in model_dirs],
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, timeout=timeout_s, check=False)
+        if proc.returncode != 0 or not report.is_file():
+            raise VerifyError(f"the {tp * pp} verification rank(s) failed (exit code {proc.returncode}); "
+                              "see their output above")
+        return [ModelReport(**r) for r in json.loads(report.read_text())]
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hybridrl verify-model MODEL_DIR... [--tp N] [--pp N]`` (arguments in :mod:`hybridrl.cli`)."""
+    model_dirs = [Path(d) for d in args.model_dir]
+    try:
+        print(f"verify-model: {len(model_dirs)} checkpoint(s) on {args.tp * args.pp} rank(s) "
+              f"(tp={args.tp}, pp={args.pp}), {args.batch}×{args.seq_len} tokens", flush=True)
+        reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, seq_len=args.seq_len,
+                                   batch=args.batch, bucket_bytes=args.bucket_bytes)
+    except (VerifyError, ValueError) as e:
+        print(f"verify-model: error: {e}", file=sys.stderr)
+        return 2
+    for r in reports:
+        print(f"{r.model_dir}: max_abs_logit_diff={r.max_abs_logit_diff:.3e} "
+              f"roundtrip={'exact' if r.roundtrip_exact else 'MISMATCH ' + ', '.join(r.mismatches)} "
+              f"({r.n_tensors} tensors in {len(r.bucket_sizes)} buckets ≤ {r.bucket_bytes} B)")
+    worst = max(r.max_abs_logit_diff for r in reports)
+    exact = all(r.roundtrip_exact for r in reports)
+    print(f"max_abs_logit_diff={worst:.3e} roundtrip={'exact' if exact else 'MISMATCH'}", flush=True)
+    return 0 if worst <= args.tolerance and exact else 1  # NaN fails too
+
+
+# --- the ranks ----------------------------------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hybridrl.megatron.verify --worker")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--report", type=Path, required=True)
+    for name in ("--tp", "--pp", "--seq-len", "--batch", "--bucket-bytes"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("model_dirs", nargs="+", type=Path)
+    args = p.parse_args(argv)
+
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # "TE/Apex not installed, falling back"
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel, seed_everything
+
+    torch.set_num_threads(1)
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    init_parallel(parallel)
+    seed_everything(0)
+    reports = [dataclasses.asdict(_verify_one(d, parallel, args)) for d in args.model_dirs]
+    if dist.get_rank() == 0:
+        args.report.write_text(json.dumps(reports))
+    destroy_parallel()
+    return 0
+
+
+def _log(msg: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"verify-model: {msg}", flush=True)
+
+
+def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> ModelReport:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hybridrl.megatron.model import build_gpt_model, padded_vocab_size
+    from hybridrl.megatron.weights import load_hf_weights
+
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    arch = HFArch.from_hf(model_dir)
+    padded = padded_vocab_size(arch.vocab_size, args.tp)
+    _log(f"{model_dir}: building Megatron GPTModel ({arch.family}, {arch.num_layers} layers, hidden "
+         f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_query_groups} KV groups, vocab "
+         f"{arch.vocab_size} padded to {padded}, {'tied' if arch.tie_word_embeddings else 'untied'} "
+         "embeddings) and loading its weights")
+    model = build_gpt_model(arch, parallel)
+    load_hf_weights(model, arch, model_dir)
+    model.eval()
+    seconds["build_load"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(1234)
+    ids_BS = torch.randint(0, arch.vocab_size, (args.batch, args.seq_len), generator=gen)
+    _log(f"forward {args.batch}×{args.seq_len} tokens through Megatron and transformers")
+    logits_BSV = _megatron_logits(model, arch, ids_BS)
+    diff = torch.zeros(())
+    if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+        diff = (logits_BSV - _hf_logits(model_dir, ids_BS)).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    seconds["forward"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    _log(f"exporting the weights as HF tensors (buckets ≤ {args.bucket_bytes} B) and comparing them "
+         "bit for bit with the safetensors originals")
+    mismatches, n_tensors, sizes = _roundtrip(model, arch, model_dir, args.bucket_bytes)
+    bad = torch.tensor(float(len(mismatches)))
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    seconds["export"] = time.perf_counter() - t0
+    return ModelReport(model_dir=str(model_dir), max_abs_logit_diff=float(diff),
+                       roundtrip_exact=bad.item() == 0, mismatches=mismatches[:5], n_tensors=n_tensors,
+                       bucket_sizes=sizes, bucket_bytes=args.bucket_bytes, seconds=seconds)
+
+
+def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hybridrl.megatron.cpu import causal_attention_mask
+    from hybridrl.megatron.model import gather_vocab_logits
+
+    b, s = ids_BS.shape
+    position_ids_BS = torch.arange(s).expand(b, s)
+    mask = causal_attention_mask(s)
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        output = model(next(data_iterator), position_ids_BS, mask)
+        return output, lambda out, non_loss_data=True: out
+
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids_BS]), model=[model],
+            num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+            collect_non_loss_data=True,
+        )
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return gather_vocab_logits(outputs[0], arch.vocab_size)
+
+
+def _hf_logits(model_dir: Path, ids_BS: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return hf.eval()(ids_BS).logits
+
+
+def _roundtrip(model: Any, arch: HFArch, model_dir: Path, bucket_bytes: int) -> tuple[list[str], int, list[int]]:
+    import torch
+
+    from hybridrl.megatron.weights import SafetensorsReader, export_hf_weights
+
+    mismatches: list[str] = []
+    seen: set[str] = set()
+    sizes: list[int] = []
+    with SafetensorsReader(model_dir) as reader:
+        for bucket in export_hf_weights(model, arch, bucket_bytes=bucket_bytes):
+            sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+            for name, tensor in bucket:
+                if name in seen or name not in reader.files:
+                    mismatches.append(f"{name} (unexpected or repeated)")
+                    continue
+                seen.add(name)
+                original = reader.read(name)
+                exported = tensor.to(original.dtype)  # bf16 → fp32 model → bf16 is lossless
+                same = exported.shape == original.shape and torch.equal(
+                    exported.contiguous().view(torch.uint8), original.contiguous().view(torch.uint8))
+                if not same:
+                    mismatches.append(name)
+        mismatches += [f"{name} (missing)" for name in sorted(set(reader.files) - seen)]
+    return mismatches, len(seen), sizes
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

@@ -1,0 +1,183 @@
+"""HF safetensors -> this rank's Megatron shards, and Megatron -> a bucketed stream of HF tensors.
+
+Loading: each rank opens the checkpoint lazily (``safe_open``) and reads only the slices of the
+tensors its TP rank and PP stage hold. Export: :func:`export_hf_weights` yields buckets of
+``(hf_name, full_tensor)`` in HF order; each unit is all-gathered over TP on the stage that owns
+it and broadcast over PP, so every rank receives the same stream. The stream feeds the in-place
+weight sync into SGLang and HF checkpoint saving; it never holds more than one bucket plus the unit
+being converted. Layout rules live in :mod:`hybridrl.megatron.convert`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+
+from hybridrl.interfaces import WeightBucket
+from hybridrl.megatron.convert import (
+    TE_TO_LOCAL,
+    Unit,
+    all_units,
+    full_from_shards,
+    full_shape,
+    hf_from_full,
+    shard_from_hf,
+)
+from hybridrl.megatron.hf_config import HFArch
+from hybridrl.megatron.model import unwrap_model
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file, from ``model.safetensors`` or its sharded index."""
+    root = Path(model_dir)
+    if (root / INDEX_FILE).is_file():
+        weight_map: dict[str, str] = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    if (root / SINGLE_FILE).is_file():
+        with safe_open(str(root / SINGLE_FILE), framework="pt") as f:
+            return {name: root / SINGLE_FILE for name in f.keys()}
+    raise FileNotFoundError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; a HF checkpoint dir holds its "
+                            "weights in one of them")
+
+
+class SafetensorsReader:
+    """Lazy, sliced reads from a (possibly sharded) safetensors checkpoint; a context manager."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = checkpoint_files(model_dir)
+        self._stack = ExitStack()
+        self._open: dict[Path, object] = {}
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(f"{self.model_dir}: the checkpoint has no tensor {name!r}")
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        handle = self._open[path]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)  # type: ignore[attr-defined]
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def local_units(model: torch.nn.Module, arch: HFArch) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
+    """This rank's parameters by canonical name (global layer numbers, local-spec names) with units.
+
+    With tied embeddings the last PP stage holds a copy of the embedding as ``output_layer.weight``;
+    it maps to ``model.embed_tokens.weight``.
+    """
+    gpt = unwrap_model(model)
+    units = {u.megatron_name: u for u in all_units(arch)}
+    if arch.tie_word_embeddings:
+        units["output_layer.weight"] = Unit("output_layer.weight", ("model.embed_tokens.weight",),
+                                            "vocab", None)
+    out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
+    for name, param in gpt.named_parameters():
+        canonical = name
+        if match := _LAYER.fullmatch(name):
+            local, suffix = int(match[1]), match[2]
+            layer = gpt.decoder.layers[local].layer_number - 1  # Megatron's global, 1-based number
+            canonical = f"decoder.layers.{layer}.{TE_TO_LOCAL.get(suffix, suffix)}"
+        if canonical not in units:
+            raise KeyError(f"Megatron parameter {name!r} has no HF counterpart for a {arch.family} model; "
+                           f"known: {sorted(units)[:6]}...")
+        out[canonical] = (units[canonical], param)
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, arch: HFArch, model_dir: str | Path) -> None:
+    """Fill every parameter of this rank's model from the HF checkpoint (only the slices it needs)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    padded_vocab = unwrap_model(model).vocab_size
+    with SafetensorsReader(model_dir) as reader:
+        for name, (unit, param) in local_units(model, arch).items():
+            shard = shard_from_hf(unit, arch, reader.read, tp_rank=tp_rank, tp_size=tp_size,
+                                  padded_vocab=padded_vocab)
+            if shard.shape != param.shape:
+                raise ValueError(f"{model_dir}: {unit.hf_names} give {name} the shape {tuple(shard.shape)} "
+                                 f"on TP rank {tp_rank}, but the model has {tuple(param.shape)}; does "
+                                 "config.json match the weights?")
+            param.copy_(shard)
+
+
+def _tp_gather(unit: Unit, arch: HFArch, param: torch.Tensor, group: dist.ProcessGroup,
+               tp_size: int) -> torch.Tensor:
+    if unit.kind == "replicated" or tp_size == 1:
+        return full_from_shards(unit, arch, [param.detach().clone()])
+    shards = [torch.empty_like(param) for _ in range(tp_size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
+    return full_from_shards(unit, arch, shards)
+
+
+@torch.no_grad()
+def export_hf_weights(model: torch.nn.Module, arch: HFArch, *, bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Yield the whole model as HF-named full tensors, in buckets of at most ``bucket_bytes``.
+
+    Every rank gets the same buckets in the same order (HF order: embedding, layers, norm, lm_head).
+    A tensor larger than ``bucket_bytes`` travels alone in its bucket. Each yielded tensor owns its
+    storage (never a view of a parameter) and has the model's dtype and device. The stream runs TP
+    all-gathers and PP broadcasts: every rank of the model's TP×PP group must consume it to the end.
+    Memory: one bucket plus the unit in flight (its TP-gathered tensor and HF pieces).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+
+    local = local_units(model, arch)
+    if arch.tie_word_embeddings and pp_size > 1 and "embedding.word_embeddings.weight" not in local:
+        local.pop("output_layer.weight", None)  # the first stage exports the tied embedding
+    owner: dict[str, int] = {}
+    if pp_size > 1:
+        per_stage: list[list[str] | None] = [None] * pp_size
+        dist.all_gather_object(per_stage, sorted(local), group=pp_group)
+        owner = {name: s for s, names in enumerate(per_stage) for name in names or []}
+    param = next(iter(local.values()))[1]
+    dtype, device = param.dtype, param.device
+
+    bucket: WeightBucket = []
+    size = 0
+    for unit in all_units(arch):
+        if unit.megatron_name in local:
+            full = _tp_gather(unit, arch, local[unit.megatron_name][1], tp_group, tp_size)
+        else:
+            full = torch.empty(full_shape(unit, arch), dtype=dtype, device=device)
+        if pp_size > 1:
+            src = dist.get_global_rank(pp_group, owner[unit.megatron_name])
+            dist.broadcast(full, src=src, group=pp_group)
+        for hf_name, tensor in zip(unit.hf_names, hf_from_full(unit, arch, full, tp_size=tp_size),
+                                   strict=True):
+            tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((hf_name, tensor))
+            size += nbytes
+    if bucket:
+        yield bucket
