@@ -181,6 +181,15 @@ def make_plugin_config(cls: type, name: str, kwargs: Mapping[str, Any], *, key: 
 def _type_name(tp: Any) -> str:
     if tp is None:
         return "any"
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -154,6 +155,8 @@ class _Cfg:
     alpha: float
     mode: str = "a"
     n: int = 2
+    kind: Literal["x", "y"] = "x"
+    limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("a", "b"):
@@ -171,7 +174,13 @@ def test_plugin_config_reports_every_mistake_with_its_key() -> None:
     assert "unknown key reward.kwargs.bogus" in msg
     assert "reward.kwargs.n='3' has type str, expected int" in msg
     assert "missing required key reward.kwargs.alpha" in msg
-    assert "Valid keys of 'toy': alpha: float, mode: str, n: int" in msg
+    assert "Valid keys of 'toy': alpha: float, mode: str, n: int, kind: one of 'x', 'y', limit: float | None" in msg
+
+
+def test_literal_and_optional_fields() -> None:
+    with pytest.raises(PluginConfigError, match=r"kind='z' has type str, expected one of 'x', 'y'"):
+        make_plugin_config(_Plugin, "toy", {"alpha": 1, "kind": "z"}, key="k")
+    assert make_plugin_config(_Plugin, "toy", {"alpha": 1, "limit": None, "kind": "y"}, key="k").kind == "y"
 
 
 def test_plugin_config_runs_the_plugins_own_checks() -> None:

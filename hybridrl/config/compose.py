@@ -88,6 +88,8 @@ def hydra_error(e: Exception) -> ConfigError:
             msg += f"; available recipes: {', '.join(available_recipes()) or '(none)'}"
         return ConfigError([ConfigIssue(key="recipe" if "recipe/" in msg else "<overrides>", value=None, message=msg)])
     append = [line for line in str(e).splitlines() if line.startswith("To append to your config use")]
+    if "not in struct" not in msg:  # a typed node: appending is impossible, only a valid key helps
+        append = []
     if append:  # a new key in a free-form block (plugin kwargs) is added with +key=value, as in verl
         msg += f" ({append[0].strip()})"
     close = difflib.get_close_matches(key, list(schema_keys()), n=3, cutoff=0.6)
