@@ -114,5 +114,10 @@ class PolicyLoss(Protocol):
         advantages_BT: torch.Tensor,
         response_mask_BT: torch.Tensor,
         loss_agg_mode: str,
+        global_normalizer: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return ``(loss, metrics)``; metrics include ``clipfrac`` and ``ppo_kl``."""
+        """Return ``(loss, metrics)``; metrics include ``pg_loss``, ``clipfrac`` and ``ppo_kl``.
+
+        ``global_normalizer`` replaces the batch's own denominator of ``loss_agg_mode`` (see
+        ``hybridrl.algorithms.loss_agg``), so micro-batch losses add up to the mini-batch loss.
+        """

@@ -136,3 +136,25 @@ def test_on_policy_ratio_is_one() -> None:
         torch.testing.assert_close(loss, torch.tensor(-2.0))
         assert metrics["clipfrac"].item() == 0.0 and metrics["ppo_kl"].item() == 0.0
         assert math.isfinite(metrics["pg_loss"].item())
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "dual_clip", "gspo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batch_losses_add_up_to_the_mini_batch_loss(name: str, mode: str) -> None:
+    """With the mini-batch's normaliser, gradient accumulation over micro-batches is exact."""
+    from hybridrl.algorithms.loss_agg import local_normalizer
+    from hybridrl.registry import Registry
+
+    loss_fn = Registry("policy_losses").build(name, {}, key="algorithm.policy_loss_kwargs")
+    g = torch.Generator().manual_seed(0)
+    old_BT = -torch.rand(6, 5, generator=g)
+    new_BT = old_BT + 0.1 * torch.randn(6, 5, generator=g)
+    adv_BT = torch.randn(6, 5, generator=g)
+    mask_BT = (torch.rand(6, 5, generator=g) > 0.3).float()
+    kw = dict(loss_agg_mode=mode)
+    full, _ = loss_fn(logprobs_BT=new_BT, old_logprobs_BT=old_BT, advantages_BT=adv_BT, response_mask_BT=mask_BT, **kw)
+    norm = local_normalizer(mask_BT, mode)
+    parts = [loss_fn(logprobs_BT=new_BT[s], old_logprobs_BT=old_BT[s], advantages_BT=adv_BT[s],
+                     response_mask_BT=mask_BT[s], global_normalizer=norm, **kw)[0]
+             for s in (slice(0, 2), slice(2, 5), slice(5, 6))]
+    assert torch.allclose(sum(parts), full, atol=1e-6)

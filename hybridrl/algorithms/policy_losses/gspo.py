@@ -53,6 +53,7 @@ class GSPOLoss:
         advantages_BT: torch.Tensor,
         response_mask_BT: torch.Tensor,
         loss_agg_mode: str,
+        global_normalizer: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_ratio_BT = logprobs_BT - old_logprobs_BT.detach()
         seq_log_ratio_B = masked_mean(log_ratio_BT.detach(), response_mask_BT, dim=-1)
@@ -61,7 +62,7 @@ class GSPOLoss:
         loss_BT, clipped_BT = clipped_surrogate(
             log_s_BT.exp(), advantages_BT.detach(), self.config.clip_ratio_low, self.config.clip_ratio_high
         )
-        loss = aggregate(loss_BT, response_mask_BT, loss_agg_mode)
+        loss = aggregate(loss_BT, response_mask_BT, loss_agg_mode, global_normalizer=global_normalizer)
         return loss, {
             "pg_loss": loss.detach(),
             "clipfrac": masked_mean(clipped_BT.float(), response_mask_BT),

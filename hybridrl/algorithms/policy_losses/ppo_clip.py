@@ -89,11 +89,12 @@ class PPOClipLoss:
         advantages_BT: torch.Tensor,
         response_mask_BT: torch.Tensor,
         loss_agg_mode: str,
+        global_normalizer: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_ratio_BT = logprobs_BT - old_logprobs_BT.detach()
         ratio_BT = log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         loss_BT, metrics = self.per_token_loss(ratio_BT, advantages_BT.detach(), response_mask_BT)
-        loss = aggregate(loss_BT, response_mask_BT, loss_agg_mode)
+        loss = aggregate(loss_BT, response_mask_BT, loss_agg_mode, global_normalizer=global_normalizer)
         metrics = {k: v.detach() for k, v in metrics.items()}
         metrics["pg_loss"] = loss.detach()
         metrics["ppo_kl"] = masked_mean(-log_ratio_BT.detach(), response_mask_BT)
