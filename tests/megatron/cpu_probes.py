@@ -1,0 +1,175 @@
+"""Run on 2 gloo ranks by test_cpu_adaptations.py: each upstream CUDA assumption without its adaptation
+(recording the error), then with it (recording that it works). Usage: torchrun ... cpu_probes.py OUT_DIR.
+
+Order matters: each probe runs with exactly the adaptations it needs to reach its spot.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore", module=r"megatron\.")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
+from megatron.core.pipeline_parallel import schedules  # noqa: E402
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.utils import get_default_causal_mask  # noqa: E402
+
+from hybridrl.megatron import cpu  # noqa: E402
+
+results: dict[str, Any] = {}
+
+
+def error_of(fn: Callable[[], object]) -> str | None:
+    """``"ExcType: message"`` of what ``fn`` raises, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def record(name: str, fn: Callable[[], object]) -> None:
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = "FAILED: " + traceback.format_exc(limit=4)
+
+
+def noop_on_cuda() -> dict[str, bool]:
+    """With CUDA 'available', apply_cpu_adaptations must leave everything upstream."""
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    try:
+        before = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker)
+        cpu.apply_cpu_adaptations()
+        after = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker)
+        return {"untouched": before == after, "mask_is_none": cpu.causal_attention_mask(4) is None,
+                "no_kwargs": cpu.cpu_model_parallel_kwargs() == {}}
+    finally:
+        torch.cuda.is_available = real  # type: ignore[assignment]
+
+
+class ScalarModel(torch.nn.Module):
+    """The least a Megatron schedule needs: ``config`` and ``set_input_tensor``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+        self.model_type = ModelType.encoder_or_decoder
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def set_input_tensor(self, tensor: object) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def run_schedule() -> float:
+    model = ScalarModel()
+
+    def step(data: Any, model: ScalarModel) -> tuple[torch.Tensor, Any]:
+        return model(next(data)), lambda out: (out, {"loss": out.detach()})
+
+    schedules.forward_backward_no_pipelining(
+        forward_step_func=step, data_iterator=iter([torch.full((3,), 2.0)]), model=[model],
+        num_microbatches=1, seq_length=1, micro_batch_size=1)
+    return float(model.w.grad.sum())  # d(sum(2w))/dw = 2 per element → 6
+
+
+def p2p_exchange(config: ModelParallelConfig) -> list[float]:
+    comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+    if parallel_state.is_pipeline_first_stage():
+        comm.send_forward(torch.arange(4.0).reshape(2, 1, 2), is_last_stage=False)
+        return []
+    return comm.recv_forward((2, 1, 2), is_first_stage=False).flatten().tolist()
+
+
+def tied_gpt_model() -> list[float]:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32, **cpu.cpu_model_parallel_kwargs())
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=16,
+                     max_sequence_length=8, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=True)
+    return model.shared_embedding_or_output_weight()[:2].flatten().tolist()  # equal on both stages
+
+
+def rng_draws() -> dict[str, Any]:
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with tracker.fork():
+        tp_draw = torch.rand(2).tolist()
+    default_draw = torch.rand(2).tolist()
+    x = torch.ones(3, requires_grad=True)
+    tensor_parallel.checkpoint(lambda t: (t * 3).sin(), False, x).sum().backward()
+    return {"tp_draw": tp_draw, "default_draw": default_draw, "checkpoint_grad": x.grad.tolist(),
+            "expected_grad": (3 * torch.cos(torch.full((3,), 3.0))).tolist()}
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results["noop_on_cuda"] = noop_on_cuda()
+
+    # World of 2 as TP=2 (no adaptation applied yet).
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    results["rotary_without"] = error_of(lambda: RotaryEmbedding(
+        kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True).get_emb(4))
+    results["causal_mask_upstream"] = error_of(lambda: get_default_causal_mask(4))
+    results["causal_mask_ours"] = cpu.causal_attention_mask(3).int().tolist()
+    results["seed_without"] = error_of(lambda: tensor_parallel.model_parallel_cuda_manual_seed(7))
+    results["fork_without"] = error_of(lambda: tensor_parallel.get_cuda_rng_tracker().fork().__enter__())
+    results["recompute_without"] = error_of(lambda: tensor_parallel.checkpoint(
+        lambda t: t * 2, False, torch.ones(2, requires_grad=True)))
+
+    cpu.use_cpu_as_current_device()
+    record("rotary_with", lambda: list(RotaryEmbedding(kv_channels=8, rotary_percent=1.0).get_emb(4).shape))
+    results["schedule_without"] = error_of(run_schedule)
+    cpu.use_cpu_in_pipeline_schedules()
+    record("schedule_with", run_schedule)
+    cpu.use_cpu_rng_tracker()
+    record("rng_with", rng_draws)
+
+    # World of 2 as PP=2.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    results["p2p_without"] = error_of(lambda: p2p_exchange(ModelParallelConfig(pipeline_dtype=torch.float32)))
+    record("p2p_with", lambda: p2p_exchange(ModelParallelConfig(pipeline_dtype=torch.float32,
+                                                                **cpu.cpu_model_parallel_kwargs())))
+    dist.barrier()
+    results["tied_without"] = error_of(tied_gpt_model)
+    dist.barrier()
+    cpu.use_cpu_in_tied_embedding_setup()
+    record("tied_with", tied_gpt_model)
+
+    patched = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker,
+               type(tensor_parallel.get_cuda_rng_tracker()))
+    cpu.apply_cpu_adaptations()
+    cpu.apply_cpu_adaptations()
+    results["idempotent"] = patched == (torch.cuda.current_device, schedules.torch,
+                                        tensor_parallel.random.CudaRNGStatesTracker,
+                                        type(tensor_parallel.get_cuda_rng_tracker()))
+
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

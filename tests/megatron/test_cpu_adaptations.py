@@ -1,0 +1,79 @@
+"""Each adaptation in hybridrl/megatron/cpu.py is still needed (the upstream call fails on CPU without
+it, with the error its docstring names) and does its job. When an upstream release fixes one of
+them, its ``*_still_fails`` test fails: delete the adaptation and the test.
+
+All probes run in one 2-rank torchrun (tests/megatron/cpu_probes.py) to pay Megatron's import once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
+PROBES = Path(__file__).with_name("cpu_probes.py")
+
+
+@pytest.fixture(scope="module")
+def probes(torchrun: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("cpu_probes")
+    torchrun([str(PROBES), str(out)], nproc=2, timeout=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_current_device_still_fails(probes: list[dict[str, Any]]) -> None:
+    assert probes[0]["rotary_without"] == NO_CUDA  # RotaryEmbedding.get_emb moves inv_freq to "GPU"
+    assert probes[0]["rotary_with"] == [4, 1, 1, 8]
+
+
+def test_rng_tracker_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["seed_without"] == NO_CUDA
+        assert rank["fork_without"] == "Exception: cuda rng state model-parallel-rng is not added"
+        assert rank["recompute_without"] == NO_CUDA
+
+
+def test_cpu_rng_tracker_keeps_megatron_semantics(probes: list[dict[str, Any]]) -> None:
+    with_ = [rank["rng_with"] for rank in probes]
+    for tp_rank, got in enumerate(with_):
+        # upstream's model-parallel seed: seed + 2718 + tp_rank, on its own generator
+        expected = torch.rand(2, generator=torch.Generator().manual_seed(7 + 2718 + tp_rank)).tolist()
+        assert got["tp_draw"] == expected
+        assert got["checkpoint_grad"] == pytest.approx(got["expected_grad"], abs=0)  # recompute works
+    assert with_[0]["tp_draw"] != with_[1]["tp_draw"]
+
+
+def test_default_causal_mask_still_fails(probes: list[dict[str, Any]]) -> None:
+    assert probes[0]["causal_mask_upstream"] == NO_CUDA
+    assert probes[0]["causal_mask_ours"] == [[[[0, 1, 1], [0, 0, 1], [0, 0, 0]]]]  # True = masked
+
+
+def test_schedule_cuda_literal_still_fails(probes: list[dict[str, Any]]) -> None:
+    assert probes[0]["schedule_without"] == NO_CUDA
+    assert probes[0]["schedule_with"] == 6.0  # forward + backward ran, grad of sum(2·w)
+
+
+def test_batched_p2p_sync_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["p2p_without"] == NO_CUDA  # torch.cuda.synchronize() after batch_isend_irecv
+    assert probes[0]["p2p_with"] == []
+    assert probes[1]["p2p_with"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_tied_embedding_setup_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["tied_without"] == NO_CUDA  # weight.data.cuda() before the embedding all-reduce
+    first, last = probes[0]["tied_with"], probes[1]["tied_with"]
+    assert isinstance(first, list) and first == last and any(first)  # last stage got stage 0's weights
+
+
+def test_apply_is_idempotent_and_noop_on_cuda(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["idempotent"] is True
+        assert rank["noop_on_cuda"] == {"untouched": True, "mask_is_none": True, "no_kwargs": True}
