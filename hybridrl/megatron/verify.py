@@ -34,7 +34,7 @@ class ModelReport:
     roundtrip_exact: bool
     mismatches: list[str]  # first few names that differ, are missing or unexpected
     n_tensors: int
-    bucket_sizes: list[int]  # bytes per bucket, in stream order (as seen by rank 0)
+    buckets: list[tuple[int, int]]  # (tensors, bytes) per bucket in stream order, as rank 0 got them
     bucket_bytes: int
     seconds: dict[str, float]
 
@@ -84,7 +84,8 @@ def run_verification(
         if proc.returncode != 0 or not report.is_file():
             raise VerifyError(f"the {tp * pp} verification rank(s) failed (exit code {proc.returncode}); "
                               "see their output above")
-        return [ModelReport(**r) for r in json.loads(report.read_text())]
+        reports = json.loads(report.read_text())
+        return [ModelReport(**{**r, "buckets": [tuple(b) for b in r["buckets"]]}) for r in reports]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     for r in reports:
         print(f"{r.model_dir}: max_abs_logit_diff={r.max_abs_logit_diff:.3e} "
               f"roundtrip={'exact' if r.roundtrip_exact else 'MISMATCH ' + ', '.join(r.mismatches)} "
-              f"({r.n_tensors} tensors in {len(r.bucket_sizes)} buckets ≤ {r.bucket_bytes} B)")
+              f"({r.n_tensors} tensors in {len(r.buckets)} buckets of ≤ {r.bucket_bytes} B)")
     worst = max(r.max_abs_logit_diff for r in reports)
     exact = all(r.roundtrip_exact for r in reports)
     print(f"max_abs_logit_diff={worst:.3e} roundtrip={'exact' if exact else 'MISMATCH'}", flush=True)
@@ -181,13 +182,13 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     t0 = time.perf_counter()
     _log(f"exporting the weights as HF tensors (buckets ≤ {args.bucket_bytes} B) and comparing them "
          "bit for bit with the safetensors originals")
-    mismatches, n_tensors, sizes = _roundtrip(model, arch, model_dir, args.bucket_bytes)
+    mismatches, n_tensors, buckets = _roundtrip(model, arch, model_dir, args.bucket_bytes)
     bad = torch.tensor(float(len(mismatches)))
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     seconds["export"] = time.perf_counter() - t0
     return ModelReport(model_dir=str(model_dir), max_abs_logit_diff=float(diff),
                        roundtrip_exact=bad.item() == 0, mismatches=mismatches[:5], n_tensors=n_tensors,
-                       bucket_sizes=sizes, bucket_bytes=args.bucket_bytes, seconds=seconds)
+                       buckets=buckets, bucket_bytes=args.bucket_bytes, seconds=seconds)
 
 
 def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
@@ -229,17 +230,19 @@ def _hf_logits(model_dir: Path, ids_BS: Any) -> Any:
         return hf.eval()(ids_BS).logits
 
 
-def _roundtrip(model: Any, arch: HFArch, model_dir: Path, bucket_bytes: int) -> tuple[list[str], int, list[int]]:
+def _roundtrip(
+    model: Any, arch: HFArch, model_dir: Path, bucket_bytes: int
+) -> tuple[list[str], int, list[tuple[int, int]]]:
     import torch
 
     from hybridrl.megatron.weights import SafetensorsReader, export_hf_weights
 
     mismatches: list[str] = []
     seen: set[str] = set()
-    sizes: list[int] = []
+    buckets: list[tuple[int, int]] = []
     with SafetensorsReader(model_dir) as reader:
         for bucket in export_hf_weights(model, arch, bucket_bytes=bucket_bytes):
-            sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+            buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket)))
             for name, tensor in bucket:
                 if name in seen or name not in reader.files:
                     mismatches.append(f"{name} (unexpected or repeated)")
@@ -252,7 +255,7 @@ def _roundtrip(model: Any, arch: HFArch, model_dir: Path, bucket_bytes: int) -> 
                 if not same:
                     mismatches.append(name)
         mismatches += [f"{name} (missing)" for name in sorted(set(reader.files) - seen)]
-    return mismatches, len(seen), sizes
+    return mismatches, len(seen), buckets
 
 
 if __name__ == "__main__":
