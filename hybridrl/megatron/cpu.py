@@ -10,7 +10,8 @@ upstream behaviour without its adaptation and fails once upstream no longer need
 Not adapted (not used yet; they fail loudly if reached): CP rope helpers (``pin_memory=True`` +
 ``.cuda()`` in ``models/common/embeddings/rope_utils.get_pos_emb_on_this_cp_rank``), the fp16/bf16
 and distributed optimizers' ``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event``
-in the inference controller.
+in the inference controller. (The fp32 optimizer and gradient clipping are adapted:
+:func:`use_cpu_in_optimizer`.)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def apply_cpu_adaptations() -> None:
     use_cpu_rng_tracker()
     use_cpu_in_pipeline_schedules()
     use_cpu_in_tied_embedding_setup()
+    use_cpu_in_optimizer()
 
 
 # --- explicit arguments (preferred: no patch) ---------------------------------------------------
@@ -165,6 +167,12 @@ class _TorchWithCpuFactories:
             device = "cpu"
         return torch.zeros(*size, device=device, **kwargs)
 
+    @staticmethod
+    def tensor(data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device == "cuda":
+            device = "cpu"
+        return torch.tensor(data, device=device, **kwargs)
+
 
 def use_cpu_in_pipeline_schedules() -> None:
     """Send ``pipeline_parallel/schedules.py``'s literal ``device="cuda"`` tensors to CPU.
@@ -207,3 +215,38 @@ def use_cpu_in_tied_embedding_setup() -> None:
 
     setattr(setup_embeddings_and_output_layer, _MARK, True)
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters: Any, max_norm: float, total_norm: float,
+                                      use_decoupled_grad: bool = False) -> None:
+    """``clip_grads.clip_grad_by_total_norm_fp32`` without its CUDA-only grad-type assertion."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def use_cpu_in_optimizer() -> None:
+    """Let Megatron's fp32 optimizer, grad-norm and grad clipping run on CPU tensors.
+
+    - ``optimizer/optimizer.py``: ``FP32Optimizer.__init__`` does
+      ``self._scale = torch.tensor([1.0], dtype=torch.float, device='cuda')`` (and
+      ``MixedPrecisionOptimizer`` allocates ``found_inf`` the same way) → ``AssertionError: Torch not
+      compiled with CUDA enabled`` when ``get_megatron_optimizer`` builds the optimizer.
+    - ``optimizer/clip_grads.py``: ``get_grad_norm_fp32`` allocates ``dummy_overflow_buf`` with
+      ``device='cuda'``, and ``utils.py``'s ``local_multi_tensor_l2_norm`` (the no-apex fallback it
+      calls) returns ``torch.tensor(..., device="cuda")`` → same error at ``optimizer.step()``.
+    - ``clip_grad_by_total_norm_fp32`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``
+      (a CPU grad is ``'torch.FloatTensor'``) → ``AssertionError`` when the norm exceeds clip_grad.
+    The three modules' ``torch`` becomes the CPU-factory proxy; the optimizer module's reference
+    to the clip function is rebound to :func:`_clip_grad_by_total_norm_fp32_cpu`.
+    """
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    for module in (mcore_optimizer, clip_grads, mcore_utils):
+        if not isinstance(module.torch, _TorchWithCpuFactories):
+            module.torch = _TorchWithCpuFactories()  # type: ignore[assignment]
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu  # type: ignore[assignment]

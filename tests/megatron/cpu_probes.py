@@ -19,10 +19,17 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.transformer.utils import get_default_causal_mask  # noqa: E402
 
@@ -110,6 +117,26 @@ def tied_gpt_model() -> list[float]:
     return model.shared_embedding_or_output_weight()[:2].flatten().tolist()  # equal on both stages
 
 
+class Weights(MegatronModule):
+    def __init__(self) -> None:
+        super().__init__(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1))
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+
+def optimizer_step() -> dict[str, Any]:
+    """SGD(lr=0.1) through Megatron DDP + optimizer on loss = sum(3·w), clip_grad=0.5: the grad norm is
+    6 (4 grads of 3), clipped grads are 0.25, so w becomes 0.975."""
+    ddp = DistributedDataParallel(Weights().config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  Weights())
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.5), [ddp])
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    (ddp.module.w * 3).sum().backward()
+    finalize_model_grads([ddp])
+    ok, grad_norm, _ = opt.step()
+    return {"ok": ok, "grad_norm": grad_norm, "w": ddp.module.w.tolist()}
+
+
 def rng_draws() -> dict[str, Any]:
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -157,6 +184,17 @@ def main(out_dir: Path) -> None:
     dist.barrier()
     cpu.use_cpu_in_tied_embedding_setup()
     record("tied_with", tied_gpt_model)
+
+    # World of 2 as DP=2.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel()
+    grad = torch.nn.Parameter(torch.ones(2))
+    grad.grad = torch.ones(2)
+    results["grad_norm_without"] = error_of(lambda: clip_grads.get_grad_norm_fp32([grad.grad]))
+    results["clip_assert_upstream"] = error_of(lambda: clip_grads.clip_grad_by_total_norm_fp32([grad], 1.0, 10.0))
+    results["optimizer_without"] = error_of(optimizer_step)
+    cpu.use_cpu_in_optimizer()
+    record("optimizer_with", optimizer_step)
 
     patched = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker,
                type(tensor_parallel.get_cuda_rng_tracker()))

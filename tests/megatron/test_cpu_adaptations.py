@@ -77,3 +77,14 @@ def test_apply_is_idempotent_and_noop_on_cuda(probes: list[dict[str, Any]]) -> N
     for rank in probes:
         assert rank["idempotent"] is True
         assert rank["noop_on_cuda"] == {"untouched": True, "mask_is_none": True, "no_kwargs": True}
+
+
+def test_optimizer_cuda_literals_and_grad_type_assert_still_fail(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["optimizer_without"] == NO_CUDA  # FP32Optimizer._scale = torch.tensor(..., device='cuda')
+        assert rank["grad_norm_without"] == NO_CUDA  # get_grad_norm_fp32's dummy_overflow_buf
+        assert rank["clip_assert_upstream"] == "AssertionError: "  # param.grad.type() == 'torch.cuda.FloatTensor'
+        # DDP + SGD(lr=0.1) on sum(3·w), clip_grad=0.5: norm 6 over DP=2, clipped grads 0.25 → w = 0.975
+        assert rank["optimizer_with"]["ok"] is True
+        assert rank["optimizer_with"]["grad_norm"] == pytest.approx(6.0)
+        assert rank["optimizer_with"]["w"] == pytest.approx([0.975] * 4)
