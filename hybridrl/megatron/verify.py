@@ -172,10 +172,11 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     gen = torch.Generator().manual_seed(1234)
     ids_BS = torch.randint(0, arch.vocab_size, (args.batch, args.seq_len), generator=gen)
     _log(f"forward {args.batch}×{args.seq_len} tokens through Megatron and transformers")
-    logits_BSV = _megatron_logits(model, arch, ids_BS)
-    diff = torch.zeros(())
+    device = next(model.parameters()).device
+    logits_BSV = _megatron_logits(model, arch, ids_BS.to(device))
+    diff = torch.zeros((), device=device)
     if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
-        diff = (logits_BSV - _hf_logits(model_dir, ids_BS)).abs().max()
+        diff = (logits_BSV - _hf_logits(model_dir, ids_BS).to(device)).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     seconds["forward"] = time.perf_counter() - t0
 
@@ -183,7 +184,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     _log(f"exporting the weights as HF tensors (buckets ≤ {args.bucket_bytes} B) and comparing them "
          "bit for bit with the safetensors originals")
     mismatches, n_tensors, buckets = _roundtrip(model, arch, model_dir, args.bucket_bytes)
-    bad = torch.tensor(float(len(mismatches)))
+    bad = torch.tensor(float(len(mismatches)), device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     seconds["export"] = time.perf_counter() - t0
     return ModelReport(model_dir=str(model_dir), max_abs_logit_diff=float(diff),
@@ -192,7 +193,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
 
 
 def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
-    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere)."""
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), on the model's device."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -201,8 +202,8 @@ def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
     from hybridrl.megatron.model import gather_vocab_logits
 
     b, s = ids_BS.shape
-    position_ids_BS = torch.arange(s).expand(b, s)
-    mask = causal_attention_mask(s)
+    position_ids_BS = torch.arange(s, device=ids_BS.device).expand(b, s)
+    mask = causal_attention_mask(s, ids_BS.device)
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
         output = model(next(data_iterator), position_ids_BS, mask)
@@ -225,7 +226,7 @@ def _hf_logits(model_dir: Path, ids_BS: Any) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")  # on CPU
     with torch.no_grad():
         return hf.eval()(ids_BS).logits
 
@@ -249,7 +250,7 @@ def _roundtrip(
                     continue
                 seen.add(name)
                 original = reader.read(name)
-                exported = tensor.to(original.dtype)  # bf16 → fp32 model → bf16 is lossless
+                exported = tensor.cpu().to(original.dtype)  # bf16 → fp32 model → bf16 is lossless
                 same = exported.shape == original.shape and torch.equal(
                     exported.contiguous().view(torch.uint8), original.contiguous().view(torch.uint8))
                 if not same:
