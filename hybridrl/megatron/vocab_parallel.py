@@ -1,0 +1,69 @@
+"""Log-prob of the target token and entropy from vocab-parallel (TP-sharded) logits.
+
+With logits z split over TP ranks by vocabulary (rank r holds columns [r·v, (r+1)·v)):
+    m = max_j z_j (all-reduce max),  Z = Σ_j exp(z_j - m) (all-reduce sum),  p_j = exp(z_j - m) / Z
+    log p(y) = z_y - m - log Z                         (z_y all-reduced from the rank that owns y)
+    H = -Σ_j p_j log p_j = m + log Z - Σ_j p_j z_j     (Σ all-reduced)
+Gradients (per row, local columns only — no full-vocab tensor is ever gathered):
+    ∂ log p(y)/∂z_j = 1[j = y] - p_j,        ∂H/∂z_j = -p_j (log p_j + H)
+Columns at or past ``vocab_size`` are Megatron's vocab padding: they are masked to -inf so the
+distribution is exactly the HF model's. At TP=1 this is an ordinary fused log-softmax + gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits_Nv: torch.Tensor, target_N: torch.Tensor, vocab_size: int,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        group = parallel_state.get_tensor_model_parallel_group()
+        rank, v = parallel_state.get_tensor_model_parallel_rank(), logits_Nv.shape[-1]
+        start = rank * v
+        z_Nv = logits_Nv.float() / temperature
+        if start + v > vocab_size:  # vocab padding lives in the last shard(s)
+            z_Nv = z_Nv.clone()
+            z_Nv[:, max(vocab_size - start, 0):] = float("-inf")
+        m_N = z_Nv.max(dim=-1).values
+        dist.all_reduce(m_N, op=dist.ReduceOp.MAX, group=group)
+        e_Nv = torch.exp(z_Nv - m_N[:, None])
+        Z_N = e_Nv.sum(dim=-1)
+        dist.all_reduce(Z_N, group=group)
+        p_Nv = e_Nv / Z_N[:, None]
+        local = (target_N >= start) & (target_N < start + v)
+        idx_N = (target_N - start).clamp(0, v - 1)
+        zy_N = torch.where(local, z_Nv.gather(-1, idx_N[:, None]).squeeze(-1), torch.zeros_like(m_N))
+        pz_N = (p_Nv * z_Nv.nan_to_num(neginf=0.0)).sum(dim=-1)
+        both = torch.stack([zy_N, pz_N])
+        dist.all_reduce(both, group=group)
+        log_Z_N = m_N + Z_N.log()
+        logp_N = both[0] - log_Z_N
+        entropy_N = log_Z_N - both[1]
+        ctx.save_for_backward(p_Nv, idx_N, local, entropy_N, log_Z_N, z_Nv)
+        ctx.temperature = temperature
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(ctx: Any, g_logp_N: torch.Tensor, g_ent_N: torch.Tensor) -> tuple[Any, ...]:
+        p_Nv, idx_N, local, entropy_N, log_Z_N, z_Nv = ctx.saved_tensors
+        grad_Nv = torch.zeros_like(p_Nv)
+        if g_logp_N is not None:
+            grad_Nv -= p_Nv * g_logp_N[:, None]
+            rows = local.nonzero().squeeze(-1)
+            grad_Nv[rows, idx_N[rows]] += g_logp_N[rows]
+        if g_ent_N is not None and bool((g_ent_N != 0).any()):
+            logp_Nv = (z_Nv - log_Z_N[:, None]).nan_to_num(neginf=0.0)
+            grad_Nv -= g_ent_N[:, None] * p_Nv * (logp_Nv + entropy_N[:, None])
+        return grad_Nv / ctx.temperature, None, None, None
+
+
+def vocab_parallel_logprob_entropy(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int,
+                                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(target), entropy)`` per row of TP-local logits ``[N, V_pad / TP]``, in fp32."""
+    return _VocabParallelLogProbEntropy.apply(logits_Nv, target_N, vocab_size, temperature)
