@@ -77,8 +77,8 @@ class TensorboardBackend:
         self._w.close()
 
 
-CONSOLE_KEYS = ("reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "actor/kl_ref",
-                "rollout/logprob_abs_diff", "response/length_mean")
+CONSOLE_KEYS = ("sft/loss", "sft/grad_norm", "reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl",
+                "actor/kl_ref", "rollout/logprob_abs_diff", "response/length_mean", "timing/step")
 
 
 class ConsoleBackend:

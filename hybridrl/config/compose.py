@@ -14,6 +14,7 @@ import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -24,13 +25,19 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.schema import RLConfig
+from hybridrl.config.sft_schema import SFTConfig
 
 SCHEMA_NAME = "hybridrl_schema"
+SFT_SCHEMA_NAME = "hybridrl_sft_schema"
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore and the ``${hybridrl_cache:}`` resolver (idempotent)."""
+    from hybridrl.bootstrap import cache_dir
+
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RLConfig)
+    ConfigStore.instance().store(name=SFT_SCHEMA_NAME, node=SFTConfig)
+    OmegaConf.register_new_resolver("hybridrl_cache", cache_dir, replace=True)
 
 
 def recipes_dir() -> Path:
@@ -49,20 +56,22 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in (recipes_dir() / "recipe").glob("*.yaml"))
 
 
-def compose_config(overrides: Sequence[str] = (), *, config_dir: Path | None = None) -> RLConfig:
-    """Compose ``config.yaml`` + overrides (e.g. ``recipe=grpo_tiny``) into an ``RLConfig``."""
+def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config",
+                   config_dir: Path | None = None) -> Any:
+    """Compose ``<config_name>.yaml`` + overrides (e.g. ``recipe=grpo_tiny``) into its typed config
+    (``RLConfig`` for ``config``, ``SFTConfig`` for ``sft``)."""
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir or recipes_dir()), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise hydra_error(e) from e
-    return to_rl_config(cfg)
+    return to_typed(cfg)
 
 
-def to_rl_config(cfg: DictConfig) -> RLConfig:
-    """Turn a composed DictConfig into the typed dataclass tree; every missing value is reported."""
+def to_typed(cfg: DictConfig) -> Any:
+    """Turn a composed DictConfig into its typed dataclass tree; every missing value is reported."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -71,7 +80,7 @@ def to_rl_config(cfg: DictConfig) -> RLConfig:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise hydra_error(e) from e
-    assert isinstance(obj, RLConfig), type(obj)
+    assert isinstance(obj, RLConfig | SFTConfig), type(obj)
     return obj
 
 

@@ -53,6 +53,9 @@ class OptimConfig:
 class ModelConfig:
     path: str = MISSING  # HF checkpoint directory: config.json + *.safetensors + tokenizer
     tokenizer_path: str | None = None  # defaults to path
+    # build the checkpoint at `path` when it does not exist: "tiny" (random tiny model) or
+    # "sft:<recipe>" (run that SFT recipe, saving to `path`); see hybridrl/bootstrap.py
+    build_if_missing: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,6 +152,9 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per RL step
     val_batch_size: int = 64
     shuffle: bool = True
+    # "arithmetic": write the synthetic task's train/val splits to train_files[0] / val_files[0]
+    # when they do not exist (see hybridrl/bootstrap.py)
+    build_if_missing: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)

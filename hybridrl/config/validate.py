@@ -13,6 +13,7 @@ from pathlib import Path
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.model_info import ModelInfo, inspect_model_dir
 from hybridrl.config.schema import MegatronConfig, OptimConfig, RLConfig
+from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.config.topology import RoleLayout, Topology, ref_needed, world_size_of
 from hybridrl.registry import PluginError, Registry
 
@@ -36,15 +37,21 @@ class _Issues(list[ConfigIssue]):
             self.add(key, value, "must be ≥ 1")
 
 
-def validate(cfg: RLConfig, *, world_size: int | None = None) -> Topology:
-    """Check ``cfg`` for a run on ``world_size`` ranks; return its topology or raise ConfigError."""
+def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> Topology:
+    """Check ``cfg`` for a run on ``world_size`` ranks; return its topology or raise ConfigError.
+
+    ``before_bootstrap``: a model or data file that the config builds when missing
+    (``build_if_missing``) may not exist yet; the checks that need it are skipped.
+    """
     issues = _Issues()
     world = world_size if world_size is not None else world_size_of(cfg)
     if world < 1:
         issues.add("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, "world size must be ≥ 1")
         world = 1
     aor = cfg.actor_rollout_ref
-    model = _check_model(cfg, issues)
+    m = aor.model
+    pending_model = before_bootstrap and m.build_if_missing is not None and not Path(m.path).exists()
+    model = None if pending_model else _check_model(cfg, issues)
 
     roles = {"actor": (f"{AOR}.actor.megatron", aor.actor.megatron)}
     if ref_needed(cfg):
@@ -53,14 +60,16 @@ def validate(cfg: RLConfig, *, world_size: int | None = None) -> Topology:
         roles["critic"] = ("critic.megatron", cfg.critic.megatron)
     layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
     _check_rollout(cfg, world, model, issues)
-    _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues)
+    steps = cfg.trainer.total_training_steps * aor.actor.ppo_epochs * max(
+        cfg.data.train_batch_size // max(aor.actor.ppo_mini_batch_size, 1), 1)
+    _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     if cfg.critic.enable:
-        _check_optim("critic.optim", cfg.critic.optim, cfg.critic.megatron, issues)
+        _check_optim("critic.optim", cfg.critic.optim, cfg.critic.megatron, issues, optimizer_steps=steps)
     batch = _check_batches(cfg, layouts, issues)
     _check_algorithm(cfg, issues)
     _check_plugins(cfg, issues)
     _check_lengths(cfg, model, issues)
-    _check_data(cfg, issues)
+    _check_data(cfg, issues, pending=before_bootstrap and cfg.data.build_if_missing is not None)
     _check_trainer(cfg, issues)
     if issues:
         raise ConfigError(list(issues))
@@ -142,7 +151,10 @@ def _check_rollout(cfg: RLConfig, world: int, model: ModelInfo | None, issues: _
     issues.positive(f"{key}.val_kwargs.n", r.val_kwargs.n)
 
 
-def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues) -> None:
+def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues, *, optimizer_steps: int) -> None:
+    if o.lr_warmup_steps < 0 or (o.lr_warmup_steps and o.lr_warmup_steps >= optimizer_steps):
+        issues.add(f"{key}.lr_warmup_steps", o.lr_warmup_steps,
+                   f"must be ≥ 0 and below the run's {optimizer_steps} optimizer steps")
     if o.optimizer not in OPTIMIZERS:
         issues.add(f"{key}.optimizer", o.optimizer, f"valid: {', '.join(OPTIMIZERS)}")
     if o.lr < 0:
@@ -265,13 +277,18 @@ def _check_lengths(cfg: RLConfig, model: ModelInfo | None, issues: _Issues) -> N
                    f"{model.max_position_embeddings}; at most {model.max_position_embeddings - d.max_prompt_length}")
 
 
-def _check_data(cfg: RLConfig, issues: _Issues) -> None:
+def _check_data(cfg: RLConfig, issues: _Issues, *, pending: bool = False) -> None:
     d = cfg.data
-    if not d.train_files:
-        issues.add("data.train_files", list(d.train_files), "needs at least one parquet or jsonl file")
-    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+    check_files(issues, "data", d.train_files, d.val_files, pending=pending)
+
+
+def check_files(issues: _Issues, prefix: str, train_files: list[str], val_files: list[str], *,
+                pending: bool) -> None:
+    if not train_files:
+        issues.add(f"{prefix}.train_files", list(train_files), "needs at least one parquet or jsonl file")
+    for key, files in ((f"{prefix}.train_files", train_files), (f"{prefix}.val_files", val_files)):
         for f in files:
-            if not Path(f).is_file():
+            if not Path(f).is_file() and not pending:
                 issues.add(key, f, "file does not exist")
             elif Path(f).suffix not in DATA_SUFFIXES:
                 issues.add(key, f, f"unsupported file type; valid: {', '.join(DATA_SUFFIXES)}")
@@ -299,3 +316,34 @@ def _check_trainer(cfg: RLConfig, issues: _Issues) -> None:
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
 
+
+
+def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:
+    """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout."""
+    issues = _Issues()
+    world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    m = cfg.model
+    model = None
+    if not (before_bootstrap and m.build_if_missing is not None and not Path(m.path).exists()):
+        model, problems = inspect_model_dir(m.path, tokenizer_path=m.tokenizer_path)
+        for p in problems:
+            issues.add("model.path", m.path, p)
+    layout = _check_parallel("megatron", cfg.megatron, world, model, issues)
+    _check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps)
+    d = cfg.data
+    issues.positive("data.train_batch_size", d.train_batch_size)
+    issues.positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)
+    if min(d.train_batch_size, d.micro_batch_size_per_gpu) >= 1 and d.train_batch_size % (
+            d.micro_batch_size_per_gpu * layout.dp):
+        issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
+                   f"data.train_batch_size={d.train_batch_size} must split into micro-batches of this size on "
+                   f"each of DP={layout.dp} ranks")
+    if model is not None and d.max_prompt_length + d.max_response_length > model.max_position_embeddings:
+        issues.add("data.max_response_length", d.max_response_length,
+                   f"prompt + response lengths exceed the model's {model.max_position_embeddings} positions")
+    check_files(issues, "data", d.train_files, d.val_files,
+                pending=before_bootstrap and d.build_if_missing is not None)
+    issues.positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
+    if issues:
+        raise ConfigError(list(issues))
+    return layout

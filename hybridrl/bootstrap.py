@@ -1,0 +1,119 @@
+"""Build what a recipe needs but nobody has yet: synthetic data and start models (no model hub here).
+
+``data.build_if_missing: arithmetic`` writes the arithmetic task's splits to ``data.train_files[0]``
+(and ``data.val_files[0]``); ``model.build_if_missing: tiny`` writes a random tiny model (the
+architecture below) and ``sft:<recipe>`` runs that SFT recipe with ``trainer.save_path`` set to the
+model path. Results are cached: a path that exists is used as is. Paths in the tiny recipes live
+under ``$HYBRIDRL_CACHE_DIR`` (default ``~/.cache/hybridrl``); delete a folder there to rebuild it.
+
+Only global rank 0 builds (under a file lock, so two runs never build the same thing at once);
+other ranks wait for the result. Every build writes to a temporary path and renames it into place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hybridrl.tracking import say
+
+TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_positions=256, tie=True, seed=0)
+ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                 "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_USE_AGENT_STORE",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
+
+
+def cache_dir() -> str:
+    return os.environ.get("HYBRIDRL_CACHE_DIR") or str(Path.home() / ".cache" / "hybridrl")
+
+
+def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) -> None:
+    if kind is None:
+        return
+    if kind != "arithmetic":
+        raise ValueError(f"data.build_if_missing={kind!r}; valid: arithmetic (or null)")
+    if not train_files:
+        raise ValueError("data.build_if_missing=arithmetic needs data.train_files to name the file to write")
+    targets = [Path(train_files[0])] + ([Path(val_files[0])] if val_files else [])
+
+    def build() -> None:
+        from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
+        from hybridrl.data.rows import write_rows
+
+        say(f"writing the arithmetic task ({ARITHMETIC}) to {', '.join(map(str, targets))}")
+        train, test = arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC))
+        for rows, path in zip((train, test), targets, strict=False):
+            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+            write_rows(rows, tmp)
+            tmp.rename(path)
+
+    _once(targets, build)
+
+
+def ensure_model(kind: str | None, path: str) -> None:
+    if kind is None:
+        return
+    out = Path(path)
+    if kind == "tiny":
+        def build() -> None:
+            from hybridrl.models.tiny import make_tiny_model
+
+            say(f"making a random tiny model {TINY_MODEL} at {out}")
+            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+            make_tiny_model(tmp, **TINY_MODEL)  # type: ignore[arg-type]
+            tmp.rename(out)
+    elif kind.startswith("sft:"):
+        recipe = kind.removeprefix("sft:")
+
+        def build() -> None:
+            from hybridrl.config.compose import recipes_dir
+
+            script = recipes_dir().parent / "launch" / "sft.py"
+            cmd = [sys.executable, str(script), f"recipe={recipe}", f"trainer.save_path={out}"]
+            say(f"no start model at {out}: building it with the SFT recipe '{recipe}' ({' '.join(cmd[1:])}); "
+                f"this runs once and is cached")
+            env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+            subprocess.run(cmd, check=True, env=env)
+    else:
+        raise ValueError(f"actor_rollout_ref.model.build_if_missing={kind!r}; valid: tiny, sft:<recipe> (or null)")
+    _once([out], build)
+
+
+def _once(targets: list[Path], build: Callable[[], None]) -> None:
+    """Build ``targets`` on global rank 0 unless they all exist; other ranks wait for them."""
+    if all(p.exists() for p in targets):
+        return
+    if int(os.environ.get("RANK", "0")) != 0:
+        _wait_for(targets)
+        return
+    targets[0].parent.mkdir(parents=True, exist_ok=True)
+    with _lock(targets[0].with_name(f".{targets[0].name}.lock")):
+        if not all(p.exists() for p in targets):  # another run may have built it meanwhile
+            build()
+
+
+def _wait_for(targets: list[Path], timeout_s: float = 3600.0) -> None:
+    t0 = time.monotonic()
+    while not all(p.exists() for p in targets):
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"rank {os.environ.get('RANK')}: {targets} did not appear within {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

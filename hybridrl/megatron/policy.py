@@ -1,0 +1,200 @@
+"""One Megatron model of the RL loop (actor, ref): build + load, log-probs, train steps, weight export.
+
+Every forward and backward goes through Megatron's forward-backward schedule, so PP (1F1B) and
+gradient accumulation over micro-batches are Megatron's. Token log-probs and entropies come from
+the vocab-parallel logits without gathering the vocabulary (:mod:`vocab_parallel`). Results are
+computed on the last pipeline stage and broadcast to the other stages, so every rank of a
+model-parallel group holds the same tensors afterwards (SPMD: the loop has no rank branches).
+
+Loss scaling: the schedule divides each micro-batch loss by the number of micro-batches and
+Megatron's DDP averages gradients over DP. A ``LossFn`` returns its micro-batch loss already
+normalised by the *global* (mini-batch, all-DP) normaliser, so the scaling is undone here
+(× num_microbatches × DP) and the accumulated gradient is exactly that of the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from hybridrl.batch import RolloutBatch
+from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.interfaces import WeightBucket
+from hybridrl.megatron.cpu import causal_attention_mask
+from hybridrl.megatron.hf_config import HFArch
+from hybridrl.megatron.model import build_gpt_model
+from hybridrl.megatron.parallel import ParallelConfig
+from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
+from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
+from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
+
+# (logprobs_bT, entropy_bT, micro_batch) -> (loss normalised by the global normaliser, metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def parallel_config(m: MegatronConfig) -> ParallelConfig:
+    return ParallelConfig(tensor_model_parallel_size=m.tensor_model_parallel_size,
+                          pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+                          context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Micro:
+    batch: RolloutBatch
+    rows: PackedRows
+
+
+class MegatronPolicy:
+    """A causal LM on Megatron; trainable when ``optim`` is given (actor), frozen otherwise (ref)."""
+
+    def __init__(self, *, model_dir: str, megatron: MegatronConfig, optim: OptimConfig | None,
+                 total_steps: int, pad_token_id: int) -> None:
+        self.arch = HFArch.from_hf(model_dir)
+        self.parallel = parallel_config(megatron)
+        self.pad_token_id = pad_token_id
+        model = build_gpt_model(self.arch, self.parallel)
+        load_hf_weights(model, self.arch, model_dir)
+        self.optimizer = None
+        self.scheduler: OptimizerParamScheduler | None = None
+        if optim is None:
+            model.requires_grad_(False)
+            self.module: torch.nn.Module = model
+        else:
+            self.module = DistributedDataParallel(
+                config=model.config, module=model,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer),
+            )
+            model.config.finalize_model_grads_func = finalize_model_grads
+            model.config.no_sync_func = self.module.no_sync
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
+                                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                                use_distributed_optimizer=megatron.use_distributed_optimizer),
+                [self.module],
+            )
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=0.0,
+                lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=max(total_steps, 1),
+                lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+                wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
+            )
+        self.config = model.config
+
+    # ---- forward passes through Megatron's schedule ----
+    def _run(self, micros: list[_Micro], loss_fn: LossFn | None, *, temperature: float,
+             forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        seq_len = micros[0].rows.seq_len
+        mask = causal_attention_mask(seq_len)
+        scale = len(micros) * parallel_state.get_data_parallel_world_size()
+
+        def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            tokens_BS = mb.rows.tokens_BS
+            position_ids_BS = torch.arange(seq_len)[None].expand_as(tokens_BS)
+            output = model(input_ids=tokens_BS, position_ids=position_ids_BS, attention_mask=mask)
+            return output, partial(self._loss, mb, loss_fn, temperature, scale)
+
+        fwd_bwd = get_forward_backward_func()
+        return fwd_bwd(forward_step_func=forward_step, data_iterator=iter(micros), model=[self.module],
+                       num_microbatches=len(micros), seq_length=seq_len, micro_batch_size=len(micros[0].batch),
+                       forward_only=forward_only)
+
+    def _loss(self, mb: _Micro, loss_fn: LossFn | None, temperature: float, scale: int,
+              logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        B, S, v = logits_BSv.shape
+        targets_BS = mb.rows.tokens_BS[:, 1:]
+        logp_N, ent_N = vocab_parallel_logprob_entropy(
+            logits_BSv[:, :-1].reshape(-1, v), targets_BS.reshape(-1), vocab_size=self.arch.vocab_size,
+            temperature=temperature)
+        idx_BT = mb.rows.response_index_BT()
+        logp_BT = logp_N.view(B, S - 1).gather(1, idx_BT)
+        ent_BT = ent_N.view(B, S - 1).gather(1, idx_BT)
+        if loss_fn is None:
+            return logp_BT.sum() * 0.0, {"logprobs": logp_BT.detach(), "entropy": ent_BT.detach()}
+        loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
+        return loss * scale, {k: v.detach() for k, v in metrics.items()}
+
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[_Micro]:
+        seq_len = padded_seq_len(batch)
+        out = []
+        for part in batch.split(micro_batch_size):
+            if len(part) < micro_batch_size:  # the schedule needs equal shapes: pad with copies of row 0
+                part = RolloutBatch.cat([part, part.index([0] * (micro_batch_size - len(part)))])
+            out.append(_Micro(batch=part, rows=pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id)))
+        return out
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: RolloutBatch, *, micro_batch_size: int,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group."""
+        self.module.eval()
+        micros = self._micro_batches(batch, micro_batch_size)
+        outputs = self._run(micros, None, temperature=temperature, forward_only=True)
+        B, T = batch.response_ids.shape
+        both = torch.zeros(2, len(micros) * micro_batch_size, T)
+        if parallel_state.is_pipeline_last_stage():
+            both[0] = torch.cat([o["logprobs"] for o in outputs])
+            both[1] = torch.cat([o["entropy"] for o in outputs])
+        self._broadcast_from_last_stage(both)
+        mask = batch.response_mask.float()
+        return both[0, :B] * mask, both[1, :B] * mask
+
+    def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
+                   temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch)."""
+        assert self.optimizer is not None and self.scheduler is not None, "train_step on a frozen model"
+        if len(batch) % micro_batch_size:
+            raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
+                             f"micro-batch size {micro_batch_size}")
+        self.module.train()
+        self.module.zero_grad_buffer()  # type: ignore[operator]
+        self.optimizer.zero_grad()
+        outputs = self._run(self._micro_batches(batch, micro_batch_size), loss_fn, temperature=temperature,
+                            forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = self._reduce_metrics(outputs)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = float(not ok)
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Mean over micro-batches and DP ranks (``*_sum`` keys: sum), from the last PP stage."""
+        local: dict[str, float] = {}
+        for k in outputs[0] if outputs else []:
+            stacked = torch.stack([o[k].float() for o in outputs])
+            local[k] = float(stacked.sum() if k.endswith("_sum") else stacked.mean())
+        box: list[Any] = [local]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=parallel_state.get_pipeline_model_parallel_group())
+        keys = sorted(box[0])
+        vals = torch.tensor([box[0][k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
+        n_dp = parallel_state.get_data_parallel_world_size()
+        return {k.removesuffix("_sum"): float(v) / (1 if k.endswith("_sum") else n_dp)
+                for k, v in zip(keys, vals, strict=True)}
+
+    @staticmethod
+    def _broadcast_from_last_stage(t: torch.Tensor) -> None:
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(t, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+
+    # ---- weights ----
+    def export_weights(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """HF-named full tensors in buckets, the same stream on every rank (TP-gathered, PP-broadcast)."""
+        return export_hf_weights(self.module, self.arch, bucket_bytes=bucket_bytes)

@@ -1,0 +1,57 @@
+"""Token layout of the Megatron forward: each sample's prompt + response, left-aligned.
+
+The rollout batch keeps prompts left-padded and responses right-padded. For the actor forward every
+row is shifted so that its real tokens start at position 0 and padding only trails:
+``[p_0 … p_{P_b-1} r_0 … r_{T_b-1} pad …]``. Then the plain causal mask is exact (no real token
+ever attends to padding), on Megatron's local attention and on Transformer Engine's alike, and
+position ids are ``arange``. The log-prob of response token ``r_t`` is read from the logits at
+sequence index ``P_b - 1 + t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.batch import RolloutBatch
+
+
+@dataclass(slots=True, kw_only=True)
+class PackedRows:
+    tokens_BS: torch.Tensor  # [B, S] long; real tokens first, then pad
+    prompt_len_B: torch.Tensor  # [B] long
+    response_mask_BT: torch.Tensor  # [B, T]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens_BS.shape[1]
+
+    def response_index_BT(self) -> torch.Tensor:
+        """Index into the S-1 next-token predictions of each row for each response token."""
+        T = self.response_mask_BT.shape[1]
+        idx_BT = self.prompt_len_B[:, None] - 1 + torch.arange(T)[None, :]
+        return idx_BT.clamp(max=self.seq_len - 2)
+
+
+def pack_rows(batch: RolloutBatch, *, seq_len: int, pad_token_id: int) -> PackedRows:
+    """Left-align ``batch``'s rows into ``[B, seq_len]`` (``seq_len`` ≥ longest prompt + response)."""
+    B, T = batch.response_ids.shape
+    prompt_len_B = batch.prompt_mask.sum(-1).long()
+    response_len_B = batch.response_mask.sum(-1).long()
+    longest = int((prompt_len_B + response_len_B).max()) if B else 0
+    if seq_len < max(longest, 2):
+        raise ValueError(f"seq_len={seq_len} is shorter than the longest prompt + response ({longest})")
+    tokens_BS = torch.full((B, seq_len), pad_token_id, dtype=torch.long)
+    P = batch.prompt_ids.shape[1]
+    for b in range(B):
+        p, r = int(prompt_len_B[b]), int(response_len_B[b])
+        tokens_BS[b, :p] = batch.prompt_ids[b, P - p:]
+        tokens_BS[b, p:p + r] = batch.response_ids[b, :r]
+    return PackedRows(tokens_BS=tokens_BS, prompt_len_B=prompt_len_B, response_mask_BT=batch.response_mask)
+
+
+def padded_seq_len(batch: RolloutBatch, multiple: int = 8) -> int:
+    """Longest prompt + response in ``batch``, rounded up to ``multiple`` (fewer distinct shapes)."""
+    longest = int((batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).max()) if len(batch) else 2
+    return max(-(-longest // multiple) * multiple, 2)

@@ -1,0 +1,38 @@
+"""Engine output (one ``Generation`` per sample) → ``RolloutBatch``; shared by every engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from hybridrl.batch import RolloutBatch
+from hybridrl.data.collate import PromptBatch
+from hybridrl.interfaces import Generation
+
+
+def rollout_batch_from_generations(prompts: PromptBatch, gens: Sequence[Generation], *,
+                                   pad_token_id: int) -> RolloutBatch:
+    """Samples in engine order; ``group_index`` is the prompt's dataset index (GRPO groups)."""
+    B = len(gens)
+    T = max((len(g.token_ids) for g in gens), default=0) or 1
+    response_ids_BT = torch.full((B, T), pad_token_id, dtype=torch.long)
+    response_mask_BT = torch.zeros((B, T), dtype=torch.long)
+    logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
+    for b, g in enumerate(gens):
+        n = len(g.token_ids)
+        if len(g.logprobs) != n:
+            raise ValueError(f"engine returned {len(g.logprobs)} log-probs for {n} tokens (sample {b})")
+        response_ids_BT[b, :n] = torch.tensor(g.token_ids, dtype=torch.long)
+        response_mask_BT[b, :n] = 1
+        logprobs_BT[b, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
+    idx_B = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=prompts.input_ids[idx_B], prompt_mask=prompts.attention_mask[idx_B],
+        response_ids=response_ids_BT, response_mask=response_mask_BT, rollout_logprobs=logprobs_BT,
+        weight_version=torch.tensor([g.weight_version for g in gens], dtype=torch.long),
+        group_index=prompts.index[idx_B],
+        meta=[dataclasses.replace(prompts.meta[g.prompt_index], finish_reason=g.finish_reason) for g in gens],
+        pad_token_id=pad_token_id,
+    )

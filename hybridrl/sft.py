@@ -1,0 +1,88 @@
+"""Supervised fine-tuning of the Megatron actor on prompt → response pairs; saves an HF checkpoint.
+
+    L = -(1/N) Σ_i Σ_t m_{i,t} log π(y_{i,t} | x_i, y_{i,<t}),   N = Σ m over the global batch
+
+Loss on the response tokens only (EOS appended to each target), token-mean over the whole
+optimizer batch across micro-batches and DP ranks (the same normalisation as the RL actor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from hybridrl.batch import RolloutBatch
+from hybridrl.config.sft_schema import SFTConfig
+from hybridrl.data.collate import PromptBatch
+from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
+from hybridrl.data.loader import PromptLoader
+from hybridrl.data.sampler import SamplerConfig
+from hybridrl.hf_checkpoint import save_hf_checkpoint
+from hybridrl.megatron.parallel import init_parallel, seed_everything
+from hybridrl.megatron.policy import MegatronPolicy, parallel_config
+from hybridrl.tracking import Tracker, say
+
+
+def sft_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, max_response_length: int) -> RolloutBatch:
+    """Targets = tokenized ground truth + EOS, right-padded, as a RolloutBatch the actor can train on."""
+    eos = tokenizer.eos_token_id
+    targets = []
+    for meta in prompts.meta:
+        if meta.ground_truth is None:
+            raise ValueError("an SFT row has no response (data.response_key)")
+        ids = tokenizer(meta.ground_truth, add_special_tokens=False)["input_ids"][:max_response_length - 1]
+        targets.append(ids + [eos])
+    B, T = len(targets), max(len(t) for t in targets)
+    response_ids_BT = torch.full((B, T), prompts.pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros((B, T), dtype=torch.long)
+    for b, ids in enumerate(targets):
+        response_ids_BT[b, :len(ids)] = torch.tensor(ids)
+        mask_BT[b, :len(ids)] = 1
+    return RolloutBatch(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
+                        response_ids=response_ids_BT, response_mask=mask_BT, rollout_logprobs=torch.zeros(B, T),
+                        weight_version=torch.zeros(B, dtype=torch.long), group_index=prompts.index,
+                        meta=prompts.meta, pad_token_id=prompts.pad_token_id)
+
+
+def fit_sft(cfg: SFTConfig) -> dict[str, float]:
+    init_parallel(parallel_config(cfg.megatron))
+    seed_everything(cfg.trainer.seed)
+    d, t = cfg.data, cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    dataset = PromptDataset(d.train_files, tokenizer=tokenizer, config=PromptDatasetConfig(
+        prompt_key=d.prompt_key, ground_truth_key=d.response_key, apply_chat_template=d.apply_chat_template,
+        max_prompt_length=d.max_prompt_length))
+    dp_size = parallel_state.get_data_parallel_world_size()
+    loader = PromptLoader(dataset, sampler=SamplerConfig(train_batch_size=d.train_batch_size, shuffle=d.shuffle,
+                                                         seed=t.seed),
+                          dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size)
+    policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
+                            total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id)
+    tracker = Tracker(t, config={}, rank=dist.get_rank())
+    say(f"SFT: {len(dataset)} pairs, {t.total_training_steps} steps of {d.train_batch_size} samples")
+
+    def batches():  # epoch after epoch
+        while True:
+            yield from loader
+
+    metrics: dict[str, float] = {}
+    for step, prompts in zip(range(1, t.total_training_steps + 1), batches(), strict=False):
+        batch = sft_batch(prompts, tokenizer, max_response_length=d.max_response_length)
+        tokens = batch.response_mask.sum().double()
+        dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+
+        def loss_fn(logp_BT: torch.Tensor, ent_BT: torch.Tensor, mb: RolloutBatch,
+                    n: torch.Tensor = tokens) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = -(logp_BT * mb.response_mask).sum() / n.float()
+            return loss, {"loss_sum": loss.detach()}
+
+        step_metrics = policy.train_step(batch, loss_fn, micro_batch_size=d.micro_batch_size_per_gpu)
+        metrics = {f"sft/{k}": v for k, v in step_metrics.items()}
+        tracker.log(metrics, step=step)
+    say(f"SFT: saving the HF checkpoint to {t.save_path}")
+    save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path)
+    tracker.close()
+    return metrics
+

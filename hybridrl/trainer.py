@@ -1,0 +1,100 @@
+"""The RL loop. Every rank runs this same code; data movement lives in the components.
+
+    generate → reward → old / ref log-probs → advantages → actor update → weight sync → eval, log
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.algorithms.kl import kl_penalty
+from hybridrl.batch import RolloutBatch
+from hybridrl.components import Components
+from hybridrl.interfaces import SamplingParams
+from hybridrl.metrics import DPMeans, Timer, rollout_metrics
+
+
+def fit(c: Components) -> dict[str, float]:
+    hybrid, t = c.hybrid, c.cfg.trainer
+    if t.val_before_train and c.val_dataset is not None:
+        c.tracker.log(evaluate(c), step=0)
+    prompts, metrics = c.prompts(), {}
+    for step in range(1, t.total_training_steps + 1):
+        timer = Timer()
+        with timer("step"):
+            with timer("gen"):
+                batch = hybrid.generate(next(prompts), sampling_params(c, step))
+            with timer("reward"):
+                scores_B = score(c, batch)
+            with timer("old_log_prob"):
+                entropy_BT = hybrid.compute_log_probs(batch)
+            if hybrid.ref is not None:
+                with timer("ref"):
+                    hybrid.compute_ref_log_probs(batch)
+            with timer("adv"):
+                compute_advantages(c, batch)
+            with timer("update_actor"):
+                updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
+            with timer("sync_weights"):
+                sync_mb = hybrid.sync_weights()
+        metrics = rollout_metrics(batch, scores_B, entropy_BT).reduce() | actor_metrics(updates) | timer.times
+        metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
+                    "perf/weight_sync_mb": sync_mb}
+        if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
+            metrics |= evaluate(c)
+        c.tracker.log(metrics, step=step)
+    return metrics
+
+
+def sampling_params(c: Components, step: int) -> SamplingParams:
+    r = c.cfg.actor_rollout_ref.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
+                          max_new_tokens=c.cfg.data.max_response_length,
+                          seed=(c.cfg.trainer.seed * 1_000_003 + step) * 4099 + c.dp_rank)
+
+
+def score(c: Components, batch: RolloutBatch) -> torch.Tensor:
+    """Sequence scores from the reward manager, placed on each response's last token."""
+    out = c.reward(batch)
+    last_B = (batch.response_mask.sum(-1) - 1).clamp(min=0)
+    scores_BT = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    scores_BT[torch.arange(len(batch)), last_B] = out.scores_B.float()
+    batch.token_level_scores = scores_BT * batch.response_mask
+    return out.scores_B.float()
+
+
+def compute_advantages(c: Components, batch: RolloutBatch) -> None:
+    alg = c.cfg.algorithm
+    assert batch.token_level_scores is not None
+    rewards_BT = batch.token_level_scores
+    if alg.use_kl_in_reward:  # PPO-style per-token penalty β·KL(π_old ‖ π_ref)
+        assert batch.old_logprobs is not None and batch.ref_logprobs is not None
+        rewards_BT = rewards_BT - alg.kl_coef * kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+    batch.token_level_rewards = rewards_BT * batch.response_mask
+    batch.advantages, batch.returns = c.estimator(
+        token_rewards_BT=batch.token_level_rewards, response_mask_BT=batch.response_mask.float(),
+        group_index_B=batch.group_index, values_BT=batch.values)
+
+
+def actor_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Means over the optimizer steps of this RL step; ``actor/ppo_kl_first_mb`` must be ~0."""
+    out = {f"actor/{k}": sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    out["actor/ppo_kl_first_mb"] = updates[0]["ppo_kl"]
+    out["actor/grad_norm_max"] = max(u["grad_norm"] for u in updates)
+    return out
+
+
+def evaluate(c: Components) -> dict[str, float]:
+    """Greedy (``rollout.val_kwargs``) accuracy over the whole validation split."""
+    v = c.cfg.actor_rollout_ref.rollout.val_kwargs
+    params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
+                            max_new_tokens=c.cfg.data.max_response_length, seed=c.cfg.trainer.seed)
+    m = DPMeans()
+    for prompts in c.val_batches():
+        batch = c.hybrid.generate(prompts, params)
+        out = c.reward(batch)
+        correct = out.info.get("correct", [float(s > 0) for s in out.scores_B.tolist()])
+        m.add("eval/accuracy", sum(float(x) for x in correct), len(batch))
+        m.add("eval/reward_mean", out.scores_B.sum(), len(batch))
+        m.add("eval/response_length_mean", batch.response_mask.sum(), len(batch))
+    return m.reduce()
