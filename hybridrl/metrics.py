@@ -68,15 +68,18 @@ def rollout_metrics(batch: RolloutBatch, scores_B: torch.Tensor, entropy_BT: tor
 
 
 class Timer:
-    """``with timer("gen"):`` records ``timing/gen`` in seconds (wall clock)."""
+    """``with timer("gen"):`` records ``timing/gen`` (wall seconds) and ``timing_cpu/gen`` (this
+    process's CPU seconds; > wall when torch uses several threads)."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - t0
+            for key, dt in ((f"timing/{name}", time.perf_counter() - t0),
+                            (f"timing_cpu/{name}", time.process_time() - c0)):
+                self.times[key] = self.times.get(key, 0.0) + dt

@@ -82,12 +82,21 @@ CONSOLE_KEYS = ("sft/loss", "sft/grad_norm", "reward/mean", "eval/accuracy", "ac
 
 
 class ConsoleBackend:
-    """One line per step: progress, rate, ETA and the headline metrics."""
+    """A line with progress, rate, ETA and the headline metrics: at most ~50 lines a run, at least
+    one every 30 s, and always for evaluations and the last step."""
 
     def __init__(self, total_steps: int, start_step: int) -> None:
         self.progress = Progress(total_steps, start=start_step, label="step")
+        self.total = total_steps
+        self.every = max(total_steps // 50, 1)
+        self.last_print = time.perf_counter()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = time.perf_counter()
+        due = step % self.every == 0 or step >= self.total or step <= 1 or now - self.last_print > 30
+        if not due and not any(k.startswith("eval/") for k in metrics):
+            return
+        self.last_print = now
         shown = " ".join(f"{k}={_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
         print(f"{self.progress.update(step)} | {shown}", flush=True)
 

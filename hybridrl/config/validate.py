@@ -58,7 +58,15 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         roles["ref"] = (f"{AOR}.ref.megatron", aor.ref.megatron)
     if cfg.critic.enable:
         roles["critic"] = ("critic.megatron", cfg.critic.megatron)
+        issues.add("critic.enable", True, "the critic (value model for PPO/GAE) is not implemented in this "
+                                          "version; use a critic-free estimator (grpo, rloo, reinforce_pp)")
     layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
+    for name, (key, m) in roles.items():  # one Megatron parallel_state per process: same layout
+        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if name != "actor" and getattr(m, size) != getattr(aor.actor.megatron, size):
+                issues.add(f"{key}.{size}", getattr(m, size),
+                           f"must equal {AOR}.actor.megatron.{size}={getattr(aor.actor.megatron, size)} "
+                           f"(the {name} shares the actor's Megatron process groups)")
     _check_rollout(cfg, world, model, issues)
     steps = cfg.trainer.total_training_steps * aor.actor.ppo_epochs * max(
         cfg.data.train_batch_size // max(aor.actor.ppo_mini_batch_size, 1), 1)
