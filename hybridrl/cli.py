@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -17,7 +18,7 @@ def _plugins(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from hybridrl.config.dry_run import main as dry_run
 
-    return dry_run(args.overrides, world_size=args.world_size)
+    return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=grpo_tiny trainer.seed=3")
     sp.add_argument("--world-size", type=int, default=None,
                     help="ranks to plan for (default: trainer.nnodes × trainer.n_gpus_per_node)")
+    sp.add_argument("--model-config", type=Path, default=None,
+                    help="plan for another machine: read the architecture from this config.json and skip "
+                         "the checks of local weights, tokenizer and data files (e.g. recipes/model_configs/*.json)")
     sp.set_defaults(fn=_validate)
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
@@ -83,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "validate":  # Hydra overrides may follow the options
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.fn(args) or 0)
 
 

@@ -37,11 +37,14 @@ class _Issues(list[ConfigIssue]):
             self.add(key, value, "must be ≥ 1")
 
 
-def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> Topology:
+def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
+             model_config: Path | None = None) -> Topology:
     """Check ``cfg`` for a run on ``world_size`` ranks; return its topology or raise ConfigError.
 
     ``before_bootstrap``: a model or data file that the config builds when missing
     (``build_if_missing``) may not exist yet; the checks that need it are skipped.
+    ``model_config``: plan a run on another machine: take the architecture from this config.json
+    instead of the model directory, and skip every check of local files (weights, tokenizer, data).
     """
     issues = _Issues()
     world = world_size if world_size is not None else world_size_of(cfg)
@@ -51,7 +54,10 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     aor = cfg.actor_rollout_ref
     m = aor.model
     pending_model = before_bootstrap and m.build_if_missing is not None and not Path(m.path).exists()
-    model = None if pending_model else _check_model(cfg, issues)
+    if model_config is not None:
+        model = ModelInfo.from_config_json(model_config)
+    else:
+        model = None if pending_model else _check_model(cfg, issues)
 
     roles = {"actor": (f"{AOR}.actor.megatron", aor.actor.megatron)}
     if ref_needed(cfg):
@@ -77,8 +83,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     _check_algorithm(cfg, issues)
     _check_plugins(cfg, issues)
     _check_lengths(cfg, model, issues)
-    _check_data(cfg, issues, pending=before_bootstrap and cfg.data.build_if_missing is not None)
-    _check_trainer(cfg, issues)
+    _check_data(cfg, issues, pending=model_config is not None or (
+        before_bootstrap and cfg.data.build_if_missing is not None))
+    _check_trainer(cfg, issues, planning=model_config is not None)
     if issues:
         raise ConfigError(list(issues))
     return Topology(world_size=world, roles=layouts, rollout_tp=aor.rollout.tensor_model_parallel_size,
@@ -302,7 +309,7 @@ def check_files(issues: _Issues, prefix: str, train_files: list[str], val_files:
                 issues.add(key, f, f"unsupported file type; valid: {', '.join(DATA_SUFFIXES)}")
 
 
-def _check_trainer(cfg: RLConfig, issues: _Issues) -> None:
+def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) -> None:
     t = cfg.trainer
     issues.positive("trainer.total_training_steps", t.total_training_steps)
     issues.positive("trainer.nnodes", t.nnodes)
@@ -314,7 +321,7 @@ def _check_trainer(cfg: RLConfig, issues: _Issues) -> None:
         issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
     if t.device not in DEVICES:
         issues.add("trainer.device", t.device, f"valid: {', '.join(DEVICES)}")
-    elif t.device == "cuda":
+    elif t.device == "cuda" and not planning:  # planning for another machine: its GPUs are not here
         import torch
 
         if not torch.cuda.is_available():

@@ -223,3 +223,21 @@ def test_validate_cli_prints_topology(base: list[str]) -> None:
     bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base, f"{AOR}.rollout.n=1",
                           f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and f"{AOR}.rollout.n=1" in bad.stderr
+
+
+@pytest.mark.parametrize(("recipe", "world", "layout"), [
+    ("grpo_qwen7b", 8, "actor   TP=4 PP=1 CP=1 DP=2"),
+    ("grpo_qwen7b_2nodes", 16, "actor   TP=4 PP=2 CP=1 DP=2"),
+])
+def test_scale_recipes_plan_on_a_cpu_machine(recipe: str, world: int, layout: str) -> None:
+    """The 7B recipes' topology arithmetic is checked here, with the real architecture, no weights."""
+    qwen7b = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
+    r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", f"recipe={recipe}",
+                        "--model-config", str(qwen7b)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"world_size: {world}" in r.stdout and layout in r.stdout
+    assert "heads 28 (kv 4)" in r.stdout and r.stdout.strip().endswith("config OK")
+    bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", f"recipe={recipe}", "--model-config",
+                          str(qwen7b), f"{AOR}.actor.megatron.tensor_model_parallel_size=8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "must divide the model's 4 KV heads" in bad.stderr
