@@ -7,11 +7,10 @@ which is idempotent and does nothing when CUDA is available. Each function's doc
 upstream file and behaviour it works around; ``tests/megatron/test_cpu_adaptations.py`` runs each
 upstream behaviour without its adaptation and fails once upstream no longer needs it.
 
-Not adapted (not used yet; they fail loudly if reached): CP rope helpers (``pin_memory=True`` +
-``.cuda()`` in ``models/common/embeddings/rope_utils.get_pos_emb_on_this_cp_rank``), the fp16/bf16
-and distributed optimizers' ``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event``
-in the inference controller. (The fp32 optimizer and gradient clipping are adapted:
-:func:`use_cpu_in_optimizer`.)
+Not adapted (not used yet; they fail loudly if reached): the fp16/bf16 and distributed optimizers'
+``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event`` in the inference controller.
+(The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the CP RoPE
+slice: :func:`use_cpu_in_cp_rope`.)
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ def apply_cpu_adaptations() -> None:
     use_cpu_in_pipeline_schedules()
     use_cpu_in_tied_embedding_setup()
     use_cpu_in_optimizer()
+    use_cpu_in_cp_rope()
+    use_cpu_in_dist_checkpointing()
 
 
 # --- explicit arguments (preferred: no patch) ---------------------------------------------------
@@ -250,3 +251,69 @@ def use_cpu_in_optimizer() -> None:
         if not isinstance(module.torch, _TorchWithCpuFactories):
             module.torch = _TorchWithCpuFactories()  # type: ignore[assignment]
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu  # type: ignore[assignment]
+
+
+def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Upstream ``get_pos_emb_on_this_cp_rank`` with its chunk index made on ``pos_emb``'s device."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def use_cpu_in_cp_rope() -> None:
+    """Slice the RoPE table for this CP rank without pinned memory or ``.cuda()``.
+
+    ``models/common/embeddings/rope_utils.py``: ``get_pos_emb_on_this_cp_rank`` (called by
+    ``RotaryEmbedding.forward`` when CP > 1) builds its index with ``torch.tensor(..., device="cpu",
+    pin_memory=True).cuda(non_blocking=True)`` → ``RuntimeError: pin_memory=True requires a CUDA or
+    other accelerator backend ...``. The modules that imported the function by name get
+    :func:`_pos_emb_on_this_cp_rank_cpu`, which selects the same chunks (r and 2·CP−1−r).
+    """
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    if getattr(rotary_pos_embedding.get_pos_emb_on_this_cp_rank, _MARK, False):
+        return
+    setattr(_pos_emb_on_this_cp_rank_cpu, _MARK, True)
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu  # type: ignore[attr-defined]
+
+
+class _CudaWithoutStreams:
+    """``torch.cuda`` as seen by one Megatron module, with ``synchronize`` a no-op (no streams on CPU)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+
+class _TorchWithoutCudaStreams:
+    """``torch`` whose ``cuda`` attribute is :class:`_CudaWithoutStreams`; everything else is torch."""
+
+    cuda = _CudaWithoutStreams()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def use_cpu_in_dist_checkpointing() -> None:
+    """Let ``dist_checkpointing.save`` write CPU tensors.
+
+    ``dist_checkpointing/strategies/filesystem_async.py``: ``FileSystemWriterAsync.preload_tensors``
+    calls ``torch.cuda.synchronize()`` before staging the shards to write → ``AssertionError: Torch
+    not compiled with CUDA enabled`` on every save (the default ``torch_dist`` strategy goes through
+    it even when saving synchronously). The module's ``torch`` becomes a proxy whose
+    ``cuda.synchronize`` does nothing; there is no CUDA stream to wait for on a CPU build.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async.torch, _TorchWithoutCudaStreams):
+        filesystem_async.torch = _TorchWithoutCudaStreams()  # type: ignore[assignment]

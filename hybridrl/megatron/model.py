@@ -3,7 +3,8 @@
 Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
 [gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling), QKV bias (Qwen2), per-head
 QK RMSNorm (Qwen3), tied or untied embeddings. Transformer Engine's layer spec is used when
-``transformer_engine`` imports (GPU), Megatron's local spec otherwise; fp32 on CPU.
+``transformer_engine`` imports (GPU), Megatron's local spec otherwise (fp32 on CPU), whose core
+attention is :class:`~hybridrl.megatron.context_parallel.ContextParallelAttention` when CP > 1.
 
 The vocabulary is padded to a multiple of ``vocab_multiple × TP`` (VocabParallelEmbedding needs equal
 shards). Padded rows are zero and never leave this package: :func:`gather_vocab_logits` and the weight
@@ -27,9 +28,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
 from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.parallel import ParallelConfig
@@ -65,10 +73,6 @@ def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
 def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
     arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size)
     if not use_transformer_engine():
-        if parallel.context_parallel_size > 1:
-            raise NotImplementedError(
-                f"context_parallel_size={parallel.context_parallel_size} needs Transformer Engine's "
-                "attention, which is not importable here; use context_parallel_size=1")
         if parallel.sequence_parallel:
             raise NotImplementedError(
                 "sequence_parallel=True is not supported with Megatron's torch norms (no Transformer "
@@ -111,10 +115,14 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: HFArch) -> ModuleSpec:
+def layer_spec(arch: HFArch, parallel: ParallelConfig) -> ModuleSpec:
+    """TE's layer spec when TE imports; else the local spec, with our CP core attention when CP > 1."""
     if use_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    if parallel.context_parallel_size > 1:  # the local DotProductAttention refuses CP
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention  # type: ignore[union-attr]
+    return spec
 
 
 def build_gpt_model(
@@ -128,9 +136,9 @@ def build_gpt_model(
     """This rank's stage of the model (uninitialised weights); needs :func:`init_parallel` first."""
     config = transformer_config(arch, parallel, params_dtype=params_dtype, **config_overrides)
     scaling = arch.rope_scaling
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, parallel),
         vocab_size=padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size,
                                      multiple=vocab_multiple),
         max_sequence_length=arch.max_position_embeddings,
@@ -144,6 +152,26 @@ def build_gpt_model(
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
     )
+    _mark_tensor_parallel_weights(model)
+    return model
+
+
+def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Tag the TP-sharded weights as such, which Megatron skips under ``perform_initialization=False``.
+
+    ``tensor_parallel/layers.py`` sets ``tensor_model_parallel=True`` on the weights of
+    ``VocabParallelEmbedding`` / ``ColumnParallelLinear`` / ``RowParallelLinear`` only inside its
+    weight-init helpers. Without the tag, the optimizer's grad norm (``get_main_grads_for_grad_norm``
+    → ``param_is_not_tensor_parallel_duplicate``) takes each sharded weight from TP rank 0 only, so at
+    TP > 1 the norm is too small and clipping is wrong. (Megatron-Bridge keeps initialisation on for
+    the same reason, NVIDIA-NeMo/Megatron-Bridge#992.) TE's layers set the tag themselves.
+    """
+    for module in model.modules():
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear)):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
+                dim = 1 if isinstance(module, RowParallelLinear) else 0
+                set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 def unwrap_model(model: torch.nn.Module) -> GPTModel:

@@ -28,7 +28,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """PP: stages that split the layers (num_layers must divide evenly)."""
     context_parallel_size: int = 1
-    """CP: ranks that split the sequence (needs Transformer Engine attention; not on CPU yet)."""
+    """CP: ranks that split the sequence (TE's attention on GPU; ``context_parallel.py``'s without TE)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over TP (needs TP > 1 and Transformer Engine norms)."""
 

@@ -5,6 +5,10 @@ gradient accumulation over micro-batches are Megatron's. Token log-probs and ent
 the vocab-parallel logits without gathering the vocabulary (:mod:`vocab_parallel`). Results are
 computed on the last pipeline stage and broadcast to the other stages, so every rank of a
 model-parallel group holds the same tensors afterwards (SPMD: the loop has no rank branches).
+With CP > 1 each rank feeds its share of the positions (Megatron's load-balanced chunks,
+:mod:`context_parallel`) and the per-token log-probs/entropies are gathered back to whole sequences,
+so every CP rank computes the same loss; the gradient of that loss is summed over CP (the schedule's
+×CP and DDP's 1/(DP·CP) cancel to a sum over CP and a mean over DP).
 
 Loss scaling: the schedule divides each micro-batch loss by the number of micro-batches and
 Megatron's DDP averages gradients over DP. A ``LossFn`` returns its micro-batch loss already
@@ -14,6 +18,7 @@ normalised by the *global* (mini-batch, all-DP) normaliser, so the scaling is un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -30,6 +36,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.interfaces import WeightBucket
+from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.model import build_gpt_model
@@ -103,7 +110,8 @@ class MegatronPolicy:
             mb = next(data_iterator)
             tokens_BS = mb.rows.tokens_BS
             position_ids_BS = torch.arange(seq_len)[None].expand_as(tokens_BS)
-            output = model(input_ids=tokens_BS, position_ids=position_ids_BS, attention_mask=mask)
+            output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
+                           attention_mask=mask)
             return output, partial(self._loss, mb, loss_fn, temperature, scale)
 
         fwd_bwd = get_forward_backward_func()
@@ -113,21 +121,21 @@ class MegatronPolicy:
 
     def _loss(self, mb: _Micro, loss_fn: LossFn | None, temperature: float, scale: int,
               logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        B, S, v = logits_BSv.shape
-        targets_BS = mb.rows.tokens_BS[:, 1:]
+        B, s, v = logits_BSv.shape  # s: this CP rank's positions (all S when CP = 1)
+        next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
         logp_N, ent_N = vocab_parallel_logprob_entropy(
-            logits_BSv[:, :-1].reshape(-1, v), targets_BS.reshape(-1), vocab_size=self.arch.vocab_size,
+            logits_BSv.reshape(-1, v), shard_sequence(next_BS).reshape(-1), vocab_size=self.arch.vocab_size,
             temperature=temperature)
         idx_BT = mb.rows.response_index_BT()
-        logp_BT = logp_N.view(B, S - 1).gather(1, idx_BT)
-        ent_BT = ent_N.view(B, S - 1).gather(1, idx_BT)
+        logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
+        ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)
         if loss_fn is None:
             return logp_BT.sum() * 0.0, {"logprobs": logp_BT.detach(), "entropy": ent_BT.detach()}
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
     def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[_Micro]:
-        seq_len = padded_seq_len(batch)
+        seq_len = padded_seq_len(batch, multiple=math.lcm(8, 2 * self.parallel.context_parallel_size))
         out = []
         for part in batch.split(micro_batch_size):
             if len(part) < micro_batch_size:  # the schedule needs equal shapes: pad with copies of row 0

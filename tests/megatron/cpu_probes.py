@@ -25,6 +25,7 @@ from megatron.core.distributed import (  # noqa: E402
     finalize_model_grads,
 )
 from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import schedules  # noqa: E402
@@ -195,6 +196,16 @@ def main(out_dir: Path) -> None:
     results["optimizer_without"] = error_of(optimizer_step)
     cpu.use_cpu_in_optimizer()
     record("optimizer_with", optimizer_step)
+
+    # World of 2 as CP=2: RotaryEmbedding slices its table for this CP rank (chunks r, 3 - r of 4).
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    table = torch.arange(8.0).view(8, 1, 1, 1)
+    cp_group = parallel_state.get_context_parallel_group()
+    results["cp_rope_without"] = error_of(lambda: rope_utils.get_pos_emb_on_this_cp_rank(table, 0, cp_group))
+    cpu.use_cpu_in_cp_rope()
+    record("cp_rope_with", lambda: rotary_pos_embedding.get_pos_emb_on_this_cp_rank(
+        table, 0, cp_group).flatten().tolist())
 
     patched = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker,
                type(tensor_parallel.get_cuda_rng_tracker()))

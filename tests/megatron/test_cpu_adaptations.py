@@ -88,3 +88,10 @@ def test_optimizer_cuda_literals_and_grad_type_assert_still_fail(probes: list[di
         assert rank["optimizer_with"]["ok"] is True
         assert rank["optimizer_with"]["grad_norm"] == pytest.approx(6.0)
         assert rank["optimizer_with"]["w"] == pytest.approx([0.975] * 4)
+
+
+def test_cp_rope_slice_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:  # torch.tensor(..., pin_memory=True).cuda() for the chunk index
+        assert rank["cp_rope_without"].startswith("RuntimeError: pin_memory=True requires a CUDA")
+    assert probes[0]["cp_rope_with"] == [0.0, 1.0, 6.0, 7.0]  # chunks 0 and 3 of 4
+    assert probes[1]["cp_rope_with"] == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2
