@@ -1,0 +1,68 @@
+"""One actor RL step gives the same answer at every parallel layout as on one rank (TP=1).
+
+The step is the trainer's (``workers/rl_step.py``): old and ref log-probs, then PPO-clip + KL loss
++ entropy bonus over 2 mini-batches × 2–4 micro-batches with the DP-global normaliser, for
+``token-mean`` (Adam) and ``seq-mean-token-mean`` (SGD). Compared with the single-rank run: the
+old/ref log-probs and entropy of every response token, every optimizer step's metrics and every
+HF tensor exported after the step. The max abs differences reached are printed per layout
+(``pytest -s``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = str(Path(__file__).parent / "workers" / "rl_step.py")
+MODES = ("token-mean", "seq-mean-token-mean")
+METRICS = ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "kl_ref", "entropy")
+# fp32 reassociation only (TP splits matmuls and softmax sums; DP, PP and CP change summation orders).
+# Seen: ≤ 5e-7 on log-probs, ≤ 7e-7 on metrics, ≤ 2e-7 on SGD weights, ≤ 2e-6 on Adam weights
+# (Adam's first steps divide by |g| + eps, which amplifies noise on near-zero gradient entries).
+TOL = {"logprobs": 2e-6, "metrics": 2e-6, "weights": {"token-mean": 1e-5, "seq-mean-token-mean": 1e-6}}
+LAUNCHES = {  # ranks -> layouts run in one torchrun launch (DP is what the world leaves)
+    2: ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2"],  # TP=2, PP=2, DP=2, CP=2
+    4: ["tp2pp2cp1", "tp2pp1cp1", "tp2pp1cp2", "tp1pp2cp2"],  # TP×PP, DP×TP, TP×CP, PP×CP (2 each)
+}
+
+
+@pytest.fixture(scope="module")
+def reference(torchrun, rl_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rl_step")
+    torchrun([WORKER, str(rl_model), str(out), "tp1pp1cp1"], nproc=1)
+    return out
+
+
+def max_abs_diffs(ref: dict, got: dict) -> dict[str, float]:
+    """Max |Δ| per quantity: per-token tensors, each metric over the optimizer steps, all weights."""
+    diffs = {k: float((ref[k] - got[k]).abs().max()) for k in ("old_logprobs", "ref_logprobs", "entropy")}
+    assert len(ref["steps"]) == len(got["steps"]) == 2
+    for k in METRICS:
+        diffs[k] = max(abs(a[k] - b[k]) for a, b in zip(ref["steps"], got["steps"], strict=True))
+    assert ref["weights"].keys() == got["weights"].keys()
+    diffs["weights"] = max(float((ref["weights"][k] - got["weights"][k]).abs().max()) for k in ref["weights"])
+    return diffs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", sorted(LAUNCHES))
+def test_rl_step_matches_single_rank(torchrun, rl_model: Path, reference: Path, nproc: int) -> None:
+    torchrun([WORKER, str(rl_model), str(reference), *LAUNCHES[nproc]], nproc=nproc, timeout=600)
+    failures = []
+    for layout in LAUNCHES[nproc]:
+        dp = nproc // (int(layout[2]) * int(layout[5]) * int(layout[8]))
+        for mode in MODES:
+            ref = torch.load(reference / f"tp1pp1cp1dp1-{mode}.pt")
+            got = torch.load(reference / f"{layout}dp{dp}-{mode}.pt")
+            assert all(abs(s["ppo_kl"]) < 1e-6 for s in (ref["steps"][0], got["steps"][0]))  # on-policy
+            assert ref["steps"][1]["clipfrac"] > 0 and ref["steps"][1]["kl_ref"] > 0  # both exercised
+            diffs = max_abs_diffs(ref, got)
+            print(f"{layout}dp{dp} {mode:>19}: " + " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
+            for k, v in diffs.items():
+                tol = TOL["weights"][mode] if k == "weights" else TOL["logprobs" if k.endswith(
+                    ("logprobs", "entropy")) and k not in METRICS else "metrics"]
+                if not v <= tol:
+                    failures.append(f"{layout}dp{dp} {mode} {k}: max |Δ| {v:.2e} > {tol:.0e}")
+    assert not failures, "\n".join(failures)
