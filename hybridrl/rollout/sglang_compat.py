@@ -1,0 +1,201 @@
+"""Every adaptation hybridrl makes to SGLang 0.5.21's behaviour, in one place.
+
+Each item names the upstream code it works around; ``tests/rollout/test_sglang_compat.py`` shows that
+each is still needed (it fails once upstream changes the behaviour, so the item can be dropped).
+
+1. **Weight version with a tensor update.** ``Engine.update_weights_from_tensor`` has no
+   ``weight_version`` parameter, although the request it builds (``UpdateWeightsFromTensorReqInput``)
+   has one and the scheduler then stamps every later sample with it. :func:`update_weights_from_tensor`
+   builds that request itself and sends it the way ``Engine.update_weights_from_tensor`` does.
+2. **Signal handlers taken from the trainer.** ``TokenizerManager.auto_create_handle_loop`` (first
+   request) installs SIGTERM/SIGQUIT handlers on the trainer's event loop (``loop.add_signal_handler``):
+   SIGTERM then only sets ``gracefully_exit``, which a task acts on while the loop runs — i.e. during
+   the next engine call, never during training, so ``kill <trainer>`` does nothing for minutes; SIGQUIT
+   (sent by a crashing engine child) runs ``kill_process_tree(os.getpid())``, SIGKILLing the trainer
+   without an error. ``_set_envs_and_config`` (engine start) installs the same SIGQUIT behaviour
+   (``launch_phase_sigquit_handler``). :func:`take_back_signals` forces that installation right after
+   start, removes it, and hands the signals to hybridrl's handlers (``custom_sigquit_handler`` covers
+   the launch phase).
+3. **Global multiprocessing start method.** ``_set_envs_and_config`` calls
+   ``mp.set_start_method("spawn", force=True)`` in the caller (the trainer), changing how its own
+   DataLoader workers start. :func:`keep_start_method` restores the trainer's method after start.
+4. **Shutdown kills every child of the trainer.** ``Engine.shutdown`` (also registered with ``atexit``)
+   ends with ``kill_process_tree(os.getpid(), include_parent=False)``: it kills the trainer's other
+   children too (wandb's service, DataLoader workers, a second engine). :func:`shutdown_engine` does the
+   rest of ``Engine.shutdown`` and kills only the engine's own processes; the atexit hook is removed.
+6. **Calls return before the scheduler is idle.** ``Engine.generate`` returns once the outputs are
+   out, while the (overlap) scheduler may still be finishing its last batch; ``release_memory_occupation``
+   then fails ``assert self.is_fully_idle()`` *inside the scheduler*, which kills it.
+   :func:`wait_until_idle` sends a deferred ``flush_cache(timeout_s=...)`` first, which SGLang answers
+   once the scheduler is idle.
+7. **CPU install gaps** (only with ``launch/install_sglang_cpu.sh``): PyPI's torchvision is a CUDA build
+   whose ``_meta_registrations`` dies next to a CPU torch (``launch/sglang_cpu/patch_torchvision.py``);
+   no CPU build of ``sgl_kernel`` exists, yet SGLang imports names from it at module level
+   (``launch/sglang_cpu/sgl_kernel``: a stand-in whose kernels raise if called).
+
+5. **No timeouts.** ``Engine``'s blocking methods (``generate``, ``begin_weight_update``,
+   ``release_memory_occupation``, ...) are ``loop.run_until_complete(tokenizer_manager.<method>(request))``
+   with no time limit; a hung scheduler hangs the trainer. The functions below return those coroutines
+   and :func:`run` bounds them with ``asyncio.wait_for`` (aborting the engine's requests on timeout).
+Nothing here imports sglang at module import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import multiprocessing as mp
+import signal
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psutil
+
+SignalHandler = Callable[[int, Any], Any]
+
+
+def update_weights_from_tensor(engine: Any, payloads: list[bytes], *, load_format: str | None, flush_cache: bool,
+                               weight_version: str | None) -> Coroutine[Any, Any, tuple[bool, str]]:
+    """``Engine.update_weights_from_tensor`` plus the request's ``weight_version`` (item 1), as a coroutine.
+
+    ``payloads``: one ``MultiprocessingSerializer`` payload per engine TP rank.
+    """
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                              flush_cache=flush_cache, weight_version=weight_version)
+    return engine.tokenizer_manager.update_weights_from_tensor(request)
+
+
+def set_weight_version(engine: Any, version: str) -> Coroutine[Any, Any, None]:
+    """Stamp a weight version without loading anything (no ``Engine`` method exists; item 1)."""
+    from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+    return engine.tokenizer_manager.update_weight_version(
+        UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False))
+
+
+def weight_update_session(engine: Any, which: str) -> Coroutine[Any, Any, tuple[bool, str]]:
+    """``Engine.begin_weight_update``/``end_weight_update`` as coroutines, so a timeout can bound them (item 6)."""
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+    if which == "begin":
+        return engine.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput())
+    return engine.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput())
+
+
+def memory_occupation(engine: Any, which: str, tags: list[str]) -> Coroutine[Any, Any, None]:
+    """``Engine.release_memory_occupation``/``resume_memory_occupation`` as coroutines (item 6)."""
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
+
+    if which == "release":
+        return engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags))
+    return engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags))
+
+
+def wait_until_idle(engine: Any, timeout_s: float | None) -> Coroutine[Any, Any, Any]:
+    """A deferred ``flush_cache``: answers once the scheduler is idle (item 7)."""
+    return engine.tokenizer_manager.flush_cache(timeout_s=timeout_s or 3600.0)
+
+
+def run(engine: Any, coroutine: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+    """Run an engine coroutine on the engine's loop within ``timeout_s``, as ``Engine``'s methods do without one."""
+    try:
+        return engine.loop.run_until_complete(asyncio.wait_for(coroutine, timeout_s))
+    except TimeoutError:
+        engine.tokenizer_manager.abort_request(abort_all=True)
+        raise
+
+
+def take_back_signals(engine: Any, handlers: dict[int, SignalHandler]) -> None:
+    """Let SGLang install its loop signal handlers now, then replace them with ``handlers`` (item 2)."""
+
+    async def create_then_remove() -> list[bool]:
+        # both must run inside the engine's loop: SGLang installs them on a first request, and uvloop's
+        # remove_signal_handler is a no-op (returns False) while the loop is not running
+        engine.tokenizer_manager.auto_create_handle_loop()
+        return [engine.loop.remove_signal_handler(s) for s in (signal.SIGTERM, signal.SIGQUIT)]
+
+    removed = engine.loop.run_until_complete(create_then_remove())
+    if not all(removed):
+        raise RuntimeError(f"SGLang's loop signal handlers (SIGTERM, SIGQUIT) were not all removed: {removed}")
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+@contextmanager
+def keep_start_method() -> Iterator[None]:
+    """Undo SGLang's process-wide ``mp.set_start_method("spawn", force=True)`` after engine start (item 3)."""
+    before = mp.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if mp.get_start_method(allow_none=True) != before:
+            mp.set_start_method(before, force=True)  # type: ignore[arg-type]
+
+
+def new_children(before: set[int]) -> list[psutil.Process]:
+    """The processes this process started since ``before`` (pids), without multiprocessing's resource tracker."""
+    import psutil
+
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid not in before and "resource_tracker" not in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def kill_processes(procs: list[psutil.Process], *, grace_s: float = 3.0) -> None:
+    """SIGTERM ``procs`` (and their children), SIGKILL what is left after ``grace_s``; reap them."""
+    import psutil
+
+    everyone: dict[int, psutil.Process] = {}
+    for proc in procs:
+        try:
+            everyone[proc.pid] = proc
+            everyone.update({c.pid: c for c in proc.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    alive = list(everyone.values())
+    for proc in alive:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
+    """``Engine.shutdown`` without killing the caller's unrelated children (item 4)."""
+    atexit.unregister(engine.shutdown)
+    tm = engine.tokenizer_manager
+    try:
+        if tm is not None and getattr(tm, "_subprocess_watchdog", None) is not None:
+            tm._subprocess_watchdog.stop()  # before the kill: a dying child is not a crash now
+        if getattr(engine, "send_to_rpc", None) is not None:
+            engine.send_to_rpc.close(linger=0)
+            engine.send_to_rpc = None
+        daemons = getattr(engine, "_weight_cache_daemon_procs", None)
+        if daemons:
+            engine._terminate_weight_cache_daemons(daemons)
+            engine._weight_cache_daemon_procs = []
+    finally:
+        kill_processes(procs)
+        if tm is not None:
+            mm = getattr(tm, "mm_processor", None)
+            if mm is not None:
+                mm.shutdown()
+            transport = getattr(tm, "cuda_vmm_feature_transport", None)
+            if transport is not None:
+                transport.shutdown()

@@ -1,0 +1,301 @@
+"""The ``sglang`` rollout engine with the real SGLang engine on CPU (``launch/install_sglang_cpu.sh``).
+
+One engine (tiny model A) serves the module; a second one (model B) is started once as the "fresh
+load" reference for the in-place swap. Process-lifecycle cases run as small scripts in subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hybridrl.interfaces import Generation, SamplingParams
+from hybridrl.models.tiny import make_tiny_model
+from hybridrl.registry import PluginConfigError, Registry
+from hybridrl.rollout import sglang_compat as compat
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh` (CI's test command does)",
+                allow_module_level=True)
+
+from hybridrl.rollout.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+torch.set_num_threads(1)
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+def build(path: Path, **kw: object) -> SGLangRolloutEngine:
+    return Registry("rollout_engines").build("sglang", kw, key=CONFIG_KEY, model_path=str(path),
+                                             device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("sglang_engine")
+    kw = dict(hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
+    return make_tiny_model(tmp / "a", seed=1, **kw), make_tiny_model(tmp / "b", seed=2, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path]) -> Iterator[SGLangRolloutEngine]:
+    eng = build(models[0])
+    yield eng
+    eng.shutdown()
+
+
+def forward_logprobs(model: torch.nn.Module, prompt: list[int], g: Generation, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + g.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+    return logp.gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_a_full_transformers_forward(engine: SGLangRolloutEngine, models: tuple[Path, Path],
+                                                    temperature: float) -> None:
+    out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=8, n=2, seed=3))
+    ref = AutoModelForCausalLM.from_pretrained(models[0]).eval()
+    for g in out:  # log_softmax(logits / T): what the Megatron actor recomputes
+        want = forward_logprobs(ref, PROMPTS[g.prompt_index], g, temperature)
+        assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-4), (g.logprobs, want)
+
+
+def test_greedy_tokens_and_logprobs_match_the_hf_engine(engine: SGLangRolloutEngine, models: tuple[Path, Path]) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    hf = Registry("rollout_engines").build("hf", {}, key=CONFIG_KEY, model_path=str(models[0]))
+    want = hf.generate(PROMPTS, params)
+    got = engine.generate(PROMPTS, params)
+    for g, w in zip(got, want, strict=True):
+        assert (g.prompt_index, g.token_ids, g.finish_reason) == (w.prompt_index, w.token_ids, w.finish_reason)
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+
+
+def test_n_samples_stop_tokens_and_finish_reasons(engine: SGLangRolloutEngine) -> None:
+    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5, n=3, seed=7))
+    assert [g.prompt_index for g in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len({tuple(g.token_ids) for g in out[:3]}) > 1  # n samples of one prompt differ
+    for g in out:
+        stopped = bool(set(g.token_ids) & set(engine.stop_ids))
+        assert g.finish_reason == ("stop" if stopped else "length")
+        assert len(g.token_ids) == len(g.logprobs) and (stopped or len(g.token_ids) == 5)
+    first = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=4))[0].token_ids[0]
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[first]))
+    assert stopped[0].token_ids == [first] and stopped[0].finish_reason == "stop"
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_memory_phases_are_harmless_on_cpu(engine: SGLangRolloutEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    before = engine.generate(PROMPTS, params)
+    engine.release_memory()
+    engine.release_memory()  # idempotent
+    engine.resume_memory()
+    assert [g.token_ids for g in engine.generate(PROMPTS, params)] == [g.token_ids for g in before]
+
+
+def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models: tuple[Path, Path]) -> None:
+    a, b = models
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    before = engine.generate(PROMPTS, params)
+    storage = engine.parameter_storage()
+    version = engine.version + 1
+    weights = load_file(b / "model.safetensors")
+    names = sorted(weights)
+    engine.update_weights(([(n, weights[n]) for n in names[i:i + 3]] for i in range(0, len(names), 3)),
+                          version=version)
+    assert engine.last_update["buckets"] == -(-len(names) // 3)
+    swapped, swapped_sampled = engine.generate(PROMPTS, params), engine.generate(PROMPTS, sampled)
+    fresh = build(b)
+    try:
+        want = fresh.generate(PROMPTS, params)
+    finally:
+        fresh.shutdown()
+    # a random tiny model's greedy path can repeat the prompt: compare the log-probs too
+    assert [g.token_ids for g in swapped] == [g.token_ids for g in want]
+    assert torch.allclose(torch.tensor(sum((g.logprobs for g in swapped), [])),
+                          torch.tensor(sum((g.logprobs for g in want), [])), atol=1e-6)
+    ref_b = AutoModelForCausalLM.from_pretrained(b).eval()
+    for g in swapped_sampled:  # sampled tokens too: scored by model B
+        want_lp = forward_logprobs(ref_b, PROMPTS[g.prompt_index], g, 1.0)
+        assert torch.allclose(torch.tensor(g.logprobs), want_lp, atol=1e-4)
+    assert [g.logprobs for g in swapped] != [g.logprobs for g in before]
+    assert engine.parameter_storage() == storage  # same storage: swapped in place
+    assert {g.weight_version for g in swapped + swapped_sampled} == {version}
+    # and back to A (one bucket), version incremented again: the original outputs return
+    weights_a = load_file(a / "model.safetensors")
+    engine.update_weights([list(weights_a.items())], version=version + 1)
+    back = engine.generate(PROMPTS, params)
+    assert [(g.token_ids, g.weight_version) for g in back] == [(g.token_ids, version + 1) for g in before]
+    assert engine.parameter_storage() == storage
+
+
+def test_a_refused_update_raises_with_the_engines_message(engine: SGLangRolloutEngine) -> None:
+    ok, _ = compat.run(engine.engine, compat.weight_update_session(engine.engine, "begin"), 60)
+    assert ok  # a session is open: SGLang refuses a second one with (False, message)
+    try:
+        with pytest.raises(SGLangEngineError, match="a weight-update session is already open"):
+            engine.update_weights([[("model.norm.weight", torch.ones(64))]], version=99)
+    finally:
+        compat.run(engine.engine, compat.weight_update_session(engine.engine, "end"), 60)
+    # outside a session the engine refuses any tensor update: our error carries its message
+    payloads = engine._payloads([("model.norm.weight", torch.ones(64))])
+    request = compat.update_weights_from_tensor(engine.engine, payloads, load_format="flattened_bucket",
+                                                flush_cache=True, weight_version=None)
+    with pytest.raises(SGLangEngineError, match="must run between begin_weight_update"):
+        engine._ok(compat.run(engine.engine, request, 60))
+    assert engine.version != 99
+
+
+def test_generate_timeout_names_the_config_key(engine: SGLangRolloutEngine) -> None:
+    saved = engine.config.request_timeout_s
+    engine.config.request_timeout_s = 1e-4
+    try:
+        with pytest.raises(SGLangEngineError, match=f"{CONFIG_KEY}.request_timeout_s"):
+            engine.generate(PROMPTS * 8, SamplingParams(temperature=1.0, max_new_tokens=64, n=4))
+    finally:
+        engine.config.request_timeout_s = saved
+    engine.release_memory()  # waits until the aborted requests are gone
+    engine.resume_memory()
+    assert len(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4))) == 3
+
+
+def test_start_failure_names_the_config_key(tmp_path: Path) -> None:
+    with pytest.raises(SGLangEngineError, match="actor_rollout_ref.model.path") as e:
+        build(tmp_path / "no-such-model")
+    assert CONFIG_KEY in str(e.value)
+
+
+def test_start_failure_inside_the_engine_raises_and_leaves_no_process(engine: SGLangRolloutEngine,
+                                                                      models: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    broken = tmp_path / "broken"  # a readable config, unreadable weights: SGLang's scheduler fails to load
+    broken.mkdir()
+    for f in models[0].iterdir():
+        (broken / f.name).write_bytes(b"not safetensors" if f.name == "model.safetensors" else f.read_bytes())
+    before = {p.pid for p in compat.new_children(set())}
+    with pytest.raises(SGLangEngineError, match="the SGLang engine failed to start") as e:
+        build(broken)  # SGLang's own SIGQUIT handler would SIGKILL this (the trainer's) process
+    assert CONFIG_KEY in str(e.value)
+    time.sleep(1)
+    assert compat.new_children(before) == []
+    assert len(engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
+
+
+def test_config_is_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
+    for kw, message in [({"dtype": "fp8"}, "dtype='fp8'; valid: auto, float32, bfloat16, float16"),
+                        ({"release_weights": True}, "release_weights=true needs enable_memory_saver=true"),
+                        ({"server_args": {"tp_size": 2}}, "server_args may not set \\['tp_size'\\]"),
+                        ({"request_timeout_s": 0}, "request_timeout_s=0 must be > 0"),
+                        ({"update_weights_load_format": "disk"}, "valid: flattened_bucket, tensors")]:
+        with pytest.raises(PluginConfigError, match=message):
+            build(models[0], **kw)
+    with pytest.raises(SGLangEngineError, match=f"{CONFIG_KEY}.enable_memory_saver=true needs a CUDA device"):
+        build(models[0], enable_memory_saver=True)
+    with pytest.raises(SGLangEngineError, match="enable_deterministic_inference=true needs a CUDA/XPU device"):
+        build(models[0], enable_deterministic_inference=True)
+
+
+# ---- the engine's processes never outlive the trainer: scripts in subprocesses ----
+MARK = "HYBRIDRL_SGLANG_TEST_MARK"  # inherited by the script's engine processes: finds any survivor
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    from hybridrl.interfaces import SamplingParams
+    from hybridrl.registry import Registry
+
+    if __name__ == "__main__":
+        mode, model = sys.argv[1], sys.argv[2]
+        eng = Registry("rollout_engines").build("sglang", {}, key="actor_rollout_ref.rollout.engine_kwargs",
+                                                model_path=model, device=torch.device("cpu"))
+        print("PIDS", json.dumps([p.pid for p in eng.procs]), flush=True)
+        eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
+        if mode == "raise":
+            raise ValueError("the trainer fails mid-run")
+        if mode == "crash":  # an engine process dies: the next call raises a clear error, no SIGKILL
+            os.kill(eng.procs[0].pid, 9)
+            time.sleep(3)
+            eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
+        if mode == "sigterm":
+            print("READY", flush=True)
+            while True:  # "training": not inside an engine call
+                sum(i * i for i in range(10**5))
+""")
+
+
+Result = tuple[subprocess.CompletedProcess[str], list[int]]
+
+
+def run_script(tmp: Path, modes_models: dict[str, Path]) -> dict[str, Result]:
+    """Run SCRIPT once per mode, concurrently; SIGTERM the ``sigterm`` one once its engine is up."""
+    script = tmp / "lifecycle.py"
+    script.write_text(SCRIPT)
+    procs = {m: subprocess.Popen([sys.executable, str(script), m, str(p)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1", MARK: f"{os.getpid()}-{m}"})
+             for m, p in modes_models.items()}
+    if "sigterm" in procs:
+        proc = procs["sigterm"]
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        proc.send_signal(signal.SIGTERM)
+    results = {}
+    for mode, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        if mode == "sigterm":
+            out = "".join(lines) + out
+        pids = next((json.loads(line[5:]) for line in out.splitlines() if line.startswith("PIDS ")), [])
+        results[mode] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), pids)
+    return results
+
+
+def survivors(mode: str) -> list[str]:
+    """Processes still running that inherited the script's marker variable (its engine's children did)."""
+    import psutil
+
+    def marked() -> list[str]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get(MARK) == f"{os.getpid()}-{mode}" and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} {p.name()}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return out
+
+    deadline = time.time() + 10
+    while time.time() < deadline and marked():
+        time.sleep(0.5)
+    return marked()
+
+
+def test_no_engine_process_outlives_the_trainer(models: tuple[Path, Path], tmp_path: Path) -> None:
+    results = run_script(tmp_path, {"raise": models[0], "sigterm": models[0], "crash": models[0]})
+    for mode, (proc, pids) in results.items():
+        assert len(pids) >= 2, (mode, proc.stdout, proc.stderr[-3000:])  # scheduler + detokenizer
+        assert survivors(mode) == [], (mode, proc.stderr[-3000:])
+    raised, _ = results["raise"]
+    assert raised.returncode == 1 and "ValueError: the trainer fails mid-run" in raised.stderr
+    assert results["sigterm"][0].returncode == -signal.SIGTERM, results["sigterm"][0].stderr[-3000:]
+    crashed, _ = results["crash"]
+    assert crashed.returncode == 1, crashed.stderr[-3000:]  # not -9: SGLang's own handler SIGKILLs the trainer
+    assert "SGLangEngineError" in crashed.stderr and "died" in crashed.stderr and CONFIG_KEY in crashed.stderr
