@@ -46,7 +46,7 @@ class ActorRolloutRef:
         if dist.get_rank() == self.leader:
             self.engine = Registry("rollout_engines").build(
                 aor.rollout.name, aor.rollout.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
-                model_path=model_path, device=device)
+                model_path=model_path, device=device, tp_size=aor.rollout.tensor_model_parallel_size)
         self.weight_version = 0
         self.objective = ActorObjective(
             policy_loss=Registry("policy_losses").build(cfg.algorithm.policy_loss, cfg.algorithm.policy_loss_kwargs,

@@ -173,7 +173,8 @@ class SGLangRolloutEngine:
         t0 = time.perf_counter()
         _STARTING.add(id(self))
         try:
-            with compat.keep_start_method(), _deadline(self.config.start_timeout_s, what="start"):
+            with compat.keep_start_method(), compat.without_torchrun_env(), \
+                    _deadline(self.config.start_timeout_s, what="start"):
                 from sglang.srt.entrypoints.engine import Engine
 
                 self.engine = Engine(**self.server_args)
@@ -261,6 +262,10 @@ class SGLangRolloutEngine:
     def _payloads(self, bucket: WeightBucket) -> list[bytes]:
         from sglang.srt.utils import MultiprocessingSerializer
 
+        if any(t.is_cuda for _, t in bucket):  # CUDA IPC handles name the device by UUID, as SGLang's own sync does
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
         if self.config.update_weights_load_format == "flattened_bucket":
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 

@@ -23,20 +23,27 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
    ends with ``kill_process_tree(os.getpid(), include_parent=False)``: it kills the trainer's other
    children too (wandb's service, DataLoader workers, a second engine). :func:`shutdown_engine` does the
    rest of ``Engine.shutdown`` and kills only the engine's own processes; the atexit hook is removed.
+5. **No timeouts.** ``Engine``'s blocking methods (``generate``, ``begin_weight_update``,
+   ``release_memory_occupation``, ...) are ``loop.run_until_complete(tokenizer_manager.<method>(request))``
+   with no time limit; a hung scheduler hangs the trainer. The functions below return those coroutines
+   and :func:`run` bounds them with ``asyncio.wait_for`` (aborting the engine's requests on timeout).
 6. **Calls return before the scheduler is idle.** ``Engine.generate`` returns once the outputs are
    out, while the (overlap) scheduler may still be finishing its last batch; ``release_memory_occupation``
    then fails ``assert self.is_fully_idle()`` *inside the scheduler*, which kills it.
    :func:`wait_until_idle` sends a deferred ``flush_cache(timeout_s=...)`` first, which SGLang answers
    once the scheduler is idle.
-7. **CPU install gaps** (only with ``launch/install_sglang_cpu.sh``): PyPI's torchvision is a CUDA build
+7. **torchrun's environment.** The engine's processes inherit the trainer's environment; under
+   torchrun that includes ``TORCHELASTIC_USE_AGENT_STORE=True``, which makes the scheduler's
+   ``init_process_group(init_method="tcp://...")`` (``init_distributed_environment``) connect as a client
+   to a store nobody serves at SGLang's own port: the engine start hangs. ``MASTER_ADDR/PORT``,
+   ``RANK``, ``LOCAL_RANK`` ... describe the trainer's world, not the engine's, and SGLang reads some of
+   them (``os.environ.setdefault("MASTER_PORT", ...)``, ``LOCAL_RANK``). :func:`without_torchrun_env`
+   hides them while the engine starts its processes.
+8. **CPU install gaps** (only with ``launch/install_sglang_cpu.sh``): PyPI's torchvision is a CUDA build
    whose ``_meta_registrations`` dies next to a CPU torch (``launch/sglang_cpu/patch_torchvision.py``);
    no CPU build of ``sgl_kernel`` exists, yet SGLang imports names from it at module level
    (``launch/sglang_cpu/sgl_kernel``: a stand-in whose kernels raise if called).
 
-5. **No timeouts.** ``Engine``'s blocking methods (``generate``, ``begin_weight_update``,
-   ``release_memory_occupation``, ...) are ``loop.run_until_complete(tokenizer_manager.<method>(request))``
-   with no time limit; a hung scheduler hangs the trainer. The functions below return those coroutines
-   and :func:`run` bounds them with ``asyncio.wait_for`` (aborting the engine's requests on timeout).
 Nothing here imports sglang at module import time.
 """
 
@@ -45,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import multiprocessing as mp
+import os
 import signal
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -134,6 +142,22 @@ def keep_start_method() -> Iterator[None]:
     finally:
         if mp.get_start_method(allow_none=True) != before:
             mp.set_start_method(before, force=True)  # type: ignore[arg-type]
+
+
+TORCHRUN_ENV = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+                "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+@contextmanager
+def without_torchrun_env() -> Iterator[None]:
+    """Start the engine's processes without the trainer's torchrun variables (item 7); restore them after."""
+    saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def new_children(before: set[int]) -> list[psutil.Process]:
