@@ -33,6 +33,12 @@ def _verify_model(args: argparse.Namespace) -> int:
     return verify(args)
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from hybridrl.export import main as export
+
+    return export(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridrl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -83,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bucket-bytes", type=int, default=32 << 20,
                     help="size bound of the weight-export buckets checked by the round trip")
     sp.set_defaults(fn=_verify_model)
+
+    sp = sub.add_parser("export-hf", help="write a training checkpoint's actor as an HF checkpoint")
+    sp.add_argument("ckpt", help="<trainer.output_dir>/checkpoints/step_<k>")
+    sp.add_argument("out", help="output directory (written atomically)")
+    sp.set_defaults(fn=_export_hf)
     return p
 
 

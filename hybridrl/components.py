@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hybridrl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.topology import Topology
 from hybridrl.data.collate import PromptBatch
@@ -39,6 +39,8 @@ class Components:
     estimator: AdvantageEstimator
     tracker: Tracker
     device: torch.device
+    model_path: str
+    resume_step: int = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
 
     @property
     def dp_rank(self) -> int:
@@ -63,6 +65,12 @@ class Components:
         for start in range(0, len(mine), size):
             idx = mine[start:start + size]
             yield collate_prompts([self.val_dataset[i] for i in idx], idx, pad_token_id=self.loader.pad_token_id)
+
+    def save(self, step: int) -> None:
+        path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
+                               weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
+                               model_dir=self.model_path)
+        say(f"saved checkpoint {path}")
 
     def close(self) -> None:
         self.hybrid.shutdown()
@@ -97,14 +105,21 @@ def build_components(cfg: RLConfig, topology: Topology) -> Components:
                                                tokenizer=tokenizer)
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
+    resume_step = 0
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        say(f"resuming from {resume_from}")
+        state = load_checkpoint(resume_from, policy=hybrid.actor)
+        loader.load_state_dict(state["sampler"])
+        hybrid.weight_version = state["weight_version"] - 1
+        hybrid.sync_weights()  # the engine gets the restored actor's weights (and version)
+        resume_step = state["step"]
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    tracker = Tracker(cfg.trainer, config=_flat(dataclasses.asdict(cfg)), rank=dist.get_rank())
+    tracker = Tracker(cfg.trainer, config=_flat(dataclasses.asdict(cfg)), rank=dist.get_rank(),
+                      resume_step=resume_step)
     return Components(cfg=cfg, topology=topology, tokenizer=tokenizer, loader=loader, val_dataset=val,
-                      hybrid=hybrid, reward=reward, estimator=estimator, tracker=tracker, device=device)
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+                      hybrid=hybrid, reward=reward, estimator=estimator, tracker=tracker, device=device,
+                      model_path=model_path, resume_step=resume_step)
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:

@@ -16,10 +16,10 @@ from hybridrl.metrics import DPMeans, Timer, rollout_metrics
 
 def fit(c: Components) -> dict[str, float]:
     hybrid, t = c.hybrid, c.cfg.trainer
-    if t.val_before_train and c.val_dataset is not None:
+    if t.val_before_train and c.val_dataset is not None and c.resume_step == 0:
         c.tracker.log(evaluate(c), step=0)
     prompts, metrics = c.prompts(), {}
-    for step in range(1, t.total_training_steps + 1):
+    for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
         with timer("step"):
             with timer("gen"):
@@ -43,6 +43,8 @@ def fit(c: Components) -> dict[str, float]:
         if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
             metrics |= evaluate(c)
         c.tracker.log(metrics, step=step)
+        if t.save_every and (step % t.save_every == 0 or step == t.total_training_steps):
+            c.save(step)
     return metrics
 
 

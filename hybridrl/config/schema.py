@@ -170,6 +170,10 @@ class TrainerConfig:
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
     test_freq: int = 10  # held-out evaluation every N steps (0 = never); also at start
     val_before_train: bool = True
+    save_every: int = 0  # checkpoint every N steps and at the end (0 = never)
+    max_checkpoints_to_keep: int = 3  # older complete checkpoints are deleted (0 = keep all)
+    resume: str = "auto"  # auto (newest complete checkpoint in output_dir, if any) | never | <checkpoint dir>
+    save_hf_weights: bool = False  # also write the actor as an HF checkpoint into each checkpoint's hf/
 
 
 @dataclass(kw_only=True, slots=True)

@@ -316,6 +316,13 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
     if t.test_freq < 0:
         issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
+    if t.save_every < 0:
+        issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
+    if t.max_checkpoints_to_keep < 0:
+        issues.add("trainer.max_checkpoints_to_keep", t.max_checkpoints_to_keep, "must be ≥ 0 (0 = keep all)")
+    if t.resume not in ("auto", "never") and not (Path(t.resume) / "trainer_state.pt").is_file():
+        issues.add("trainer.resume", t.resume, "valid: auto, never, or a complete checkpoint dir "
+                                               "(<output_dir>/checkpoints/step_<k>, holding trainer_state.pt)")
     bad = [lg for lg in t.loggers if lg not in LOGGERS]
     if bad:
         issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")

@@ -1,0 +1,47 @@
+"""``hybridrl export-hf CKPT OUT``: a training checkpoint's actor → an HF checkpoint (safetensors + config +
+tokenizer) that transformers loads and ``verify-model`` accepts.
+
+The Megatron shards are loaded into one process at TP=1, PP=1 (``dist_checkpointing`` reshards from
+whatever layout saved them) and written through the same bucketed HF stream as weight sync.
+Memory: the whole model in fp32 on this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+
+from hybridrl.hf_checkpoint import save_hf_checkpoint
+from hybridrl.megatron.hf_config import HFArch
+from hybridrl.megatron.model import build_gpt_model
+from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
+from hybridrl.megatron.weights import export_hf_weights
+
+
+def export_hf(ckpt: Path, out: Path) -> None:
+    if not (ckpt / "megatron").is_dir() or not (ckpt / "hf" / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt} is not a hybridrl checkpoint (expected megatron/ and hf/config.json; "
+                                f"checkpoints live in <trainer.output_dir>/checkpoints/step_<k>)")
+    parallel = ParallelConfig()
+    init_parallel(parallel)
+    try:
+        arch = HFArch.from_hf(ckpt / "hf")
+        model = build_gpt_model(arch, parallel)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt / "megatron"))
+        model.load_state_dict(loaded["model"])
+        save_hf_checkpoint(export_hf_weights(model, arch, bucket_bytes=512 << 20), out, source_dir=ckpt / "hf")
+    finally:
+        destroy_parallel()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        export_hf(Path(args.ckpt), Path(args.out))
+    except FileNotFoundError as e:
+        print(f"hybridrl export-hf: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
