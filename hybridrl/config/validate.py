@@ -66,7 +66,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         roles["critic"] = ("critic.megatron", cfg.critic.megatron)
         issues.add("critic.enable", True, "the critic (value model for PPO/GAE) is not implemented in this "
                                           "version; use a critic-free estimator (grpo, rloo, reinforce_pp)")
-    layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
+    layouts = {name: _check_parallel(key, m, world, model, issues, planning=model_config is not None)
+               for name, (key, m) in roles.items()}
     for name, (key, m) in roles.items():  # one Megatron parallel_state per process: same layout
         for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             if name != "actor" and getattr(m, size) != getattr(aor.actor.megatron, size):
@@ -106,7 +107,7 @@ def _check_model(cfg: RLConfig, issues: _Issues) -> ModelInfo | None:
 
 
 def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | None,
-                    issues: _Issues) -> RoleLayout:
+                    issues: _Issues, *, planning: bool = False) -> RoleLayout:
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                     ("context_parallel_size", cp)):
@@ -132,9 +133,12 @@ def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | 
                        f"PP×VPP = {stages} must divide the model's {model.num_layers} layers "
                        f"(valid PP: {_divisors(model.num_layers)})")
     vpp = m.virtual_pipeline_model_parallel_size
-    if vpp is not None and (vpp < 1 or pp == 1):
+    if vpp is not None:  # the policy builds one model chunk per stage (plain 1F1B) for now
         issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                   "needs pipeline_model_parallel_size > 1 and a value ≥ 1 (or null for plain 1F1B)")
+                   "the interleaved (virtual) pipeline schedule is not supported yet; use null (plain 1F1B)")
+    if m.use_distributed_optimizer and not planning and not _cuda():
+        issues.add(f"{key}.use_distributed_optimizer", True,
+                   "Megatron's distributed optimizer needs CUDA (its CPU path is not adapted); set false on CPU")
     if m.sequence_parallel and tp == 1:
         issues.add(f"{key}.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
     if m.sequence_parallel and importlib.util.find_spec("transformer_engine") is None:
@@ -333,6 +337,12 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
 
         if not torch.cuda.is_available():
             issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _divisors(n: int) -> list[int]:
