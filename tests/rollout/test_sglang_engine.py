@@ -102,10 +102,17 @@ def test_n_samples_stop_tokens_and_finish_reasons(engine: SGLangRolloutEngine) -
 def test_memory_phases_are_harmless_on_cpu(engine: SGLangRolloutEngine) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = engine.generate(PROMPTS, params)
-    engine.release_memory()
-    engine.release_memory()  # idempotent
-    engine.resume_memory()
-    assert [g.token_ids for g in engine.generate(PROMPTS, params)] == [g.token_ids for g in before]
+    engine.config.free_cache_engine = True  # SGLang's release/resume_memory_occupation run (no-ops on CPU)
+    try:
+        for _ in range(3):  # right after a generate: waits for an idle scheduler, which SGLang asserts
+            engine.release_memory()
+            engine.release_memory()  # idempotent
+            assert engine._released == {"kv_cache"}
+            engine.resume_memory()
+            assert engine._released == set()
+            assert [g.token_ids for g in engine.generate(PROMPTS, params)] == [g.token_ids for g in before]
+    finally:
+        engine.config.free_cache_engine = None
 
 
 def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models: tuple[Path, Path]) -> None:
@@ -170,8 +177,7 @@ def test_generate_timeout_names_the_config_key(engine: SGLangRolloutEngine) -> N
             engine.generate(PROMPTS * 8, SamplingParams(temperature=1.0, max_new_tokens=64, n=4))
     finally:
         engine.config.request_timeout_s = saved
-    engine.release_memory()  # waits until the aborted requests are gone
-    engine.resume_memory()
+    engine._wait_until_idle()  # the aborted requests are gone
     assert len(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4))) == 3
 
 
@@ -202,6 +208,7 @@ def test_config_is_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
                         ({"release_weights": True}, "release_weights=true needs enable_memory_saver=true"),
                         ({"server_args": {"tp_size": 2}}, "server_args may not set \\['tp_size'\\]"),
                         ({"request_timeout_s": 0}, "request_timeout_s=0 must be > 0"),
+                        ({"cpu_threads": 0}, "cpu_threads=0 must be ≥ 1"),
                         ({"update_weights_load_format": "disk"}, "valid: flattened_bucket, tensors")]:
         with pytest.raises(PluginConfigError, match=message):
             build(models[0], **kw)
