@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -20,6 +20,12 @@ from hybridrl.bootstrap import ensure_data
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 TRAIN = str(REPO / "launch" / "train.py")
 
 
@@ -33,7 +39,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cmd(tiny: Path, out: Path, *extra: str, nproc: int = 1) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", TRAIN, "recipe=grpo_tiny", f"actor_rollout_ref.model.path={tiny / 'model'}",
+            f"--master-port={_free_port()}", TRAIN, "recipe=grpo_tiny",
+            f"actor_rollout_ref.model.path={tiny / 'model'}",
             "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{tiny / 'train.parquet'}]",
             "data.val_files=[]", "data.build_if_missing=null", "data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
