@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +55,13 @@ def run(args: list[str]) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:  # exited between pgrep and here
+        return None
+
+
 def metrics(out: Path) -> dict[int, dict[str, float]]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing", "perf"))} for r in rows}
@@ -99,8 +107,11 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_and_resume_matches(tiny: Pa
     deadline = time.monotonic() + 300
     while not (partial / "megatron").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    # the trainer (torchrun's worker runs in its own process group) dies while it is writing step 3
-    subprocess.run(["pkill", "-KILL", "-f", f"trainer.output_dir={out}"], check=False)
+    # the trainer dies while it is writing step 3: SIGKILL to every process group of the run (torchrun's
+    # worker has its own group, shared with the checkpoint writer's helper process)
+    pids = subprocess.run(["pgrep", "-f", f"trainer.output_dir={out}"], capture_output=True, text=True).stdout
+    for pgid in {_pgid(int(pid)) for pid in pids.split()} - {None}:
+        os.killpg(pgid, signal.SIGKILL)
     proc.wait()
     assert not (out / "checkpoints" / "step_00000004").exists()
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
