@@ -31,6 +31,7 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -123,8 +124,10 @@ class SGLangRolloutEngine:
         self.engine: Any = None
         self.procs: list[Any] = []  # psutil.Process of the engine's own processes
         self._released: set[str] = set()
+        self.failure: str | None = None  # set when an engine process died
         self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
         self.stop_ids = _eos_token_ids(self.model_path)
+        self.shapes = _checkpoint_shapes(self.model_path)  # HF name -> shape: what an update may send
         self.server_args = self._server_args()
         self._start()
 
@@ -268,6 +271,7 @@ class SGLangRolloutEngine:
         self._ok(self._call(compat.weight_update_session(self.engine, "begin"), what="begin_weight_update"))
         try:
             for bucket, last in _with_last(b for b in buckets if b):
+                self._check_names(bucket)
                 request = compat.update_weights_from_tensor(
                     self.engine, self._payloads(bucket), load_format=self._load_format(), flush_cache=last,
                     weight_version=str(version) if last else None)  # the flush and the version come last
@@ -277,9 +281,21 @@ class SGLangRolloutEngine:
             if count == 0:  # nothing streamed: still stamp the version
                 self._call(compat.set_weight_version(self.engine, str(version)), what="update_weight_version")
         finally:
-            self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
+            if self.failure is None:  # a dead engine has no session to end
+                self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
         self.version = version
         self.last_update = {"seconds": time.perf_counter() - t0, "megabytes": sent / 2**20, "buckets": count}
+
+    def _check_names(self, bucket: WeightBucket) -> None:
+        """SGLang skips unknown names silently and dies on a wrong shape: check both here, like the hf engine."""
+        for name, tensor in bucket:
+            shape = self.shapes.get(name)
+            if shape is None:
+                raise KeyError(f"sglang engine: weight {name!r} is not in the rollout model's checkpoint "
+                               f"({self.model_path}); known names look like {next(iter(self.shapes))!r}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"sglang engine: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the rollout model expects {shape}")
 
     def _load_format(self) -> str | None:
         return "flattened_bucket" if self.config.update_weights_load_format == "flattened_bucket" else None
@@ -316,7 +332,8 @@ class SGLangRolloutEngine:
                     flush_cache=False, weight_version=None)
                 self._ok(self._call(request, what="update_weights_from_tensor (storage report)"))
             finally:
-                self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
+                if self.failure is None:
+                    self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
             return {k: int(v) for k, v in json.loads(path.read_text()).items()}
 
     def _payloads_for_probe(self, path: str) -> list[bytes]:
@@ -352,6 +369,8 @@ class SGLangRolloutEngine:
         timeout = self.config.request_timeout_s
         try:
             return compat.run(self.engine, coroutine, timeout)
+        except asyncio.CancelledError as e:  # by _on_sigquit: an engine process died during the call
+            raise SGLangEngineError(self.failure or f"SGLang {what} was cancelled") from e
         except TimeoutError as e:
             raise SGLangEngineError(f"SGLang {what} took longer than {CONFIG_KEY}.request_timeout_s={timeout} s; "
                                     f"engine config: {self._describe()}") from e
@@ -368,6 +387,8 @@ class SGLangRolloutEngine:
                                     f"Engine config: {self._describe()}")
 
     def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise SGLangEngineError(self.failure)
         if self.engine is None:
             raise SGLangEngineError("the SGLang engine was shut down")
         dead = [p for p in self.procs if not _alive(p)]
@@ -391,6 +412,7 @@ def report_parameter_storage(model: torch.nn.Module, named_tensors: list[tuple[s
 _LIVE: dict[int, SGLangRolloutEngine] = {}
 _STARTING: set[int] = set()
 _PREVIOUS: dict[int, Any] = {}
+_SIGQUIT_GRACE_S = 10.0
 
 
 def _install_signal_handlers() -> None:
@@ -419,17 +441,35 @@ def _on_terminate(signum: int, frame: Any) -> None:
 
 
 def _on_sigquit(signum: int, frame: Any) -> None:
-    """An SGLang child sends SIGQUIT to the trainer when it fails: raise instead of SGLang's SIGKILL of all."""
-    dead = [(e, p) for e in _LIVE.values() for p in e.procs if not _alive(p)]
+    """An SGLang child sends SIGQUIT to the trainer when it fails: fail loudly instead of SGLang's SIGKILL.
+
+    The child sends it *before* it exits (with code 0, which SGLang's own watchdog then takes for a
+    clean exit), so wait a little for an engine process to be gone before deciding. Inside an engine
+    call the handler runs as a callback of the engine's event loop, which would swallow an exception:
+    there it cancels the call, which then raises the error.
+    """
     if _STARTING:
         raise SGLangEngineError("an SGLang engine process failed during start (see its log above)")
-    if dead:
-        engine = dead[0][0]
-        pids = [p.pid for _, p in dead]
-        _shutdown_all()
-        raise SGLangEngineError(f"SGLang engine process(es) {pids} died (see their log above); "
-                                f"engine config: {engine._describe()}")
-    # a stray SIGQUIT (e.g. from a child that was being shut down) is ignored
+    engines = list(_LIVE.values())
+    deadline = time.monotonic() + _SIGQUIT_GRACE_S
+    dead: list[tuple[SGLangRolloutEngine, Any]] = []
+    while engines and not dead and time.monotonic() < deadline:
+        dead = [(e, p) for e in engines for p in e.procs if not _alive(p)]
+        if not dead:
+            time.sleep(0.1)
+    if not dead:
+        return  # no engine process died: a stray SIGQUIT (e.g. from a child being shut down) is ignored
+    message = (f"SGLang engine process(es) {[p.pid for _, p in dead]} died (see their log above); "
+               f"engine config: {dead[0][0]._describe()}")
+    running = [e.engine.loop for e in engines if e.engine is not None and e.engine.loop.is_running()]
+    for engine in engines:
+        engine.failure = message
+    _shutdown_all()
+    if not running:
+        raise SGLangEngineError(message)
+    for loop in running:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
 
 
 def _alive(proc: Any) -> bool:
@@ -477,6 +517,27 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
 
 def _sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return (seed * 1_000_003 + prompt_index * 1_009 + sample_index) % (2**63 - 1)
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of the HF checkpoint, from safetensors headers only (no weights are read)."""
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        for file in files:
+            with safe_open(str(root / file), framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    except Exception as e:  # safetensors raises its own error types
+        raise SGLangEngineError(f"the SGLang engine cannot read the weights at {model_path!r} "
+                                f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}") from e
+    if "model.embed_tokens.weight" in shapes:  # tied embeddings: the stream may also name the output layer
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes
 
 
 def _eos_token_ids(model_path: str) -> list[int]:

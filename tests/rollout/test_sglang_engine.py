@@ -169,6 +169,16 @@ def test_a_refused_update_raises_with_the_engines_message(engine: SGLangRolloutE
     assert engine.version != 99
 
 
+def test_unknown_names_and_shapes_are_rejected_before_sglang_sees_them(engine: SGLangRolloutEngine) -> None:
+    # SGLang itself skips an unknown name silently and dies (AssertionError in its scheduler) on a bad shape
+    with pytest.raises(KeyError, match="model.layers.99"):
+        engine.update_weights([[("model.layers.99.mlp.up_proj.weight", torch.zeros(1))]], version=98)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.update_weights([[("model.norm.weight", torch.zeros(3))]], version=98)
+    assert engine.version != 98
+    assert len(engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
+
+
 def test_generate_timeout_names_the_config_key(engine: SGLangRolloutEngine) -> None:
     saved = engine.config.request_timeout_s
     engine.config.request_timeout_s = 1e-4
@@ -181,19 +191,25 @@ def test_generate_timeout_names_the_config_key(engine: SGLangRolloutEngine) -> N
     assert len(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4))) == 3
 
 
-def test_start_failure_names_the_config_key(tmp_path: Path) -> None:
+def test_start_failure_names_the_config_key(models: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(SGLangEngineError, match="actor_rollout_ref.model.path") as e:
         build(tmp_path / "no-such-model")
+    assert CONFIG_KEY in str(e.value)
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    for f in models[0].iterdir():
+        (unreadable / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
+    with pytest.raises(SGLangEngineError, match="cannot read the weights") as e:
+        build(unreadable)
     assert CONFIG_KEY in str(e.value)
 
 
 def test_start_failure_inside_the_engine_raises_and_leaves_no_process(engine: SGLangRolloutEngine,
                                                                       models: tuple[Path, Path],
                                                                       tmp_path: Path) -> None:
-    broken = tmp_path / "broken"  # a readable config, unreadable weights: SGLang's scheduler fails to load
-    broken.mkdir()
-    for f in models[0].iterdir():
-        (broken / f.name).write_bytes(b"not safetensors" if f.name == "model.safetensors" else f.read_bytes())
+    # model A's config with the weights of a narrower model: SGLang's scheduler fails while loading them
+    broken = make_tiny_model(tmp_path / "broken", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=128)
+    (broken / "config.json").write_bytes((models[0] / "config.json").read_bytes())
     before = {p.pid for p in compat.new_children(set())}
     with pytest.raises(SGLangEngineError, match="the SGLang engine failed to start") as e:
         build(broken)  # SGLang's own SIGQUIT handler would SIGKILL this (the trainer's) process
@@ -221,7 +237,7 @@ def test_config_is_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
 # ---- the engine's processes never outlive the trainer: scripts in subprocesses ----
 MARK = "HYBRIDRL_SGLANG_TEST_MARK"  # inherited by the script's engine processes: finds any survivor
 SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, sys
     import torch
     from hybridrl.interfaces import SamplingParams
     from hybridrl.registry import Registry
@@ -234,9 +250,8 @@ SCRIPT = textwrap.dedent("""
         eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
         if mode == "raise":
             raise ValueError("the trainer fails mid-run")
-        if mode == "crash":  # an engine process dies: the next call raises a clear error, no SIGKILL
+        if mode == "crash":  # the scheduler dies under a call: the call fails with a clear error
             os.kill(eng.procs[0].pid, 9)
-            time.sleep(3)
             eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
         if mode == "sigterm":
             print("READY", flush=True)
