@@ -48,7 +48,8 @@ class Generation:
 class RolloutEngine(Protocol):
     """Generates responses from token ids; holds its own copy of the policy weights.
 
-    Built with ctx: ``model_path: str``, ``parallel: RolloutParallel`` (placement of this rank).
+    Built with ctx: ``model_path: str``, ``device: torch.device`` and ``tp_size: int`` (the engine's
+    tensor-parallel size); an engine takes ``**ctx`` so that later context keys do not break it.
     """
 
     Config: ClassVar[type]
