@@ -7,8 +7,11 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 RunRanks = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -38,3 +41,28 @@ def run_ranks(args: Sequence[str], *, nproc: int, timeout: float = 300.0) -> sub
 @pytest.fixture(scope="session")
 def torchrun() -> RunRanks:
     return run_ranks
+
+
+def make_discriminating(model_dir: Path, seed: int) -> Path:
+    """Redraw every 1-D tensor (norms ≈ 1 ± 0.2, biases ≈ ±0.1) and scale q/k projections ×8.
+
+    ``make_tiny_model`` draws norms = 1, biases = 0 and N(0, 0.02²) matrices (nearly uniform
+    attention), which would hide a misplaced norm or QKV bias, a wrong RoPE θ/scaling or position.
+    """
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if t.ndim == 1:
+            noise = torch.randn(t.shape, generator=gen)
+            state[name] = noise * 0.1 if name.endswith("bias") else 1 + 0.2 * noise
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            state[name] = t * 8
+    save_file(state, path, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def discriminate() -> Callable[[Path, int], Path]:
+    """:func:`make_discriminating`, for conftests and tests in subfolders."""
+    return make_discriminating

@@ -48,19 +48,6 @@ def from_config(out: Path, config: PretrainedConfig) -> Path:
     return out
 
 
-def make_discriminating(model_dir: Path, seed: int) -> None:
-    path = model_dir / "model.safetensors"
-    state = load_file(path)
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in state.items():
-        if t.ndim == 1:
-            noise = torch.randn(t.shape, generator=gen)
-            state[name] = noise * 0.1 if name.endswith("bias") else 1 + 0.2 * noise
-        elif name.endswith(("q_proj.weight", "k_proj.weight")):
-            state[name] = t * 8
-    save_file(state, path, metadata={"format": "pt"})
-
-
 def shard(model_dir: Path, *, parts: int) -> Path:
     single = model_dir / "model.safetensors"
     state = load_file(single)
@@ -79,14 +66,15 @@ def shard(model_dir: Path, *, parts: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory,
+                     discriminate: Callable[[Path, int], Path]) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     out = {}
     for seed, (name, make) in enumerate(MODELS.items()):
         model_dir = root / name
         model_dir.mkdir()
         out[name] = make(model_dir)
-        make_discriminating(out[name], seed)
+        discriminate(out[name], seed)
         if name in SHARDED:
             shard(out[name], parts=3)
     return out
