@@ -3,8 +3,11 @@
 ``data.build_if_missing: arithmetic`` writes the arithmetic task's splits to ``data.train_files[0]``
 (and ``data.val_files[0]``); ``model.build_if_missing: tiny`` writes a random tiny model (the
 architecture below) and ``sft:<recipe>`` runs that SFT recipe with ``trainer.save_path`` set to the
-model path. Results are cached: a path that exists is used as is. Paths in the tiny recipes live
-under ``$HYBRIDRL_CACHE_DIR`` (default ``~/.cache/hybridrl``); delete a folder there to rebuild it.
+model path. Results are cached: a path that exists is used as is, except a model this module built
+from an SFT recipe that has changed since (``hybridrl_build.json`` records a hash of the recipe and
+of the tiny-model/task settings below): that one is rebuilt, so a cached warm start never silently
+comes from an older recipe. Paths in the tiny recipes live under ``$HYBRIDRL_CACHE_DIR`` (default
+``~/.cache/hybridrl``); delete a folder there to rebuild it.
 
 Only global rank 0 builds (under a file lock, so two runs never build the same thing at once);
 other ranks wait for the result. Every build writes to a temporary path and renames it into place.
@@ -13,7 +16,10 @@ other ranks wait for the result. Every build writes to a temporary path and rena
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +31,7 @@ from hybridrl.tracking import say
 
 TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_positions=256, tie=True, seed=0)
 ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
+BUILD_INFO = "hybridrl_build.json"  # in a model folder this module built: what it was built from
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_USE_AGENT_STORE",
@@ -72,37 +79,74 @@ def ensure_model(kind: str | None, path: str) -> None:
             tmp.rename(out)
     elif kind.startswith("sft:"):
         recipe = kind.removeprefix("sft:")
+        key = _sft_build_key(recipe)
 
         def build() -> None:
             from hybridrl.config.compose import recipes_dir
 
             script = recipes_dir().parent / "launch" / "sft.py"
-            cmd = [sys.executable, str(script), f"recipe={recipe}", f"trainer.save_path={out}"]
-            say(f"no start model at {out}: building it with the SFT recipe '{recipe}' ({' '.join(cmd[1:])}); "
+            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+            cmd = [sys.executable, str(script), f"recipe={recipe}", f"trainer.save_path={tmp}"]
+            why = "it was built from an older version of the recipe" if _stale_build(out, key) else "none there"
+            say(f"start model {out}: {why}; building it with the SFT recipe '{recipe}' ({' '.join(cmd[1:])}); "
                 f"this runs once and is cached")
             env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
             subprocess.run(cmd, check=True, env=env)
+            (tmp / BUILD_INFO).write_text(json.dumps({"recipe": recipe, "key": key}) + "\n")
+            if out.exists():  # stale: swap the new one in, then drop the old one
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(out)
+
+        _once([out], build, lambda: not out.exists() or _stale_build(out, key))
+        return
     else:
         raise ValueError(f"actor_rollout_ref.model.build_if_missing={kind!r}; valid: tiny, sft:<recipe> (or null)")
     _once([out], build)
 
 
-def _once(targets: list[Path], build: Callable[[], None]) -> None:
-    """Build ``targets`` on global rank 0 unless they all exist; other ranks wait for them."""
-    if all(p.exists() for p in targets):
+def _sft_build_key(recipe: str) -> str:
+    """Hash of what an SFT-built start model depends on: the recipe file and the tiny settings here."""
+    from hybridrl.config.compose import recipes_dir
+
+    path = recipes_dir() / "recipe" / f"{recipe}.yaml"
+    text = path.read_text() if path.exists() else recipe
+    return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}".encode()).hexdigest()[:16]
+
+
+def _stale_build(out: Path, key: str) -> bool:
+    """``out`` was built here from different inputs (a model without build info is the user's: kept)."""
+    info = out / BUILD_INFO
+    if not info.exists():
+        return False
+    try:
+        return json.loads(info.read_text()).get("key") != key
+    except (OSError, ValueError):
+        return True
+
+
+def _once(targets: list[Path], build: Callable[[], None], needed: Callable[[], bool] | None = None) -> None:
+    """Build ``targets`` on global rank 0 while ``needed()`` (default: one is missing); other ranks wait."""
+    if needed is None:
+        def needed() -> bool:
+            return not all(p.exists() for p in targets)
+    if not needed():
         return
     if int(os.environ.get("RANK", "0")) != 0:
-        _wait_for(targets)
+        _wait_for(targets, needed)
         return
     targets[0].parent.mkdir(parents=True, exist_ok=True)
     with _lock(targets[0].with_name(f".{targets[0].name}.lock")):
-        if not all(p.exists() for p in targets):  # another run may have built it meanwhile
+        if needed():  # another run may have built it meanwhile
             build()
 
 
-def _wait_for(targets: list[Path], timeout_s: float = 3600.0) -> None:
+def _wait_for(targets: list[Path], needed: Callable[[], bool], timeout_s: float = 3600.0) -> None:
     t0 = time.monotonic()
-    while not all(p.exists() for p in targets):
+    while needed():
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"rank {os.environ.get('RANK')}: {targets} did not appear within {timeout_s:.0f} s")
         time.sleep(1.0)

@@ -1,0 +1,55 @@
+"""Cached start models: reused while their recipe is unchanged, rebuilt once it changes, user models kept."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl import bootstrap
+from hybridrl.bootstrap import BUILD_INFO, _once, _sft_build_key, _stale_build
+
+
+def test_build_key_follows_the_recipe_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "recipe").mkdir()
+    recipe = tmp_path / "recipe" / "my_sft.yaml"
+    recipe.write_text("optim:\n  lr: 1e-3\n")
+    monkeypatch.setattr("hybridrl.config.compose.recipes_dir", lambda: tmp_path)
+    first = _sft_build_key("my_sft")
+    assert _sft_build_key("my_sft") == first
+    recipe.write_text("optim:\n  lr: 3e-3\n")
+    assert _sft_build_key("my_sft") != first
+    monkeypatch.setattr(bootstrap, "TINY_MODEL", {**bootstrap.TINY_MODEL, "hidden": 64})
+    recipe.write_text("optim:\n  lr: 1e-3\n")
+    assert _sft_build_key("my_sft") != first
+
+
+def test_stale_only_when_built_here_from_other_inputs(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    assert not _stale_build(model, "k1")  # no build info: the user's own model, used as is
+    (model / BUILD_INFO).write_text(json.dumps({"recipe": "sft_tiny", "key": "k1"}))
+    assert not _stale_build(model, "k1")
+    assert _stale_build(model, "k2")
+    (model / BUILD_INFO).write_text("{not json")
+    assert _stale_build(model, "k1")
+
+
+def test_once_builds_while_needed_and_not_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "model"
+    builds = []
+
+    def build() -> None:
+        builds.append(1)
+        out.mkdir(exist_ok=True)
+        (out / BUILD_INFO).write_text(json.dumps({"key": "new"}))
+
+    def needed() -> bool:
+        return not out.exists() or _stale_build(out, "new")
+
+    _once([out], build, needed)
+    _once([out], build, needed)
+    assert len(builds) == 1
+    (out / BUILD_INFO).write_text(json.dumps({"key": "old"}))  # recipe changed since
+    _once([out], build, needed)
+    assert len(builds) == 2
