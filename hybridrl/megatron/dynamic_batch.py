@@ -1,0 +1,70 @@
+"""Micro-batches by token budget ("dynamic batch size"), so padding does not dominate compute.
+
+With a fixed number of samples per micro-batch, every row is padded to the longest sample of the
+whole batch: a few long responses make every micro-batch pay for them. Here samples are grouped by
+length instead and each micro-batch is padded only to its own longest row:
+
+    cost(micro-batch) = rows × round_up(longest prompt + response in it, multiple)  ≤  max_tokens
+
+The partition is first-fit over the samples sorted by length, longest first: the first sample of a
+micro-batch fixes its padded length and shorter ones join while the cost stays within the budget. On
+sorted lengths this greedy gives the fewest micro-batches of any partition into contiguous runs, and
+it groups similar lengths, which is what minimises padding.
+
+All ranks that step together (data-parallel replicas; with the interleaved pipeline, a multiple of the
+pipeline size) must run the same number of micro-batches, so the count can be raised to ``min_count``:
+the costliest micro-batch is split in two until the count is reached (a split never raises cost).
+Gradients do not depend on the grouping: the loss of every micro-batch is normalised by the
+mini-batch-global normaliser, so the accumulated gradient is the mini-batch gradient whatever the
+partition (up to the order of floating-point sums). Same idea as verl's ``use_dynamic_bsz`` /
+``ppo_max_token_len_per_gpu``; verl balances the token sums with Karmarkar–Karp for unpadded (packed)
+sequences, whereas here the cost is the padded rectangle the dense attention really computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def padded_len(length: int, multiple: int) -> int:
+    return max(-(-length // multiple) * multiple, 2)
+
+
+def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple: int = 1,
+                           min_count: int = 1, count_multiple: int = 1) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches whose padded cost is ≤ ``max_tokens``.
+
+    The result has at least ``min_count`` micro-batches (and a multiple of ``count_multiple``), each
+    non-empty, together holding every index exactly once; within a micro-batch indices are ascending.
+    """
+    if not lengths:
+        raise ValueError("token_budget_partition: no samples")
+    longest = max(lengths)
+    if padded_len(longest, multiple) > max_tokens:
+        raise ValueError(f"a sample of {longest} tokens (padded to {padded_len(longest, multiple)}) does not "
+                         f"fit the token budget of {max_tokens} per micro-batch; raise the budget to at least "
+                         f"the longest prompt + response")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    width = 0
+    for i in order:
+        if parts and (len(parts[-1]) + 1) * width <= max_tokens:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+            width = padded_len(lengths[i], multiple)
+    target = max(min_count, len(parts))
+    target = -(-target // count_multiple) * count_multiple
+    if target > len(lengths):
+        raise ValueError(f"{len(lengths)} samples cannot fill {target} micro-batches")
+    while len(parts) < target:
+        costs = [len(p) * padded_len(max(lengths[i] for i in p), multiple) if len(p) > 1 else -1 for p in parts]
+        k = max(range(len(parts)), key=costs.__getitem__)
+        p = parts.pop(k)
+        parts[k:k] = [p[: len(p) // 2], p[len(p) // 2:]]  # sorted by length: keeps the grouping
+    return [sorted(p) for p in parts]
+
+
+def partition_cost(lengths: Sequence[int], parts: Sequence[Sequence[int]], multiple: int = 1) -> int:
+    """Tokens the forward really computes (rows × padded length, summed over micro-batches)."""
+    return sum(len(p) * padded_len(max(lengths[i] for i in p), multiple) for p in parts)

@@ -1,0 +1,55 @@
+"""Token-budget micro-batches: every sample once, within budget, fewer padded tokens than fixed-size."""
+
+import random
+
+import pytest
+
+from hybridrl.megatron.dynamic_batch import partition_cost, token_budget_partition
+
+
+def _check(lengths: list[int], parts: list[list[int]], max_tokens: int, multiple: int) -> None:
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    assert all(p and p == sorted(p) for p in parts)
+    for p in parts:
+        assert partition_cost(lengths, [p], multiple) <= max_tokens
+
+
+def test_groups_by_length_within_budget() -> None:
+    lengths = [10, 3, 9, 4, 2, 11]
+    parts = token_budget_partition(lengths, max_tokens=24, multiple=1)
+    _check(lengths, parts, 24, 1)
+    # longest first: {11, 10} (2 × 11 = 22), {9, 4} (2 × 9 = 18 ≤ 24; a third row would be 27), {3, 2}
+    assert parts == [[0, 5], [2, 3], [1, 4]]
+
+
+def test_skewed_lengths_cost_less_than_fixed_micro_batches() -> None:
+    rng = random.Random(0)
+    lengths = [rng.choice([12, 16, 20]) for _ in range(60)] + [200, 190, 180, 170]
+    parts = token_budget_partition(lengths, max_tokens=512, multiple=8)
+    _check(lengths, parts, 512, 8)
+    fixed = [list(range(i, i + 4)) for i in range(0, len(lengths), 4)]  # padded to the batch's longest
+    fixed_cost = len(lengths) * 200
+    assert partition_cost(lengths, parts, 8) < 0.4 * fixed_cost
+    assert len(parts) <= len(fixed)
+
+
+def test_min_count_and_count_multiple_split_the_costliest() -> None:
+    lengths = [5] * 8
+    parts = token_budget_partition(lengths, max_tokens=1000, multiple=1, min_count=3)
+    assert len(parts) == 3
+    _check(lengths, parts, 1000, 1)
+    parts = token_budget_partition(lengths, max_tokens=1000, multiple=1, min_count=3, count_multiple=2)
+    assert len(parts) == 4
+    assert sorted(len(p) for p in parts) == [2, 2, 2, 2]
+
+
+def test_sample_longer_than_budget_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="does not fit the token budget of 16.*at least"):
+        token_budget_partition([4, 17], max_tokens=16, multiple=1)
+    with pytest.raises(ValueError, match="padded to 24"):  # 17 rounds up to 24 with multiple=8
+        token_budget_partition([17], max_tokens=20, multiple=8)
+
+
+def test_more_micro_batches_than_samples_is_an_error() -> None:
+    with pytest.raises(ValueError, match="2 samples cannot fill 3 micro-batches"):
+        token_budget_partition([3, 3], max_tokens=100, min_count=3)
