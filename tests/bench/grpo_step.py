@@ -38,7 +38,11 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
     cfg = compose_config(["recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}",
                           "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{train}]",
                           "data.val_files=[]", "data.build_if_missing=null",
-                          "actor_rollout_ref.actor.use_kl_loss=false",
+                          "actor_rollout_ref.actor.use_kl_loss=false",  # the fixed workload, whatever the recipe:
+                          "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+                          "actor_rollout_ref.rollout.n=8", "data.max_response_length=8",
                           "trainer.loggers=[]", f"trainer.output_dir={tmp / 'out'}",
                           f"trainer.total_training_steps={steps + warmup}"])
     c = build_components(cfg, validate(cfg, world_size=1))
