@@ -14,11 +14,16 @@ from hybridrl.config.validate import validate
 def main(overrides: Sequence[str], *, world_size: int | None = None, model_config: Path | None = None) -> int:
     try:
         cfg = compose_config(overrides)
-        topology = validate(cfg, world_size=world_size, model_config=model_config)
+        # what build_if_missing will build on the first run is reported as pending, not missing
+        topology = validate(cfg, world_size=world_size, model_config=model_config, before_bootstrap=True)
     except ConfigError as e:
         print(f"hybridrl validate: {e}", file=sys.stderr)
         return 2
     print(topology.render())
+    m = cfg.actor_rollout_ref.model
+    if m.build_if_missing is not None and not Path(m.path).exists():
+        print(f"actor_rollout_ref.model.path={m.path} does not exist yet: the run builds it first "
+              f"(build_if_missing={m.build_if_missing}) and then checks it")
     if model_config is not None:
         print(f"planned with the architecture of {model_config}; local weights, tokenizer and data files "
               f"were not checked")
