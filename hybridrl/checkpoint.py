@@ -68,8 +68,27 @@ def resolve_resume(cfg: RLConfig) -> Path | None:
     return path
 
 
+def _model_state(policy: MegatronPolicy) -> dict[str, Any]:
+    """The model's sharded state: one chunk's, or ``chunk<v>`` per model chunk under VPP.
+
+    The nesting is only this dict's shape: on disk each tensor is stored under its Megatron key with
+    global layer offsets, so a checkpoint written with any number of chunks loads with any other.
+    """
+    chunks = [unwrap_model(c) for c in policy.chunks]
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"chunk{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
+
+
+def _load_model_state(policy: MegatronPolicy, state: dict[str, Any]) -> None:
+    chunks = [unwrap_model(c) for c in policy.chunks]
+    states = [state] if len(chunks) == 1 else [state[f"chunk{v}"] for v in range(len(chunks))]
+    for chunk, chunk_state in zip(chunks, states, strict=True):
+        chunk.load_state_dict(chunk_state)
+
+
 def _model_and_optimizer_state(policy: MegatronPolicy, *, loading: bool) -> dict[str, Any]:
-    model_sd = unwrap_model(policy.module).sharded_state_dict()
+    model_sd = _model_state(policy)
     assert policy.optimizer is not None
     return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=loading)}
 
@@ -137,7 +156,7 @@ def load_checkpoint(path: Path, *, policy: MegatronPolicy) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
     sharded = _model_and_optimizer_state(policy, loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "megatron"))
-    unwrap_model(policy.module).load_state_dict(loaded["model"])
+    _load_model_state(policy, loaded["model"])
     assert policy.optimizer is not None and policy.scheduler is not None
     policy.optimizer.load_state_dict(loaded["optimizer"])
     state = torch.load(path / "trainer_state.pt", weights_only=False)

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HF checkpoint dir(s); several are checked in one launch of the ranks")
     sp.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     sp.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    sp.add_argument("--vpp", type=int, default=None,
+                    help="virtual pipeline size: model chunks per stage (interleaved schedule; needs --pp ≥ 2)")
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)

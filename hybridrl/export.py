@@ -16,7 +16,7 @@ from megatron.core import dist_checkpointing
 
 from hybridrl.hf_checkpoint import save_hf_checkpoint
 from hybridrl.megatron.hf_config import HFArch
-from hybridrl.megatron.model import build_gpt_model
+from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.megatron.weights import export_hf_weights
 
@@ -29,10 +29,10 @@ def export_hf(ckpt: Path, out: Path) -> None:
     init_parallel(parallel)
     try:
         arch = HFArch.from_hf(ckpt / "hf")
-        model = build_gpt_model(arch, parallel)
+        (model,) = build_model_chunks(arch, parallel)  # TP=1, PP=1: one chunk
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt / "megatron"))
         model.load_state_dict(loaded["model"])
-        save_hf_checkpoint(export_hf_weights(model, arch, bucket_bytes=512 << 20), out, source_dir=ckpt / "hf")
+        save_hf_checkpoint(export_hf_weights([model], arch, bucket_bytes=512 << 20), out, source_dir=ckpt / "hf")
     finally:
         destroy_parallel()
 

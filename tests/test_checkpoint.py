@@ -1,4 +1,4 @@
-"""Checkpoints: bitwise resume, a SIGKILL mid-save, resharding TP=2 → TP=1, export-hf."""
+"""Checkpoints: bitwise resume, a SIGKILL mid-save, resharding TP=2 → TP=1 and PP=2×VPP=2 → TP=1, export-hf."""
 
 from __future__ import annotations
 
@@ -34,14 +34,15 @@ TRAIN = str(REPO / "launch" / "train.py")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("ckpt")
     make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
+    make_tiny_model(tmp / "model4", hidden=64, layers=4, heads=4, kv_heads=2, max_positions=128)  # PP=2 × VPP=2
     ensure_data("arithmetic", [str(tmp / "train.parquet")], [])
     return tmp
 
 
-def cmd(tiny: Path, out: Path, *extra: str, nproc: int = 1) -> list[str]:
+def cmd(tiny: Path, out: Path, *extra: str, nproc: int = 1, model: str = "model") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={_free_port()}", TRAIN, "recipe=grpo_tiny",
-            f"actor_rollout_ref.model.path={tiny / 'model'}",
+            f"actor_rollout_ref.model.path={tiny / model}",
             "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{tiny / 'train.parquet'}]",
             "data.val_files=[]", "data.build_if_missing=null", "data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -137,3 +138,22 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_with_identical_weights(tiny: Path)
     # and a TP=1 run resumes from it (model, optimizer, scheduler, sampler) and keeps training
     run(cmd(tiny, tiny / "tp1_resumed", f"trainer.resume={ckpt}", "trainer.total_training_steps=3"))
     assert sorted(metrics(tiny / "tp1_resumed")) == [3]
+
+
+@pytest.mark.distributed
+def test_checkpoint_saved_at_pp2_vpp2_loads_at_tp1_with_identical_weights(tiny: Path) -> None:
+    """Model chunks are saved under their global layer numbers: the interleaved layout reshards to one rank."""
+    out = tiny / "pp2vpp2"
+    layout = [f"actor_rollout_ref.{role}.megatron.{size}=2" for role in ("actor", "ref")
+              for size in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
+    run(cmd(tiny, out, *layout, "trainer.total_training_steps=2", "trainer.save_every=2",
+            "trainer.save_hf_weights=true", nproc=2, model="model4"))
+    ckpt = out / "checkpoints" / "step_00000002"
+    streamed_at_vpp = load_file(ckpt / "hf" / "model.safetensors")  # exported by the PP=2×VPP=2 run itself
+    resharded = export(ckpt, tiny / "hf_pp2vpp2_tp1")  # dist_checkpointing loads the 4 chunks' shards at TP=1
+    assert streamed_at_vpp.keys() == resharded.keys()
+    assert all(torch.equal(streamed_at_vpp[k], resharded[k]) for k in resharded)
+    # a TP=1 run resumes from it (model, optimizer, scheduler, sampler) and keeps training
+    run(cmd(tiny, tiny / "pp2vpp2_tp1_resumed", f"trainer.resume={ckpt}", "trainer.total_training_steps=3",
+            model="model4"))
+    assert sorted(metrics(tiny / "pp2vpp2_tp1_resumed")) == [3]

@@ -16,12 +16,21 @@ class RoleLayout:
     pp: int
     cp: int
     dp: int
+    vpp: int | None = None  # model chunks per PP rank (interleaved 1F1B); None: one
 
     @classmethod
     def of(cls, m: MegatronConfig, world_size: int) -> RoleLayout:
         model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                   cp=m.context_parallel_size, dp=max(world_size // max(model_parallel, 1), 1))
+                   cp=m.context_parallel_size, dp=max(world_size // max(model_parallel, 1), 1),
+                   vpp=m.virtual_pipeline_model_parallel_size)
+
+    def layers(self, pp_rank: int, num_layers: int) -> list[range]:
+        """The layers of each model chunk on ``pp_rank``: chunk v holds block ``v·PP + pp_rank`` of
+        ``PP·VPP`` equal blocks (Megatron's interleaved layer offsets)."""
+        chunks = self.vpp or 1
+        per = num_layers // (self.pp * chunks)
+        return [range((v * self.pp + pp_rank) * per, (v * self.pp + pp_rank + 1) * per) for v in range(chunks)]
 
     def coords(self, rank: int) -> dict[str, int]:
         tp, rest = rank % self.tp, rank // self.tp
@@ -30,7 +39,8 @@ class RoleLayout:
         return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
 
     def __str__(self) -> str:
-        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp}"
+        vpp = f" VPP={self.vpp}" if self.vpp else ""
+        return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,12 +81,20 @@ class Topology:
             parts = []
             for role, lay in self.roles.items():
                 c = lay.coords(rank)
-                parts.append(f"{role}(tp{c['tp']} pp{c['pp']} cp{c['cp']} dp{c['dp']})")
+                layers = self._chunk_layers(lay, c["pp"])
+                parts.append(f"{role}(tp{c['tp']} pp{c['pp']} cp{c['cp']} dp{c['dp']}{layers})")
             engine, local = divmod(rank, self.rollout_tp)
             parts.append(f"rollout(engine {engine}{', leader' if local == 0 else ''})")
             lines.append(f"  rank {rank}: " + " ".join(parts))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _chunk_layers(self, lay: RoleLayout, pp_rank: int) -> str:
+        """`` layers 0 + 2`` under VPP: where interleaving puts this stage's layers (one block per chunk)."""
+        if not lay.vpp or self.model is None:
+            return ""
+        blocks = lay.layers(pp_rank, self.model.num_layers)
+        return " layers " + " + ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in blocks)
 
 
 def ref_needed(cfg: RLConfig) -> bool:

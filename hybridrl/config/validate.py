@@ -69,7 +69,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     layouts = {name: _check_parallel(key, m, world, model, issues, planning=model_config is not None)
                for name, (key, m) in roles.items()}
     for name, (key, m) in roles.items():  # one Megatron parallel_state per process: same layout
-        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size", "context_parallel_size"):
             if name != "actor" and getattr(m, size) != getattr(aor.actor.megatron, size):
                 issues.add(f"{key}.{size}", getattr(m, size),
                            f"must equal {AOR}.actor.megatron.{size}={getattr(aor.actor.megatron, size)} "
@@ -127,15 +128,10 @@ def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | 
             issues.add(f"{key}.tensor_model_parallel_size", tp,
                        f"must divide the model's {model.num_kv_heads} KV heads (GQA groups) "
                        f"(valid: {_divisors(model.num_kv_heads)})")
-        stages = pp * (m.virtual_pipeline_model_parallel_size or 1)
-        if model.num_layers % stages:
+        if model.num_layers % pp:
             issues.add(f"{key}.pipeline_model_parallel_size", pp,
-                       f"PP×VPP = {stages} must divide the model's {model.num_layers} layers "
-                       f"(valid PP: {_divisors(model.num_layers)})")
-    vpp = m.virtual_pipeline_model_parallel_size
-    if vpp is not None:  # the policy builds one model chunk per stage (plain 1F1B) for now
-        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                   "the interleaved (virtual) pipeline schedule is not supported yet; use null (plain 1F1B)")
+                       f"must divide the model's {model.num_layers} layers (valid: {_divisors(model.num_layers)})")
+    _check_virtual_pipeline(key, m, model, issues)
     if m.use_distributed_optimizer and not planning and not _cuda():
         issues.add(f"{key}.use_distributed_optimizer", True,
                    "Megatron's distributed optimizer needs CUDA (its CPU path is not adapted); set false on CPU")
@@ -145,6 +141,42 @@ def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | 
         issues.add(f"{key}.sequence_parallel", True,
                    "needs Transformer Engine (Megatron's torch-norm fallback does not support it); set false")
     return RoleLayout.of(m, world)
+
+
+def _check_virtual_pipeline(key: str, m: MegatronConfig, model: ModelInfo | None, issues: _Issues) -> None:
+    """Megatron's rules for the interleaved schedule (parallel_state, TransformerConfig)."""
+    vpp, pp = m.virtual_pipeline_model_parallel_size, max(m.pipeline_model_parallel_size, 1)
+    if vpp is None:
+        return
+    if vpp < 2:
+        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                   "must be null (one model chunk per stage, plain 1F1B) or ≥ 2 chunks per stage")
+    if pp < 2:
+        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                   f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
+                   "set null or raise PP")
+    if model is not None and vpp >= 1 and model.num_layers % (pp * vpp):
+        per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
+        valid = [v for v in _divisors(per_stage) if v >= 2]
+        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
+                   f"PP×VPP = {pp}×{vpp} = {pp * vpp} must divide the model's {model.num_layers} layers "
+                   f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}")
+
+
+def _check_interleaved_micro_batches(key: str, micro: int, samples: int, lay: RoleLayout,
+                                     issues: _Issues) -> None:
+    """Megatron's interleaved schedule (0.16.1, ``forward_backward_pipelining_with_interleaving``) runs
+    micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default PP) and refuses a count
+    that is not a multiple of it. Log-prob passes are padded by the policy; optimizer steps can't be."""
+    if not lay.vpp or lay.pp < 2:
+        return
+    n_micro = samples // (micro * lay.dp)
+    if n_micro % lay.pp:
+        valid = [v for v in _divisors(samples) if samples % (v * lay.dp * lay.pp) == 0]
+        issues.add(key, micro,
+                   f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={lay.vpp}) needs a "
+                   f"multiple of PP={lay.pp} micro-batches per optimizer step; {samples} samples over DP={lay.dp} "
+                   f"in micro-batches of {micro} make {n_micro}; valid: {valid or 'none at this DP and PP'}")
 
 
 def _check_rollout(cfg: RLConfig, world: int, model: ModelInfo | None, issues: _Issues) -> None:
@@ -212,6 +244,9 @@ def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issue
                        f"a mini-batch of {mini} prompts × rollout.n={n} = {mini * n} samples must split into "
                        f"micro-batches of {micro} on each of DP={dp} ranks; valid: "
                        f"{[v for v in _divisors(mini * n) if (mini * n) % (v * dp) == 0] or 'none at this DP'}")
+        else:
+            _check_interleaved_micro_batches(f"{key}.ppo_micro_batch_size_per_gpu", micro, mini * n,
+                                             layouts[role], issues)
     dp_actor = layouts["actor"].dp
     if d.train_batch_size >= 1 and d.train_batch_size % dp_actor:
         issues.add("data.train_batch_size", d.train_batch_size,
@@ -370,6 +405,9 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
         issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
                    f"data.train_batch_size={d.train_batch_size} must split into micro-batches of this size on "
                    f"each of DP={layout.dp} ranks")
+    elif min(d.train_batch_size, d.micro_batch_size_per_gpu) >= 1:
+        _check_interleaved_micro_batches("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
+                                         d.train_batch_size, layout, issues)
     if model is not None and d.max_prompt_length + d.max_response_length > model.max_position_embeddings:
         issues.add("data.max_response_length", d.max_response_length,
                    f"prompt + response lengths exceed the model's {model.max_position_embeddings} positions")

@@ -5,7 +5,7 @@ Model and weights:
 - ``hf_config``: :class:`HFArch`, the Megatron-relevant part of a HF config (no torch import).
 - ``cpu``: every CPU adaptation of megatron-core, applied by ``apply_cpu_adaptations()``.
 - ``parallel``: :class:`ParallelConfig`, ``init_parallel``, ``seed_everything``, ``destroy_parallel``.
-- ``model``: ``build_gpt_model`` (TE spec on GPU, local spec otherwise), vocab padding, logits gather.
+- ``model``: ``build_model_chunks`` (TE spec on GPU, local spec otherwise), vocab padding, logits gather.
 - ``convert``: HF <-> Megatron layout rules; ``weights``: ``load_hf_weights``, ``export_hf_weights``
   (bucketed, TP-gathered, PP-broadcast stream of HF tensors).
 - ``verify``: ``hybridrl verify-model``.

@@ -65,8 +65,12 @@ def cpu_model_parallel_kwargs() -> dict[str, Any]:
     - ``batch_p2p_comm=False``: with it True, ``pipeline_parallel/p2p_communication.py``
       (``P2PCommunicator._communicate``) calls ``torch.cuda.synchronize()`` after
       ``batch_isend_irecv`` when ``batch_p2p_sync`` is True, and unconditionally in
-      ``_communicate_shapes`` (variable sequence lengths); PLATFORM.md also found the interleaved
-      schedule's gradients silently wrong on gloo with batched p2p.
+      ``_communicate_shapes`` (variable sequence lengths). Worse, the interleaved schedule's gradients
+      come out silently wrong on gloo: at PP = 2 the previous and next stage are the same rank, and
+      ``_batched_p2p_ops`` posts one batch as (send_prev, recv_prev, send_next, recv_next), which gloo
+      pairs with the peer's batch in posting order, so an activation and a gradient between the same
+      two ranks are swapped. ``_p2p_ops`` (unbatched) orders them by rank parity and, at PP = 2, sends
+      the two directions over two different process groups.
     - ``batch_p2p_sync=False``: the flag that guards that synchronize, for anyone who turns
       ``batch_p2p_comm`` back on.
     """

@@ -52,8 +52,12 @@ class HFArch:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def check_split(self, *, tp: int, pp: int) -> None:
-        """Raise if ``tp``/``pp`` don't split this model evenly (whole KV groups per TP rank)."""
+    def check_split(self, *, tp: int, pp: int, vpp: int | None = None) -> None:
+        """Raise if ``tp``/``pp``(×``vpp``) don't split this model evenly (whole KV groups per TP rank)."""
+        if vpp is not None and self.num_layers % (pp * vpp):
+            raise ValueError(f"pipeline_model_parallel_size × virtual_pipeline_model_parallel_size = {pp}×{vpp} "
+                             f"does not divide the model's num_hidden_layers={self.num_layers} (each model "
+                             "chunk holds an equal number of layers)")
         checks = [
             ("num_key_value_heads", self.num_query_groups, "tensor_model_parallel_size", tp,
              " (each TP rank holds whole KV groups)"),

@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` (this rank's pipeline stage) from a Hugging Face config.
+"""Build megatron-core ``GPTModel``s (this rank's pipeline stage or model chunks) from a Hugging Face config.
 
 Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
 [gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling), QKV bias (Qwen2), per-head
@@ -10,6 +10,12 @@ The vocabulary is padded to a multiple of ``vocab_multiple × TP`` (VocabParalle
 shards). Padded rows are zero and never leave this package: :func:`gather_vocab_logits` and the weight
 export slice back to the true vocab. Code that reads TP-local logits directly (vocab-parallel
 log-softmax) must mask the padded columns itself: their logits are 0, not -inf.
+
+Under the interleaved pipeline schedule (VPP) a rank holds ``VPP`` model chunks, built by
+:func:`build_model_chunks` with Megatron's ``vp_stage``: chunk v of PP rank r holds layer block
+``v·PP + r`` (Megatron's ``get_transformer_layer_offset``), the embedding lives in chunk 0 of the first
+stage and the output layer in the last chunk of the last stage. All chunks share one TransformerConfig,
+which the schedule reads from chunk 0.
 
 The model is built without initialising weights (``perform_initialization=False``): call
 :func:`hybridrl.megatron.weights.load_hf_weights` next.
@@ -45,7 +51,7 @@ from hybridrl.megatron.parallel import ParallelConfig
 __all__ = [
     "HFArch",
     "ParallelConfig",
-    "build_gpt_model",
+    "build_model_chunks",
     "gather_vocab_logits",
     "padded_vocab_size",
     "transformer_config",
@@ -71,7 +77,8 @@ def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
 
 
 def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
-    arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size)
+    arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
+                     vpp=parallel.virtual_pipeline_model_parallel_size)
     if not use_transformer_engine():
         if parallel.sequence_parallel:
             raise NotImplementedError(
@@ -102,6 +109,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
@@ -125,25 +133,35 @@ def layer_spec(arch: HFArch, parallel: ParallelConfig) -> ModuleSpec:
     return spec
 
 
-def build_gpt_model(
+def build_model_chunks(
     arch: HFArch,
     parallel: ParallelConfig,
     *,
     params_dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,
     **config_overrides: Any,
-) -> GPTModel:
-    """This rank's stage of the model (uninitialised weights); needs :func:`init_parallel` first."""
+) -> list[GPTModel]:
+    """This rank's model chunks in ``vp_stage`` order (one without VPP), sharing one TransformerConfig;
+    uninitialised weights; needs :func:`init_parallel` first."""
     config = transformer_config(arch, parallel, params_dtype=params_dtype, **config_overrides)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    stages: list[int | None] = list(range(vpp)) if vpp else [None]
+    vocab = padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size, multiple=vocab_multiple)
+    return [_gpt_chunk(arch, parallel, config, vocab_size=vocab, vp_stage=v) for v in stages]
+
+
+def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig, *, vocab_size: int,
+               vp_stage: int | None) -> GPTModel:
     scaling = arch.rope_scaling
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, parallel),
-        vocab_size=padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size,
-                                     multiple=vocab_multiple),
+        vocab_size=vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        # ignore_virtual=False: with VPP only chunk 0 of the first stage embeds and only the last
+        # chunk of the last stage has the output layer
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
@@ -151,6 +169,7 @@ def build_gpt_model(
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # annotated int, used as a float
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
+        vp_stage=vp_stage,
     )
     _mark_tensor_parallel_weights(model)
     return model

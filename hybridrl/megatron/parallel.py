@@ -27,6 +27,9 @@ class ParallelConfig:
     """TP: ranks that split each layer's matrices (whole KV groups per rank)."""
     pipeline_model_parallel_size: int = 1
     """PP: stages that split the layers (num_layers must divide evenly)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """VPP: model chunks per PP rank (interleaved 1F1B; needs PP ≥ 2); None = one chunk, plain 1F1B.
+    Chunk v of PP rank r holds layer block ``v·PP + r`` of ``PP·VPP`` equal blocks."""
     context_parallel_size: int = 1
     """CP: ranks that split the sequence (TE's attention on GPU; ``context_parallel.py``'s without TE)."""
     sequence_parallel: bool = False
@@ -38,6 +41,15 @@ class ParallelConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
+            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size ≥ 2 "
+                             "and a value ≥ 2 (None: one model chunk per stage, plain 1F1B)")
+
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks this rank builds: VPP under the interleaved schedule, else 1."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -68,6 +80,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
     )
 

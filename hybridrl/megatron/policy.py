@@ -1,10 +1,14 @@
 """One Megatron model of the RL loop (actor, ref): build + load, log-probs, train steps, weight export.
 
-Every forward and backward goes through Megatron's forward-backward schedule, so PP (1F1B) and
-gradient accumulation over micro-batches are Megatron's. Token log-probs and entropies come from
-the vocab-parallel logits without gathering the vocabulary (:mod:`vocab_parallel`). Results are
-computed on the last pipeline stage and broadcast to the other stages, so every rank of a
-model-parallel group holds the same tensors afterwards (SPMD: the loop has no rank branches).
+Every forward and backward goes through Megatron's forward-backward schedule, so PP (1F1B, or
+interleaved 1F1B over VPP model chunks) and gradient accumulation over micro-batches are Megatron's. The
+model is a list of chunks (one per virtual stage; one without VPP), each wrapped in Megatron's DDP,
+under one optimizer; the schedule takes one data iterator per chunk over the same micro-batches. Token
+log-probs and entropies come from the vocab-parallel logits without gathering the vocabulary
+(:mod:`vocab_parallel`). Results are computed on the last pipeline stage and broadcast to the other
+stages, so every rank of a model-parallel group holds the same tensors afterwards (SPMD: the loop has no
+rank branches).
+
 With CP > 1 each rank feeds its share of the positions (Megatron's load-balanced chunks,
 :mod:`context_parallel`) and the per-token log-probs/entropies are gathered back to whole sequences,
 so every CP rank computes the same loss; the gradient of that loss is summed over CP (the schedule's
@@ -39,7 +43,7 @@ from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.hf_config import HFArch
-from hybridrl.megatron.model import build_gpt_model
+from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
@@ -52,6 +56,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch], tuple[torch.Tensor
 def parallel_config(m: MegatronConfig) -> ParallelConfig:
     return ParallelConfig(tensor_model_parallel_size=m.tensor_model_parallel_size,
                           pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+                          virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
                           context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel)
 
 
@@ -69,27 +74,29 @@ class MegatronPolicy:
         self.arch = HFArch.from_hf(model_dir)
         self.parallel = parallel_config(megatron)
         self.pad_token_id = pad_token_id
-        model = build_gpt_model(self.arch, self.parallel)
-        load_hf_weights(model, self.arch, model_dir)
+        chunks = build_model_chunks(self.arch, self.parallel)
+        load_hf_weights(chunks, self.arch, model_dir)
+        self.config = chunks[0].config  # shared by all chunks
         self.optimizer = None
         self.scheduler: OptimizerParamScheduler | None = None
         if optim is None:
-            model.requires_grad_(False)
-            self.module: torch.nn.Module = model
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+            self.chunks: list[torch.nn.Module] = list(chunks)
         else:
-            self.module = DistributedDataParallel(
-                config=model.config, module=model,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer),
-            )
-            model.config.finalize_model_grads_func = finalize_model_grads
-            model.config.no_sync_func = self.module.no_sync
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer)
+            ddp = [DistributedDataParallel(config=self.config, module=chunk, ddp_config=ddp_config) for chunk in chunks]
+            self.chunks = list(ddp)
+            self.config.finalize_model_grads_func = finalize_model_grads
+            # the interleaved schedule enters every chunk's no_sync when given a list
+            self.config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                 clip_grad=optim.clip_grad, params_dtype=torch.float32,
                                 use_distributed_optimizer=megatron.use_distributed_optimizer),
-                [self.module],
+                self.chunks,
             )
             self.scheduler = OptimizerParamScheduler(
                 self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=0.0,
@@ -97,7 +104,6 @@ class MegatronPolicy:
                 lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
                 wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
             )
-        self.config = model.config
 
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], loss_fn: LossFn | None, *, temperature: float,
@@ -114,10 +120,29 @@ class MegatronPolicy:
                            attention_mask=mask)
             return output, partial(self._loss, mb, loss_fn, temperature, scale)
 
-        fwd_bwd = get_forward_backward_func()
-        return fwd_bwd(forward_step_func=forward_step, data_iterator=iter(micros), model=[self.module],
-                       num_microbatches=len(micros), seq_length=seq_len, micro_batch_size=len(micros[0].batch),
-                       forward_only=forward_only)
+        self._check_interleaving(len(micros))
+        fwd_bwd = get_forward_backward_func(pp_size=self.parallel.pipeline_model_parallel_size,
+                                            vp_size=self.parallel.virtual_pipeline_model_parallel_size)
+        return fwd_bwd(forward_step_func=forward_step, data_iterator=[iter(micros) for _ in self.chunks],
+                       model=self.chunks, num_microbatches=len(micros), seq_length=seq_len,
+                       micro_batch_size=len(micros[0].batch), forward_only=forward_only)
+
+    def _check_interleaving(self, n_micro: int) -> None:
+        """Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP (its
+        ``microbatch_group_size_per_vp_stage``, which defaults to PP); say so in config terms."""
+        pp = self.parallel.pipeline_model_parallel_size
+        if self.parallel.num_model_chunks > 1 and n_micro % pp:
+            raise ValueError(f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size="
+                             f"{self.parallel.virtual_pipeline_model_parallel_size}) needs a multiple of "
+                             f"pipeline_model_parallel_size={pp} micro-batches per step, got {n_micro}")
+
+    def _pad_for_interleaving(self, micros: list[_Micro]) -> list[_Micro]:
+        """Forward-only passes: repeat the last micro-batch up to a multiple of PP under the interleaved
+        schedule (its outputs are dropped), so any log-prob micro-batch size works."""
+        if self.parallel.num_model_chunks == 1:
+            return micros
+        short = -len(micros) % self.parallel.pipeline_model_parallel_size
+        return micros + [micros[-1]] * short
 
     def _loss(self, mb: _Micro, loss_fn: LossFn | None, temperature: float, scale: int,
               logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -147,8 +172,9 @@ class MegatronPolicy:
     def compute_log_probs(self, batch: RolloutBatch, *, micro_batch_size: int,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group."""
-        self.module.eval()
-        micros = self._micro_batches(batch, micro_batch_size)
+        for chunk in self.chunks:
+            chunk.eval()
+        micros = self._pad_for_interleaving(self._micro_batches(batch, micro_batch_size))
         outputs = self._run(micros, None, temperature=temperature, forward_only=True)
         B, T = batch.response_ids.shape
         both = torch.zeros(2, len(micros) * micro_batch_size, T)
@@ -166,8 +192,9 @@ class MegatronPolicy:
         if len(batch) % micro_batch_size:
             raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
                              f"micro-batch size {micro_batch_size}")
-        self.module.train()
-        self.module.zero_grad_buffer()  # type: ignore[operator]
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         outputs = self._run(self._micro_batches(batch, micro_batch_size), loss_fn, temperature=temperature,
                             forward_only=False)
@@ -205,4 +232,4 @@ class MegatronPolicy:
     # ---- weights ----
     def export_weights(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
         """HF-named full tensors in buckets, the same stream on every rank (TP-gathered, PP-broadcast)."""
-        return export_hf_weights(self.module, self.arch, bucket_bytes=bucket_bytes)
+        return export_hf_weights(self.chunks, self.arch, bucket_bytes=bucket_bytes)

@@ -1,11 +1,12 @@
 """``hybridrl verify-model``: is the Megatron model built from an HF checkpoint the same model?
 
 For each checkpoint, on ``tp × pp`` ranks that it launches itself (torchrun; gloo on CPU): build the
-Megatron model, load the HF weights, run the same token ids through it (Megatron's forward-only
-pipeline schedule) and through transformers (``AutoModelForCausalLM``, fp32, eager attention), then
-export the weights back through the bucketed stream and compare every tensor bit for bit with the
-safetensors original, on every rank. The last line printed is
-``max_abs_logit_diff=<float> roundtrip=<exact|MISMATCH>`` (the worst over the checkpoints given).
+Megatron model (``vpp`` interleaved model chunks per stage when given), load the HF weights, run the
+same token ids through it (Megatron's forward-only pipeline schedule) and through transformers
+(``AutoModelForCausalLM``, fp32, eager attention), then export the weights back through the bucketed
+stream and compare every tensor bit for bit with the safetensors original, on every rank. The last line
+printed is ``max_abs_logit_diff=<float> roundtrip=<exact|MISMATCH>`` (the worst over the checkpoints
+given).
 """
 
 from __future__ import annotations
@@ -63,20 +64,23 @@ def run_verification(
     *,
     tp: int = 1,
     pp: int = 1,
+    vpp: int | None = None,
     seq_len: int = 16,
     batch: int = 2,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float = 900.0,
 ) -> list[ModelReport]:
     """Check each checkpoint on ``tp × pp`` ranks launched once for all of them."""
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise VerifyError(f"--vpp {vpp} needs --pp ≥ 2 and a value ≥ 2 (leave it out for one model chunk per stage)")
     for model_dir in model_dirs:
-        check_model_dir(model_dir).check_split(tp=tp, pp=pp)
+        check_model_dir(model_dir).check_split(tp=tp, pp=pp, vpp=vpp)
     with tempfile.TemporaryDirectory(prefix="hybridrl-verify-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
             "-m", "hybridrl.megatron.verify", "--worker", f"--report={report}", f"--tp={tp}", f"--pp={pp}",
-            f"--seq-len={seq_len}", f"--batch={batch}", f"--bucket-bytes={bucket_bytes}",
+            f"--vpp={vpp or 0}", f"--seq-len={seq_len}", f"--batch={batch}", f"--bucket-bytes={bucket_bytes}",
             *[str(d) for d in model_dirs],
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -89,12 +93,13 @@ def run_verification(
 
 
 def main(args: argparse.Namespace) -> int:
-    """``hybridrl verify-model MODEL_DIR... [--tp N] [--pp N]`` (arguments in :mod:`hybridrl.cli`)."""
+    """``hybridrl verify-model MODEL_DIR... [--tp N] [--pp N] [--vpp N]`` (arguments in :mod:`hybridrl.cli`)."""
     model_dirs = [Path(d) for d in args.model_dir]
     try:
+        vpp = f", vpp={args.vpp}" if args.vpp else ""
         print(f"verify-model: {len(model_dirs)} checkpoint(s) on {args.tp * args.pp} rank(s) "
-              f"(tp={args.tp}, pp={args.pp}), {args.batch}×{args.seq_len} tokens", flush=True)
-        reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, seq_len=args.seq_len,
+              f"(tp={args.tp}, pp={args.pp}{vpp}), {args.batch}×{args.seq_len} tokens", flush=True)
+        reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, vpp=args.vpp, seq_len=args.seq_len,
                                    batch=args.batch, bucket_bytes=args.bucket_bytes)
     except (VerifyError, ValueError) as e:
         print(f"verify-model: error: {e}", file=sys.stderr)
@@ -116,7 +121,7 @@ def _worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hybridrl.megatron.verify --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--report", type=Path, required=True)
-    for name in ("--tp", "--pp", "--seq-len", "--batch", "--bucket-bytes"):
+    for name in ("--tp", "--pp", "--vpp", "--seq-len", "--batch", "--bucket-bytes"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("model_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
@@ -130,7 +135,8 @@ def _worker(argv: list[str]) -> int:
     from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel, seed_everything
 
     torch.set_num_threads(1)
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                              virtual_pipeline_model_parallel_size=args.vpp or None)  # 0: none
     init_parallel(parallel)
     seed_everything(0)
     reports = [dataclasses.asdict(_verify_one(d, parallel, args)) for d in args.model_dirs]
@@ -152,7 +158,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hybridrl.megatron.model import build_gpt_model, padded_vocab_size
+    from hybridrl.megatron.model import build_model_chunks, padded_vocab_size
     from hybridrl.megatron.weights import load_hf_weights
 
     seconds: dict[str, float] = {}
@@ -163,17 +169,18 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
          f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_query_groups} KV groups, vocab "
          f"{arch.vocab_size} padded to {padded}, {'tied' if arch.tie_word_embeddings else 'untied'} "
          "embeddings) and loading its weights")
-    model = build_gpt_model(arch, parallel)
-    load_hf_weights(model, arch, model_dir)
-    model.eval()
+    chunks = build_model_chunks(arch, parallel)
+    load_hf_weights(chunks, arch, model_dir)
+    for chunk in chunks:
+        chunk.eval()
     seconds["build_load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(1234)
     ids_BS = torch.randint(0, arch.vocab_size, (args.batch, args.seq_len), generator=gen)
     _log(f"forward {args.batch}×{args.seq_len} tokens through Megatron and transformers")
-    device = next(model.parameters()).device
-    logits_BSV = _megatron_logits(model, arch, ids_BS.to(device))
+    device = next(chunks[0].parameters()).device
+    logits_BSV = _megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
     diff = torch.zeros((), device=device)
     if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         diff = (logits_BSV - _hf_logits(model_dir, ids_BS).to(device)).abs().max()
@@ -183,7 +190,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     t0 = time.perf_counter()
     _log(f"exporting the weights as HF tensors (buckets ≤ {args.bucket_bytes} B) and comparing them "
          "bit for bit with the safetensors originals")
-    mismatches, n_tensors, buckets = _roundtrip(model, arch, model_dir, args.bucket_bytes)
+    mismatches, n_tensors, buckets = _roundtrip(chunks, arch, model_dir, args.bucket_bytes)
     bad = torch.tensor(float(len(mismatches)), device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     seconds["export"] = time.perf_counter() - t0
@@ -192,8 +199,12 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
                        buckets=buckets, bucket_bytes=args.bucket_bytes, seconds=seconds)
 
 
-def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
-    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), on the model's device."""
+def _megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int) -> Any:
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), on the model's device.
+
+    The interleaved schedule (several chunks) needs a multiple of PP micro-batches: the same one is
+    fed PP times and the first output is taken.
+    """
     import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -209,10 +220,11 @@ def _megatron_logits(model: Any, arch: HFArch, ids_BS: Any) -> Any:
         output = model(next(data_iterator), position_ids_BS, mask)
         return output, lambda out, non_loss_data=True: out
 
+    n_micro = pp if len(chunks) > 1 else 1
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids_BS]), model=[model],
-            num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+            forward_step_func=forward_step, data_iterator=[iter([ids_BS] * n_micro) for _ in chunks],
+            model=chunks, num_microbatches=n_micro, seq_length=s, micro_batch_size=b, forward_only=True,
             collect_non_loss_data=True,
         )
         if not parallel_state.is_pipeline_last_stage():
@@ -232,7 +244,7 @@ def _hf_logits(model_dir: Path, ids_BS: Any) -> Any:
 
 
 def _roundtrip(
-    model: Any, arch: HFArch, model_dir: Path, bucket_bytes: int
+    chunks: list[Any], arch: HFArch, model_dir: Path, bucket_bytes: int
 ) -> tuple[list[str], int, list[tuple[int, int]]]:
     import torch
 
@@ -242,7 +254,7 @@ def _roundtrip(
     seen: set[str] = set()
     buckets: list[tuple[int, int]] = []
     with SafetensorsReader(model_dir) as reader:
-        for bucket in export_hf_weights(model, arch, bucket_bytes=bucket_bytes):
+        for bucket in export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes):
             buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket)))
             for name, tensor in bucket:
                 if name in seen or name not in reader.files:

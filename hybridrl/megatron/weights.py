@@ -1,7 +1,9 @@
 """HF safetensors -> this rank's Megatron shards, and Megatron -> a bucketed stream of HF tensors.
 
 Loading: each rank opens the checkpoint lazily (``safe_open``) and reads only the slices of the
-tensors its TP rank and PP stage hold. Export: :func:`export_hf_weights` yields buckets of
+tensors its TP rank and PP stage hold. Both directions take this rank's model chunks (one, or VPP
+under the interleaved schedule); parameters are named by global layer number, so a chunk's layers
+map to HF layers wherever interleaving put them. Export: :func:`export_hf_weights` yields buckets of
 ``(hf_name, full_tensor)`` in HF order; each unit is all-gathered over TP on the stage that owns
 it and broadcast over PP, so every rank receives the same stream. The stream feeds the in-place
 weight sync into SGLang and HF checkpoint saving; it never holds more than one bucket plus the unit
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -20,6 +22,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 from safetensors import safe_open
 
 from hybridrl.interfaces import WeightBucket
@@ -81,17 +84,24 @@ class SafetensorsReader:
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def local_units(model: torch.nn.Module, arch: HFArch) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
-    """This rank's parameters by canonical name (global layer numbers, local-spec names) with units.
+def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
+    """This rank's parameters (over all its model chunks) by canonical name (global layer numbers,
+    local-spec names) with units.
 
     With tied embeddings the last PP stage holds a copy of the embedding as ``output_layer.weight``;
     it maps to ``model.embed_tokens.weight``.
     """
-    gpt = unwrap_model(model)
     units = {u.megatron_name: u for u in all_units(arch)}
     if arch.tie_word_embeddings:
         units["output_layer.weight"] = Unit("output_layer.weight", ("model.embed_tokens.weight",),
                                             "vocab", None)
+    out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
+    for chunk in chunks:
+        out.update(_chunk_units(unwrap_model(chunk), arch, units))
+    return out
+
+
+def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit]) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
     out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
     for name, param in gpt.named_parameters():
         canonical = name
@@ -107,13 +117,13 @@ def local_units(model: torch.nn.Module, arch: HFArch) -> dict[str, tuple[Unit, t
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, arch: HFArch, model_dir: str | Path) -> None:
-    """Fill every parameter of this rank's model from the HF checkpoint (only the slices it needs)."""
+def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path) -> None:
+    """Fill every parameter of this rank's model chunks from the HF checkpoint (only the slices it needs)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    padded_vocab = unwrap_model(model).vocab_size
+    padded_vocab = unwrap_model(chunks[0]).vocab_size
     with SafetensorsReader(model_dir) as reader:
-        for name, (unit, param) in local_units(model, arch).items():
+        for name, (unit, param) in local_units(chunks, arch).items():
             shard = shard_from_hf(unit, arch, reader.read, tp_rank=tp_rank, tp_size=tp_size,
                                   padded_vocab=padded_vocab)
             if shard.shape != param.shape:
@@ -133,8 +143,10 @@ def _tp_gather(unit: Unit, arch: HFArch, param: torch.Tensor, group: dist.Proces
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, arch: HFArch, *, bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Yield the whole model as HF-named full tensors, in buckets of at most ``bucket_bytes``.
+def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *,
+                      bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Yield the whole model (this rank's ``chunks`` and its peers') as HF-named full tensors, in buckets
+    of at most ``bucket_bytes``.
 
     Every rank gets the same buckets in the same order (HF order: embedding, layers, norm, lm_head).
     A tensor larger than ``bucket_bytes`` travels alone in its bucket. Each yielded tensor owns its
@@ -149,7 +161,7 @@ def export_hf_weights(model: torch.nn.Module, arch: HFArch, *, bucket_bytes: int
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
 
-    local = local_units(model, arch)
+    local = local_units(chunks, arch)
     if arch.tie_word_embeddings and pp_size > 1 and "embedding.word_embeddings.weight" not in local:
         local.pop("output_layer.weight", None)  # the first stage exports the tied embedding
     owner: dict[str, int] = {}

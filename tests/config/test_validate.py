@@ -80,6 +80,35 @@ def test_pp_must_divide_layers(base: list[str]) -> None:
     assert msg.startswith(f"{AOR}.actor.megatron.pipeline_model_parallel_size=3") and "4 layers" in msg
 
 
+VPP = f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size"
+PP2 = f"{AOR}.actor.megatron.pipeline_model_parallel_size=2"
+
+
+def test_virtual_pipeline_follows_megatrons_rules(base: list[str]) -> None:
+    msg = only(base, f"{VPP}=2")  # parallel_state: the interleaved schedule needs PP > 1
+    assert msg.startswith(f"{VPP}=2") and "needs pipeline_model_parallel_size ≥ 2 (it is 1)" in msg
+    msg = only(base, PP2, f"{VPP}=4", world=2)  # 4 layers in 2 stages × 4 chunks
+    assert msg.startswith(f"{VPP}=4") and "PP×VPP = 2×4 = 8 must divide the model's 4 layers" in msg
+    assert "valid at PP=2: null or [2]" in msg
+    assert only(base, PP2, f"{VPP}=1", world=2).startswith(f"{VPP}=1: must be null")
+    assert issues(base, PP2, f"{VPP}=2", world=2) == []
+
+
+def test_interleaved_schedule_needs_a_multiple_of_pp_micro_batches(base: list[str]) -> None:
+    # a mini-batch of 4 prompts × 4 samples in micro-batches of 16: 1 micro-batch per step, PP=2
+    msg = only(base, PP2, f"{VPP}=2", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=16", world=2)
+    assert msg.startswith(f"{AOR}.actor.ppo_micro_batch_size_per_gpu=16")
+    assert "multiple of PP=2 micro-batches per optimizer step" in msg and "make 1" in msg
+    assert "valid: [1, 2, 4, 8]" in msg
+    assert issues(base, PP2, f"{AOR}.actor.ppo_micro_batch_size_per_gpu=16", world=2) == []  # plain 1F1B: any
+
+
+def test_ref_must_use_the_actors_virtual_pipeline(base: list[str]) -> None:
+    msg = only(base, PP2, f"{VPP}=2", f"{AOR}.ref.megatron.pipeline_model_parallel_size=2",
+               f"{AOR}.actor.use_kl_loss=true", world=2)
+    assert msg.startswith(f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size: must equal {VPP}=2")
+
+
 def test_ref_layout_checked_only_when_ref_is_built(base: list[str]) -> None:
     bad_ref = f"{AOR}.ref.megatron.tensor_model_parallel_size=3"
     assert issues(base, bad_ref) == []
@@ -220,6 +249,13 @@ def test_validate_cli_prints_topology(base: list[str]) -> None:
     assert r.returncode == 0, r.stderr
     assert "actor   TP=1 PP=2 CP=1 DP=1" in r.stdout and "rank 1: actor(tp0 pp1 cp0 dp0)" in r.stdout
     assert r.stdout.strip().endswith("config OK")
+    vpp = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base,
+                          f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", f"{VPP}=2", "--world-size", "2"],
+                         capture_output=True, text=True)
+    assert vpp.returncode == 0, vpp.stderr
+    assert "actor   TP=1 PP=2 VPP=2 CP=1 DP=1" in vpp.stdout  # layer blocks interleave over the stages
+    assert "rank 0: actor(tp0 pp0 cp0 dp0 layers 0 + 2)" in vpp.stdout
+    assert "rank 1: actor(tp0 pp1 cp0 dp0 layers 1 + 3)" in vpp.stdout
     bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base, f"{AOR}.rollout.n=1",
                           f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and f"{AOR}.rollout.n=1" in bad.stderr

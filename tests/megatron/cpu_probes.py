@@ -138,6 +138,65 @@ def optimizer_step() -> dict[str, Any]:
     return {"ok": ok, "grad_norm": grad_norm, "w": ddp.module.w.tolist()}
 
 
+class Chunk(MegatronModule):
+    """One model chunk of the interleaved-schedule probe: ``h -> tanh(h·w)``; chunk 0 of stage 0 reads data."""
+
+    def __init__(self, config: TransformerConfig, w: torch.Tensor, *, first: bool) -> None:
+        super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder
+        self.w = torch.nn.Parameter(w.clone())
+        self.first = first
+        self.input: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: Any) -> None:
+        self.input = tensor[0] if isinstance(tensor, list) else tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((x if self.first else self.input) * self.w)
+
+
+def interleaved_chunk_weights() -> list[torch.Tensor]:
+    """The 4 chunks' weights in model order: (stage 0, chunk 0), (1, 0), (0, 1), (1, 1)."""
+    return [torch.linspace(0.5, 1.5, 4) + 0.1 * i for i in range(4)]
+
+
+def interleaved_data() -> list[torch.Tensor]:
+    return [torch.arange(24.0).view(3, 2, 4) / 10 + m for m in range(4)]  # 4 micro-batches [s, b, h]
+
+
+def interleaved_grads(batched: bool) -> list[list[float]]:
+    """This rank's 2 chunks' grads after Megatron's interleaved schedule (PP=2 × VPP=2, 4 micro-batches,
+    loss = mean over micro-batches of sum(out²)), with ``batch_p2p_comm`` as given."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    config = TransformerConfig(num_layers=4, hidden_size=4, num_attention_heads=1, pipeline_model_parallel_size=2,
+                               virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                               batch_p2p_comm=batched, batch_p2p_sync=False)
+    weights = interleaved_chunk_weights()
+    chunks = [Chunk(config, weights[2 * v + pp_rank], first=pp_rank == 0 and v == 0) for v in range(2)]
+
+    def step(data: Any, model: Chunk) -> tuple[torch.Tensor, Any]:
+        out = model(next(data))
+        return out, lambda o: (o.pow(2).sum(), {"loss": o.pow(2).sum().detach()})
+
+    schedules.get_forward_backward_func()(
+        forward_step_func=step, data_iterator=[iter(interleaved_data()) for _ in chunks], model=chunks,
+        num_microbatches=4, seq_length=3, micro_batch_size=2)
+    return [c.w.grad.tolist() for c in chunks]
+
+
+def interleaved_expected_grads() -> list[list[float]]:
+    """The same loss's grads computed in one process (autograd through the 4 chunks in model order)."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    weights = [w.clone().requires_grad_(True) for w in interleaved_chunk_weights()]
+    loss = torch.zeros(())
+    for x in interleaved_data():
+        for w in weights:
+            x = torch.tanh(x * w)
+        loss = loss + x.pow(2).sum() / 4
+    loss.backward()
+    return [weights[2 * v + pp_rank].grad.tolist() for v in range(2)]
+
+
 def rng_draws() -> dict[str, Any]:
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -206,6 +265,13 @@ def main(out_dir: Path) -> None:
     cpu.use_cpu_in_cp_rope()
     record("cp_rope_with", lambda: rotary_pos_embedding.get_pos_emb_on_this_cp_rank(
         table, 0, cp_group).flatten().tolist())
+
+    # World of 2 as PP=2 × VPP=2: the interleaved schedule with batched and unbatched p2p.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    record("interleaved_expected", interleaved_expected_grads)
+    record("interleaved_batched", lambda: interleaved_grads(batched=True))
+    record("interleaved_unbatched", lambda: interleaved_grads(batched=False))
 
     patched = (torch.cuda.current_device, schedules.torch, tensor_parallel.random.CudaRNGStatesTracker,
                type(tensor_parallel.get_cuda_rng_tracker()))

@@ -66,6 +66,15 @@ def test_batched_p2p_sync_still_fails(probes: list[dict[str, Any]]) -> None:
     assert probes[1]["p2p_with"] == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_batched_p2p_still_gives_wrong_interleaved_grads(probes: list[dict[str, Any]]) -> None:
+    """At PP=2 both pipeline neighbours are the same rank: gloo pairs one batch's sends and receives in
+    posting order and swaps an activation with a gradient, so the grads are silently wrong."""
+    for rank in probes:
+        expected = torch.tensor(rank["interleaved_expected"])  # autograd in one process
+        assert torch.allclose(torch.tensor(rank["interleaved_unbatched"]), expected, rtol=1e-6, atol=1e-7)
+        assert (torch.tensor(rank["interleaved_batched"]) - expected).abs().max() > 0.05  # batch_p2p_comm=True
+
+
 def test_tied_embedding_setup_still_fails(probes: list[dict[str, Any]]) -> None:
     for rank in probes:
         assert rank["tied_without"] == NO_CUDA  # weight.data.cuda() before the embedding all-reduce

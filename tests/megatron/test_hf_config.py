@@ -68,3 +68,6 @@ def test_check_split_names_the_parallel_key() -> None:
         arch.check_split(tp=4, pp=1)
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=3 .* num_hidden_layers=2"):
         arch.check_split(tp=1, pp=3)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size × virtual_pipeline_model_parallel_size "
+                                         r"= 2×2 does not divide the model's num_hidden_layers=2"):
+        arch.check_split(tp=1, pp=2, vpp=2)

@@ -1,5 +1,6 @@
 """``hybridrl verify-model``: Megatron logits match transformers and the weight export round-trips
-bit for bit, at TP=1, TP=2, PP=2 and TP=2×PP=2. One launch of the ranks per layout checks all of its
+bit for bit, at TP=1, TP=2, PP=2, TP=2×PP=2 and PP=2×VPP=2 (interleaved: layers 0, 2 on rank 0 and 1, 3
+on rank 1). One launch of the ranks per layout checks all of its
 checkpoints (Megatron's import costs ~10 s per process)."""
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from hybridrl.megatron.verify import ModelReport, run_verification
 
 ALL = ["qwen2_tied", "qwen2_untied", "qwen3", "llama_sharded", "odd_vocab", "heads8_kv4", "qwen3_head_dim",
        "llama3_rope"]
-LAYOUTS: dict[str, tuple[int, int, list[str]]] = {  # tp, pp, checkpoints
-    "tp1": (1, 1, [*ALL, "extra_tensor"]),
-    "tp2": (2, 1, ["qwen2_tied", "qwen2_untied", "qwen3", "llama_sharded", "odd_vocab", "heads8_kv4",
+LAYOUTS: dict[str, tuple[int, int, int | None, list[str]]] = {  # tp, pp, vpp, checkpoints
+    "tp1": (1, 1, None, [*ALL, "extra_tensor"]),
+    "tp2": (2, 1, None, ["qwen2_tied", "qwen2_untied", "qwen3", "llama_sharded", "odd_vocab", "heads8_kv4",
                    "qwen3_head_dim"]),
-    "pp2": (1, 2, ["qwen2_tied", "qwen2_untied", "qwen3", "llama_sharded", "odd_vocab", "llama3_rope"]),
-    "tp2pp2": (2, 2, ["qwen2_tied", "odd_vocab"]),
+    "pp2": (1, 2, None, ["qwen2_tied", "qwen2_untied", "qwen3", "llama_sharded", "odd_vocab", "llama3_rope"]),
+    "tp2pp2": (2, 2, None, ["qwen2_tied", "odd_vocab"]),
+    "pp2vpp2": (1, 2, 2, ["qwen2_tied", "qwen2_untied", "qwen3"]),  # 4 layers: one per model chunk
 }
-CASES = [(layout, name) for layout, (_, _, names) in LAYOUTS.items() for name in names if name != "extra_tensor"]
+CASES = [(layout, name) for layout, (_, _, _, names) in LAYOUTS.items() for name in names if name != "extra_tensor"]
 BUCKET_BYTES = 150_000  # the tiny models' fc1 halves (196 kB) exceed it, their q/k/v (128 kB) fit together
 LAST_LINE = re.compile(r"max_abs_logit_diff=(\S+) roundtrip=(exact|MISMATCH)")
 
@@ -49,8 +51,9 @@ def reports(checkpoints: dict[str, Path]) -> Callable[[str], dict[str, ModelRepo
 
     def layout_reports(layout: str) -> dict[str, ModelReport]:
         if layout not in cache:
-            tp, pp, names = LAYOUTS[layout]
-            got = run_verification([checkpoints[n] for n in names], tp=tp, pp=pp, bucket_bytes=BUCKET_BYTES)
+            tp, pp, vpp, names = LAYOUTS[layout]
+            got = run_verification([checkpoints[n] for n in names], tp=tp, pp=pp, vpp=vpp,
+                                   bucket_bytes=BUCKET_BYTES)
             cache[layout] = dict(zip(names, got, strict=True))
         return cache[layout]
 
@@ -127,3 +130,8 @@ def test_cli_explains_a_dir_that_is_not_a_checkpoint(tmp_path: Path, capsys: pyt
     (tmp_path / "config.json").write_text("{}")
     assert _run_cli(["verify-model", str(tmp_path)]) == 2
     assert "no weights (expected model.safetensors or model.safetensors.index.json)" in capsys.readouterr().err
+
+
+def test_cli_explains_a_virtual_pipeline_without_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli(["verify-model", str(tmp_path), "--vpp", "2"]) == 2
+    assert "--vpp 2 needs --pp ≥ 2" in capsys.readouterr().err

@@ -10,6 +10,7 @@ HF tensor exported after the step. The max abs differences reached are printed p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,12 @@ METRICS = ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "kl_ref", "entropy")
 # Seen: ≤ 5e-7 on log-probs, ≤ 7e-7 on metrics, ≤ 2e-7 on SGD weights, ≤ 2e-6 on Adam weights
 # (Adam's first steps divide by |g| + eps, which amplifies noise on near-zero gradient entries).
 TOL = {"logprobs": 2e-6, "metrics": 2e-6, "weights": {"token-mean": 1e-5, "seq-mean-token-mean": 1e-6}}
-LAUNCHES = {  # ranks -> layouts run in one torchrun launch (DP is what the world leaves)
-    2: ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2"],  # TP=2, PP=2, DP=2, CP=2
-    4: ["tp2pp2cp1", "tp2pp1cp1", "tp2pp1cp2", "tp1pp2cp2"],  # TP×PP, DP×TP, TP×CP, PP×CP (2 each)
+LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what the world leaves)
+    "2ranks": (2, ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2"]),  # TP=2, PP=2, DP=2, CP=2
+    "4ranks": (4, ["tp2pp2cp1", "tp2pp1cp1", "tp2pp1cp2", "tp1pp2cp2"]),  # TP×PP, DP×TP, TP×CP, PP×CP (2 each)
+    # interleaved 1F1B: 2 stages × 2 chunks of 1 layer (rank 0: layers 0, 2; rank 1: layers 1, 3), tied
+    # embeddings between chunk 0 of rank 0 and chunk 1 of rank 1
+    "vpp": (2, ["tp1pp2cp1vpp2"]),
 }
 
 
@@ -46,13 +50,21 @@ def max_abs_diffs(ref: dict, got: dict) -> dict[str, float]:
     return diffs
 
 
+def data_parallel_size(layout: str, nproc: int) -> int:
+    match = re.match(r"tp(\d+)pp(\d+)cp(\d+)", layout)
+    assert match, layout
+    tp, pp, cp = (int(g) for g in match.groups())
+    return nproc // (tp * pp * cp)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc", sorted(LAUNCHES))
-def test_rl_step_matches_single_rank(torchrun, rl_model: Path, reference: Path, nproc: int) -> None:
-    torchrun([WORKER, str(rl_model), str(reference), *LAUNCHES[nproc]], nproc=nproc, timeout=600)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_rl_step_matches_single_rank(torchrun, rl_model: Path, reference: Path, launch: str) -> None:
+    nproc, layouts = LAUNCHES[launch]
+    torchrun([WORKER, str(rl_model), str(reference), *layouts], nproc=nproc, timeout=600)
     failures = []
-    for layout in LAUNCHES[nproc]:
-        dp = nproc // (int(layout[2]) * int(layout[5]) * int(layout[8]))
+    for layout in layouts:
+        dp = data_parallel_size(layout, nproc)
         for mode in MODES:
             ref = torch.load(reference / f"tp1pp1cp1dp1-{mode}.pt")
             got = torch.load(reference / f"{layout}dp{dp}-{mode}.pt")

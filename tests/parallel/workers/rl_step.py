@@ -2,7 +2,11 @@
 
     python -m torch.distributed.run --nproc-per-node N rl_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-A layout is ``tp<a>pp<b>cp<c>`` (DP is what remains of the world). For each layout and each
+A layout is ``tp<a>pp<b>cp<c>``, optionally followed by ``vpp<d>`` (interleaved 1F1B over d model
+chunks per stage) and ``-distopt`` (Megatron's distributed optimizer, Adam only: the SGD mode is
+skipped); DP is what remains of the world. Under VPP the ref's log-prob pass uses micro-batches of 6
+(3 per pass, padded to a multiple of PP by the policy); log-probs don't depend on the micro-batch size,
+so the TP=1 reference (4) still applies. For each layout and each
 ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref + engine, as the trainer
 does), fills a FIXED RolloutBatch (no generation: DP ranks would sample differently) and runs what
 ``trainer.fit`` runs between generation and weight sync: ``compute_log_probs`` →
@@ -18,6 +22,7 @@ single-rank layout is given the batch in that order, so every layout takes the s
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,21 +46,29 @@ P, T = 9, 10  # prompt / response pad widths
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-def parse_layout(name: str) -> ParallelConfig:
-    tp, rest = name.removeprefix("tp").split("pp")
-    pp, cp = rest.split("cp")
+LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?")
+
+
+def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
+    """``(parallel layout, distributed optimizer?)`` of a layout name."""
+    match = LAYOUT.fullmatch(name)
+    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt]"
+    tp, pp, cp, vpp, distopt = match.groups()
     return ParallelConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
-                          context_parallel_size=int(cp))
+                          context_parallel_size=int(cp),
+                          virtual_pipeline_model_parallel_size=int(vpp) if vpp else None), bool(distopt)
 
 
-def config(model_dir: str, layout: ParallelConfig, mode: str) -> RLConfig:
+def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_optimizer: bool = False) -> RLConfig:
     cfg = RLConfig()
     aor = cfg.actor_rollout_ref
     aor.model.path = model_dir
     for m in (aor.actor.megatron, aor.ref.megatron):
         m.tensor_model_parallel_size = layout.tensor_model_parallel_size
         m.pipeline_model_parallel_size = layout.pipeline_model_parallel_size
+        m.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
         m.context_parallel_size = layout.context_parallel_size
+    aor.actor.megatron.use_distributed_optimizer = distributed_optimizer
     a = aor.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs = MINI_PROMPTS, MICRO, 1
     a.loss_agg_mode, a.entropy_coeff = mode, 0.01
@@ -66,13 +79,18 @@ def config(model_dir: str, layout: ParallelConfig, mode: str) -> RLConfig:
     # reassociation noise into a weight change of ~lr; eps = 1e-6 bounds that at lr·noise/eps.
     a.optim.optimizer, a.optim.lr = ("adam", 1e-3) if mode == "token-mean" else ("sgd", 0.5)
     a.optim.adam_eps, a.optim.clip_grad = 1e-6, 1.0
-    aor.ref.log_prob_micro_batch_size_per_gpu = LOGPROB_MICRO
+    aor.ref.log_prob_micro_batch_size_per_gpu = 6 if layout.virtual_pipeline_model_parallel_size else LOGPROB_MICRO
     aor.rollout.n, aor.rollout.temperature = N, 0.9
     aor.rollout.log_prob_micro_batch_size_per_gpu = LOGPROB_MICRO
     cfg.algorithm.policy_loss, cfg.algorithm.policy_loss_kwargs = "ppo_clip", {"clip_ratio": 0.02}
     cfg.data.train_batch_size = PROMPTS
     cfg.trainer.total_training_steps = 1
     return cfg
+
+
+def modes(name: str) -> tuple[str, ...]:
+    """The loss modes run at a layout: Megatron's distributed optimizer is Adam-only (no SGD mode)."""
+    return MODES[:1] if parse_layout(name)[1] else MODES
 
 
 def fixed_batch(vocab: int, pad_token_id: int) -> RolloutBatch:
@@ -113,7 +131,7 @@ def global_order(dp: int) -> list[int]:
 
 def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: RolloutBatch) -> None:
     start = time.perf_counter()
-    layout = parse_layout(name)
+    layout, distributed_optimizer = parse_layout(name)
     init_parallel(layout)
     seed_everything(1)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -123,7 +141,8 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     else:  # the trainer's sharding: a contiguous block of prompts, with all their samples
         mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
     batch = full.index(mine)
-    hybrid = ActorRolloutRef(config(model_dir, layout, mode), pad_token_id=full.pad_token_id,
+    hybrid = ActorRolloutRef(config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer),
+                             pad_token_id=full.pad_token_id,
                              device=torch.device("cpu"), model_path=model_dir)
     entropy_BT = hybrid.compute_log_probs(batch)
     hybrid.compute_ref_log_probs(batch)
@@ -153,7 +172,7 @@ def main() -> None:
     hf = AutoConfig.from_pretrained(model_dir)
     full = fixed_batch(hf.vocab_size, hf.pad_token_id)
     for name in layouts:
-        for mode in MODES:
+        for mode in modes(name):
             run_layout(model_dir, out_dir, name, mode, full)
     dist.destroy_process_group()
     print("OK")
