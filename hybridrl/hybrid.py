@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from hybridrl.algorithms.actor_objective import ActorObjective
 from hybridrl.algorithms.loss_agg import local_normalizer
 from hybridrl.batch import RolloutBatch
-from hybridrl.config.schema import RLConfig
+from hybridrl.config.schema import RefConfig, RLConfig, RolloutConfig
 from hybridrl.config.topology import ref_needed
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import Generation, RolloutEngine, SamplingParams
@@ -72,14 +72,15 @@ class ActorRolloutRef:
         """Fill ``batch.old_logprobs`` (actor, before the update); return the entropy ``[B, T]``."""
         r = self.cfg.actor_rollout_ref.rollout
         batch.old_logprobs, entropy_BT = self.actor.compute_log_probs(
-            batch, micro_batch_size=r.log_prob_micro_batch_size_per_gpu,
+            batch, micro_batch_size=r.log_prob_micro_batch_size_per_gpu, max_tokens=self._log_prob_budget(r),
             temperature=_logprob_temperature(r.temperature))
         return entropy_BT
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
         assert self.ref is not None
+        ref = self.cfg.actor_rollout_ref.ref
         batch.ref_logprobs, _ = self.ref.compute_log_probs(
-            batch, micro_batch_size=self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+            batch, micro_batch_size=ref.log_prob_micro_batch_size_per_gpu, max_tokens=self._log_prob_budget(ref),
             temperature=_logprob_temperature(self.cfg.actor_rollout_ref.rollout.temperature))
 
     def update_actor(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
@@ -101,8 +102,15 @@ class ActorRolloutRef:
 
                 steps.append(self.actor.train_step(
                     mini, loss_fn, micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+                    max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                     temperature=_logprob_temperature(self.cfg.actor_rollout_ref.rollout.temperature)))
         return steps
+
+    def _log_prob_budget(self, role: RolloutConfig | RefConfig) -> int | None:
+        """Token budget of a log-prob pass (``None``: fixed-size micro-batches); unset keys follow the actor."""
+        a = self.cfg.actor_rollout_ref.actor
+        dynamic = a.use_dynamic_bsz if role.log_prob_use_dynamic_bsz is None else role.log_prob_use_dynamic_bsz
+        return (role.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if dynamic else None
 
     def sync_weights(self) -> float:
         """Stream the actor's weights into the engine in place; return the MB streamed."""

@@ -64,6 +64,10 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (× rollout.n samples)
     ppo_micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one DP rank
+    # micro-batches by token budget instead: samples grouped by length, each micro-batch padded to its
+    # own longest row, rows × padded length ≤ ppo_max_token_len_per_gpu (ppo_micro_batch_size_per_gpu unused)
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle samples between PPO epochs
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
@@ -79,6 +83,8 @@ class RefConfig:
     enable: bool | None = None
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,6 +104,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1 disables
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
     update_weights_bucket_megabytes: int = 512
     val_kwargs: RolloutValConfig = field(default_factory=RolloutValConfig)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the engine plugin's Config

@@ -239,7 +239,12 @@ def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issue
             issues.add(f"{key}.ppo_mini_batch_size", mini,
                        f"must divide data.train_batch_size={d.train_batch_size} (both count prompts; "
                        f"valid: {_divisors(d.train_batch_size)})")
-        if (mini * n) % (micro * dp):
+        if role == "actor" and a.use_dynamic_bsz:
+            if (mini * n) % dp:
+                issues.add(f"{key}.ppo_mini_batch_size", mini,
+                           f"a mini-batch of {mini} prompts × rollout.n={n} samples is sharded over DP={dp} "
+                           f"ranks; {mini * n} must be a multiple of {dp}")
+        elif (mini * n) % (micro * dp):
             issues.add(f"{key}.ppo_micro_batch_size_per_gpu", micro,
                        f"a mini-batch of {mini} prompts × rollout.n={n} = {mini * n} samples must split into "
                        f"micro-batches of {micro} on each of DP={dp} ranks; valid: "
@@ -255,6 +260,7 @@ def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issue
                     cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
     issues.positive(f"{AOR}.rollout.log_prob_micro_batch_size_per_gpu",
                     cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+    _check_dynamic_bsz(cfg, issues)
     mini = max(a.ppo_mini_batch_size, 1)
     micro = max(a.ppo_micro_batch_size_per_gpu, 1)
     return {
@@ -264,6 +270,22 @@ def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issue
         "samples_per_mini_batch": mini * n,
         "grad_accum_steps": max(mini * n // (micro * dp_actor), 1),
     }
+
+
+def _check_dynamic_bsz(cfg: RLConfig, issues: _Issues) -> None:
+    """Token budgets must hold the longest sample (prompt + response), or its micro-batch has no room."""
+    aor, longest = cfg.actor_rollout_ref, cfg.data.max_prompt_length + cfg.data.max_response_length
+    budgets = [(f"{AOR}.actor.ppo_max_token_len_per_gpu", aor.actor.use_dynamic_bsz,
+                aor.actor.ppo_max_token_len_per_gpu)]
+    for role, sub in (("rollout", aor.rollout), ("ref", aor.ref)):
+        budgets.append((f"{AOR}.{role}.log_prob_max_token_len_per_gpu",
+                        aor.actor.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None
+                        else sub.log_prob_use_dynamic_bsz,
+                        sub.log_prob_max_token_len_per_gpu or aor.actor.ppo_max_token_len_per_gpu))
+    for key, enabled, budget in budgets:
+        if enabled and budget < longest:
+            issues.add(key, budget, f"the token budget per micro-batch must hold the longest sample: "
+                                    f"data.max_prompt_length + data.max_response_length = {longest} or more")
 
 
 def _check_algorithm(cfg: RLConfig, issues: _Issues) -> None:

@@ -42,6 +42,7 @@ def apply_cpu_adaptations() -> None:
     use_cpu_in_optimizer()
     use_cpu_in_cp_rope()
     use_cpu_in_dist_checkpointing()
+    use_cpu_in_p2p_shape_exchange()
 
 
 # --- explicit arguments (preferred: no patch) ---------------------------------------------------
@@ -321,3 +322,19 @@ def use_cpu_in_dist_checkpointing() -> None:
 
     if not isinstance(filesystem_async.torch, _TorchWithoutCudaStreams):
         filesystem_async.torch = _TorchWithoutCudaStreams()  # type: ignore[assignment]
+
+
+def use_cpu_in_p2p_shape_exchange() -> None:
+    """Let the pipeline exchange activation shapes on CPU (variable shapes between micro-batches).
+
+    ``pipeline_parallel/p2p_communication.py``: with ``config.variable_seq_lengths`` (set by the policy
+    when token-budget micro-batches differ in shape), ``P2PCommunicator._communicate_shapes`` sends
+    each activation's shape before the activation and then calls ``torch.cuda.synchronize()``
+    unconditionally (unlike ``_communicate``, where ``batch_p2p_sync`` guards it) → ``AssertionError:
+    Torch not compiled with CUDA enabled`` at the first send. The module's ``torch`` becomes the proxy
+    whose ``cuda.synchronize`` does nothing (the requests were already waited on).
+    """
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    if not isinstance(p2p_communication.torch, _TorchWithoutCudaStreams):
+        p2p_communication.torch = _TorchWithoutCudaStreams()  # type: ignore[assignment]

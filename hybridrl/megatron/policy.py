@@ -42,6 +42,7 @@ from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
+from hybridrl.megatron.dynamic_batch import token_budget_partition
 from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig
@@ -64,6 +65,7 @@ def parallel_config(m: MegatronConfig) -> ParallelConfig:
 class _Micro:
     batch: RolloutBatch
     rows: PackedRows
+    index: torch.Tensor  # [b] long: each row's position in the batch it came from; -1 for a filler row
 
 
 class MegatronPolicy:
@@ -108,24 +110,26 @@ class MegatronPolicy:
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], loss_fn: LossFn | None, *, temperature: float,
              forward_only: bool) -> list[dict[str, torch.Tensor]]:
-        seq_len = micros[0].rows.seq_len
-        mask = causal_attention_mask(seq_len)
+        shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
+        masks = {s: causal_attention_mask(s) for _, s in shapes}
         scale = len(micros) * parallel_state.get_data_parallel_world_size()
+        # token-budget micro-batches differ in shape: the pipeline then sends each activation's shape first
+        self.config.variable_seq_lengths = len(shapes) > 1
 
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             tokens_BS = mb.rows.tokens_BS
-            position_ids_BS = torch.arange(seq_len)[None].expand_as(tokens_BS)
+            position_ids_BS = torch.arange(mb.rows.seq_len)[None].expand_as(tokens_BS)
             output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
-                           attention_mask=mask)
+                           attention_mask=masks[mb.rows.seq_len])
             return output, partial(self._loss, mb, loss_fn, temperature, scale)
 
         self._check_interleaving(len(micros))
         fwd_bwd = get_forward_backward_func(pp_size=self.parallel.pipeline_model_parallel_size,
                                             vp_size=self.parallel.virtual_pipeline_model_parallel_size)
         return fwd_bwd(forward_step_func=forward_step, data_iterator=[iter(micros) for _ in self.chunks],
-                       model=self.chunks, num_microbatches=len(micros), seq_length=seq_len,
-                       micro_batch_size=len(micros[0].batch), forward_only=forward_only)
+                       model=self.chunks, num_microbatches=len(micros), seq_length=max(s for _, s in shapes),
+                       micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only)
 
     def _check_interleaving(self, n_micro: int) -> None:
         """Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP (its
@@ -159,69 +163,91 @@ class MegatronPolicy:
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
-    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[_Micro]:
-        seq_len = padded_seq_len(batch, multiple=math.lcm(8, 2 * self.parallel.context_parallel_size))
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) -> list[_Micro]:
+        """Fixed-size micro-batches padded to the batch's longest row, or, with ``max_tokens``, length-grouped
+        ones each padded to its own longest row (:mod:`dynamic_batch`)."""
+        multiple = math.lcm(8, 2 * self.parallel.context_parallel_size)
+        if max_tokens is None:
+            parts = list(torch.arange(len(batch)).split(micro_batch_size))
+        else:
+            lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+            chunks_per_stage = self.parallel.pipeline_model_parallel_size if self.parallel.num_model_chunks > 1 else 1
+            parts = [torch.tensor(p) for p in token_budget_partition(
+                lengths, max_tokens=max_tokens, multiple=multiple, count_multiple=chunks_per_stage)]
+        seq_len = padded_seq_len(batch, multiple=multiple)
         out = []
-        for part in batch.split(micro_batch_size):
-            if len(part) < micro_batch_size:  # the schedule needs equal shapes: pad with copies of row 0
+        for index in parts:
+            part = batch.index(index)
+            if max_tokens is None and len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0
                 part = RolloutBatch.cat([part, part.index([0] * (micro_batch_size - len(part)))])
-            out.append(_Micro(batch=part, rows=pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id)))
+                index = torch.cat([index, index.new_full((micro_batch_size - len(index),), -1)])
+            rows = pack_rows(part, seq_len=seq_len if max_tokens is None else padded_seq_len(part, multiple=multiple),
+                             pad_token_id=self.pad_token_id)
+            out.append(_Micro(batch=part, rows=rows, index=index))
         return out
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: RolloutBatch, *, micro_batch_size: int,
+    def compute_log_probs(self, batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None = None,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group."""
+        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group.
+
+        Micro-batches hold ``micro_batch_size`` samples, or up to ``max_tokens`` padded tokens when given."""
         for chunk in self.chunks:
             chunk.eval()
-        micros = self._pad_for_interleaving(self._micro_batches(batch, micro_batch_size))
+        micros = self._pad_for_interleaving(self._micro_batches(batch, micro_batch_size, max_tokens))
         outputs = self._run(micros, None, temperature=temperature, forward_only=True)
         B, T = batch.response_ids.shape
-        both = torch.zeros(2, len(micros) * micro_batch_size, T)
+        both = torch.zeros(2, B, T)
         if parallel_state.is_pipeline_last_stage():
-            both[0] = torch.cat([o["logprobs"] for o in outputs])
-            both[1] = torch.cat([o["entropy"] for o in outputs])
+            for mb, out in zip(micros, outputs, strict=True):
+                real = mb.index >= 0
+                both[0, mb.index[real]] = out["logprobs"][real]
+                both[1, mb.index[real]] = out["entropy"][real]
         self._broadcast_from_last_stage(both)
         mask = batch.response_mask.float()
-        return both[0, :B] * mask, both[1, :B] * mask
+        return both[0] * mask, both[1] * mask
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
-                   temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch)."""
+                   max_tokens: int | None = None, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch), in micro-batches of
+        ``micro_batch_size`` samples or, when given, of up to ``max_tokens`` padded tokens."""
         assert self.optimizer is not None and self.scheduler is not None, "train_step on a frozen model"
-        if len(batch) % micro_batch_size:
+        if max_tokens is None and len(batch) % micro_batch_size:
             raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
                              f"micro-batch size {micro_batch_size}")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
-        outputs = self._run(self._micro_batches(batch, micro_batch_size), loss_fn, temperature=temperature,
-                            forward_only=False)
+        micros = self._micro_batches(batch, micro_batch_size, max_tokens)
+        outputs = self._run(micros, loss_fn, temperature=temperature, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        metrics = self._reduce_metrics(outputs)
+        metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
         return metrics
 
-    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Mean over micro-batches and DP ranks (``*_sum`` keys: sum), from the last PP stage."""
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]], tokens: list[float]) -> dict[str, float]:
+        """Over micro-batches and DP ranks, from the last PP stage: ``*_sum`` keys are summed (they are
+        already normalised globally); the others are per-micro-batch token means, so they are weighted by
+        each micro-batch's response tokens — the result is the mini-batch's token mean whatever the
+        micro-batch sizes (fixed or token-budget) and the DP split."""
         local: dict[str, float] = {}
         for k in outputs[0] if outputs else []:
-            stacked = torch.stack([o[k].float() for o in outputs])
-            local[k] = float(stacked.sum() if k.endswith("_sum") else stacked.mean())
+            vals = [float(o[k]) for o in outputs]
+            local[k] = sum(vals) if k.endswith("_sum") else sum(v * w for v, w in zip(vals, tokens, strict=True))
         box: list[Any] = [local]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                        group=parallel_state.get_pipeline_model_parallel_group())
         keys = sorted(box[0])
-        vals = torch.tensor([box[0][k] for k in keys], dtype=torch.float64)
+        vals = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64)
         dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
-        n_dp = parallel_state.get_data_parallel_world_size()
-        return {k.removesuffix("_sum"): float(v) / (1 if k.endswith("_sum") else n_dp)
-                for k, v in zip(keys, vals, strict=True)}
+        total = max(float(vals[-1]), 1.0)
+        return {k.removesuffix("_sum"): float(v) / (1.0 if k.endswith("_sum") else total)
+                for k, v in zip(keys, vals[:-1], strict=True)}
 
     @staticmethod
     def _broadcast_from_last_stage(t: torch.Tensor) -> None:

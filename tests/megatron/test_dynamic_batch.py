@@ -1,10 +1,18 @@
-"""Token-budget micro-batches: every sample once, within budget, fewer padded tokens than fixed-size."""
+"""Token-budget micro-batches (``use_dynamic_bsz``): the partition (every sample once, within budget,
+fewer padded tokens than fixed-size) and its config checks. That an RL step gives the same result with
+them as with fixed micro-batches, under PP and DP, is tests/parallel/test_rl_step_layouts.py ("dyn")."""
 
 import random
+from pathlib import Path
 
 import pytest
 
+from hybridrl.config.compose import compose_config
+from hybridrl.config.errors import ConfigError
+from hybridrl.config.validate import validate
 from hybridrl.megatron.dynamic_batch import partition_cost, token_budget_partition
+
+A = "actor_rollout_ref"
 
 
 def _check(lengths: list[int], parts: list[list[int]], max_tokens: int, multiple: int) -> None:
@@ -53,3 +61,27 @@ def test_sample_longer_than_budget_is_a_clear_error() -> None:
 def test_more_micro_batches_than_samples_is_an_error() -> None:
     with pytest.raises(ValueError, match="2 samples cannot fill 3 micro-batches"):
         token_budget_partition([3, 3], max_tokens=100, min_count=3)
+
+
+def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> None:
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))  # nothing built: model/data checks are pending
+    validate(compose_config(["recipe=grpo_tiny", *overrides]), world_size=1, before_bootstrap=True)
+
+
+def test_config_budget_must_hold_the_longest_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # grpo_tiny: prompts ≤ 16 tokens, responses ≤ 8 → 24
+    with pytest.raises(ConfigError) as e:
+        _validate(tmp_path, monkeypatch, f"{A}.actor.use_dynamic_bsz=true", f"{A}.actor.ppo_max_token_len_per_gpu=20",
+                  f"{A}.ref.log_prob_max_token_len_per_gpu=23")
+    msg = str(e.value)
+    assert f"{A}.actor.ppo_max_token_len_per_gpu=20" in msg and "= 24 or more" in msg
+    assert f"{A}.ref.log_prob_max_token_len_per_gpu=23" in msg
+    # the rollout's log-prob pass inherits the actor's budget (20): reported under its own key
+    assert f"{A}.rollout.log_prob_max_token_len_per_gpu=20" in msg
+
+
+def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    odd_micro = f"{A}.actor.ppo_micro_batch_size_per_gpu=7"  # does not divide 32 prompts × 8 samples
+    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
+        _validate(tmp_path, monkeypatch, odd_micro)
+    _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true")

@@ -4,10 +4,11 @@
 
 A layout is ``tp<a>pp<b>cp<c>``, optionally followed by ``vpp<d>`` (interleaved 1F1B over d model
 chunks per stage) and ``-distopt`` (Megatron's distributed optimizer, Adam only: the SGD mode is
-skipped); DP is what remains of the world. Under VPP the ref's log-prob pass uses micro-batches of 6
-(3 per pass, padded to a multiple of PP by the policy); log-probs don't depend on the micro-batch size,
-so the TP=1 reference (4) still applies. For each layout and each
-``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref + engine, as the trainer
+skipped) or ``-dyn`` (token-budget micro-batches, ``use_dynamic_bsz``: 2–6 rows of differing padded
+lengths each, so PP sends variable activation shapes); DP is what remains of the world. Under VPP
+the ref's log-prob pass uses micro-batches of 6 (3 per pass, padded to a multiple of PP by the
+policy); log-probs don't depend on the micro-batch size, so the TP=1 reference (4) still applies. For
+each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref + engine, as the trainer
 does), fills a FIXED RolloutBatch (no generation: DP ranks would sample differently) and runs what
 ``trainer.fit`` runs between generation and weight sync: ``compute_log_probs`` →
 ``compute_ref_log_probs`` → ``update_actor``. Rank 0 saves ``OUT_DIR/<layout>dp<DP>-<mode>.pt`` with the
@@ -46,20 +47,22 @@ P, T = 9, 10  # prompt / response pad widths
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?")
+LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-dyn)?")
+DYN_BUDGET = 48  # padded tokens per micro-batch: 2 rows of the longest samples (24), up to 6 of the shortest
 
 
 def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
     """``(parallel layout, distributed optimizer?)`` of a layout name."""
     match = LAYOUT.fullmatch(name)
-    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt]"
-    tp, pp, cp, vpp, distopt = match.groups()
+    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt][-dyn]"
+    tp, pp, cp, vpp, distopt, _ = match.groups()
     return ParallelConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
                           context_parallel_size=int(cp),
                           virtual_pipeline_model_parallel_size=int(vpp) if vpp else None), bool(distopt)
 
 
-def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_optimizer: bool = False) -> RLConfig:
+def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_optimizer: bool = False,
+           dynamic_bsz: bool = False) -> RLConfig:
     cfg = RLConfig()
     aor = cfg.actor_rollout_ref
     aor.model.path = model_dir
@@ -71,6 +74,7 @@ def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_opt
     aor.actor.megatron.use_distributed_optimizer = distributed_optimizer
     a = aor.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs = MINI_PROMPTS, MICRO, 1
+    a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu = dynamic_bsz, DYN_BUDGET  # also the log-prob passes
     a.loss_agg_mode, a.entropy_coeff = mode, 0.01
     a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type = True, 0.1, "low_var_kl"
     # Adam (the default) is nearly blind to the gradient's scale on its first steps, so the other
@@ -141,7 +145,9 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     else:  # the trainer's sharding: a contiguous block of prompts, with all their samples
         mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
     batch = full.index(mine)
-    hybrid = ActorRolloutRef(config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer),
+    cfg = config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer,
+                 dynamic_bsz=name.endswith("-dyn"))
+    hybrid = ActorRolloutRef(cfg,
                              pad_token_id=full.pad_token_id,
                              device=torch.device("cpu"), model_path=model_dir)
     entropy_BT = hybrid.compute_log_probs(batch)
