@@ -4,7 +4,8 @@ A few RL steps of the real loop (hf engine, Megatron actor and ref, weight sync)
 tiny model and the arithmetic data, no SFT bootstrap and no validation. The engine samples with
 the synced weights and the actor recomputes the log-probs sharded, so the engine/actor agreement
 (``rollout/logprob_abs_diff``) and the on-policy first mini-batch (``actor/ppo_kl_first_mb``) check
-TP/PP forward, weight export and sync together.
+TP/PP forward, weight export and sync together; the same run on one rank is the reference that every
+step's rewards and update numbers must match (the split layouts learn like TP=1).
 """
 
 from __future__ import annotations
@@ -47,14 +48,26 @@ def overrides(run: dict[str, Path], out: Path, *extra: str) -> list[str]:
             f"trainer.output_dir={out}", *extra]
 
 
+def _rows(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tp1_rows(torchrun, tiny_run: dict[str, Path]) -> list[dict[str, float]]:
+    """The same run on one rank: the reference the split layouts must learn like."""
+    out = tiny_run["tmp"] / "tp1"
+    torchrun([TRAIN, *overrides(tiny_run, out)], nproc=1, timeout=300)
+    return _rows(out)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
 def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, tiny_run: dict[str, Path],
-                                                               size: str) -> None:
+                                                               tp1_rows: list[dict[str, float]], size: str) -> None:
     out = tiny_run["tmp"] / size
     layout = [f"actor_rollout_ref.{role}.megatron.{size}=2" for role in ("actor", "ref")]
     torchrun([TRAIN, *overrides(tiny_run, out, *layout)], nproc=2, timeout=300)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert all(math.isfinite(v) for v in r.values()), r
@@ -62,3 +75,10 @@ def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, tiny_r
         assert abs(r["actor/ppo_kl_first_mb"]) <= 1e-6, r  # first mini-batch is on-policy
     assert 0 < rows[0]["reward/mean"] < 1 and rows[0]["actor/grad_norm"] > 0  # a policy gradient
     assert 0 <= rows[0]["actor/kl_ref"] < rows[-1]["actor/kl_ref"]  # the actor moves away from the ref
+    # learns like TP=1: same seed, so the same samples and rewards every step while the weights agree
+    # to fp32 round-off (a flipped sample would show as a reward difference); the update numbers match
+    for r, ref in zip(rows, tp1_rows, strict=True):
+        assert r["reward/mean"] == ref["reward/mean"], (r["step"], r["reward/mean"], ref["reward/mean"])
+        for key in ("actor/pg_loss", "actor/kl_ref", "actor/entropy"):
+            assert r[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (r["step"], key)
+        assert r["actor/grad_norm"] == pytest.approx(ref["actor/grad_norm"], rel=1e-4), r["step"]
