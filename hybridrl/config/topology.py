@@ -54,6 +54,7 @@ class Topology:
     mini_batches_per_epoch: int
     samples_per_mini_batch: int
     grad_accum_steps: int  # actor micro-batches per optimizer step on one DP rank
+    micro_batch_token_budget: int | None = None  # use_dynamic_bsz: padded tokens per micro-batch instead
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -74,7 +75,9 @@ class Topology:
         lines.append(
             f"batch   {self.prompts_per_step} prompts → {self.samples_per_step} samples per step; "
             f"{self.mini_batches_per_epoch} mini-batch(es) of {self.samples_per_mini_batch} samples per PPO "
-            f"epoch; {self.grad_accum_steps} micro-batch(es) per optimizer step per DP rank"
+            f"epoch; " + (f"{self.grad_accum_steps} micro-batch(es)" if self.micro_batch_token_budget is None else
+                          f"micro-batches of ≤ {self.micro_batch_token_budget} padded tokens (use_dynamic_bsz)")
+            + " per optimizer step per DP rank"
         )
         lines.append("ranks:")
         for rank in range(self.world_size):

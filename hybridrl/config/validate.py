@@ -269,6 +269,7 @@ def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issue
         "mini_batches_per_epoch": max(d.train_batch_size // mini, 1),
         "samples_per_mini_batch": mini * n,
         "grad_accum_steps": max(mini * n // (micro * dp_actor), 1),
+        "micro_batch_token_budget": a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
     }
 
 

@@ -63,9 +63,9 @@ def test_more_micro_batches_than_samples_is_an_error() -> None:
         token_budget_partition([3, 3], max_tokens=100, min_count=3)
 
 
-def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> None:
+def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> str:
     monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))  # nothing built: model/data checks are pending
-    validate(compose_config(["recipe=grpo_tiny", *overrides]), world_size=1, before_bootstrap=True)
+    return validate(compose_config(["recipe=grpo_tiny", *overrides]), world_size=1, before_bootstrap=True).render()
 
 
 def test_config_budget_must_hold_the_longest_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,4 +84,6 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypat
     odd_micro = f"{A}.actor.ppo_micro_batch_size_per_gpu=7"  # does not divide 32 prompts × 8 samples
     with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
         _validate(tmp_path, monkeypatch, odd_micro)
-    _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true")
+    plan = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
+                     f"{A}.actor.ppo_max_token_len_per_gpu=4096")
+    assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in plan
