@@ -7,7 +7,9 @@ under one optimizer; the schedule takes one data iterator per chunk over the sam
 log-probs and entropies come from the vocab-parallel logits without gathering the vocabulary
 (:mod:`vocab_parallel`). Results are computed on the last pipeline stage and broadcast to the other
 stages, so every rank of a model-parallel group holds the same tensors afterwards (SPMD: the loop has no
-rank branches).
+rank branches). Micro-batches are either fixed-size (every row padded to the batch's longest) or, with
+a token budget, length-grouped and each padded to its own longest row (:mod:`dynamic_batch`); shapes
+then differ between micro-batches and the pipeline sends each activation's shape ahead of it.
 
 With CP > 1 each rank feeds its share of the positions (Megatron's load-balanced chunks,
 :mod:`context_parallel`) and the per-token log-probs/entropies are gathered back to whole sequences,
