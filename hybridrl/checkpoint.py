@@ -2,8 +2,10 @@
 
 Layout of ``<trainer.output_dir>/checkpoints/step_<k>/``:
 - ``megatron/``: actor model + optimizer in Megatron's ``dist_checkpointing`` format (every rank
-  writes its shards in parallel; loading at another TP/PP layout reshards; the vocab rows are saved
-  with Megatron's ``allow_shape_mismatch`` so a TP-dependent vocab padding does not matter);
+  writes its shards in parallel; loading at another TP/PP/VPP/DP layout reshards; the vocab rows are
+  saved with Megatron's ``allow_shape_mismatch`` so a TP-dependent vocab padding does not matter). The
+  distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: per parameter, in
+  model space, like the plain optimizer's, so it loads at any DP size;
 - ``trainer_state.pt``: step, weight version, LR scheduler, data-sampler position;
 - ``rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
 - ``hf/``: config.json, generation config and tokenizer of the model (``export-hf`` needs nothing else),
@@ -30,11 +32,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import OmegaConf
 
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf_checkpoint import SIDE_FILES, save_hf_checkpoint
+from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.model import unwrap_model
 from hybridrl.megatron.policy import MegatronPolicy
 
@@ -90,7 +94,13 @@ def _load_model_state(policy: MegatronPolicy, state: dict[str, Any]) -> None:
 def _model_and_optimizer_state(policy: MegatronPolicy, *, loading: bool) -> dict[str, Any]:
     model_sd = _model_state(policy)
     assert policy.optimizer is not None
-    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=loading)}
+    if loading:
+        init_distributed_optimizer_state(policy.optimizer)
+    # read by the distributed optimizer only; its default (fully_sharded_model_space) is deprecated
+    # and dist_checkpointing no longer accepts its flattened ranges
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", **cpu_distributed_optimizer_checkpoint_metadata()}
+    return {"model": model_sd,
+            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -152,8 +162,22 @@ def _prune(root: Path, *, keep: int) -> None:
         shutil.rmtree(path)
 
 
+def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
+    """Megatron's distributed and plain optimizers save their state in different formats (0.16.1 fails
+    deep in ``load_state_dict`` with ``KeyError: 'pre_wd_mult'``): name the key to keep instead."""
+    key = "actor_rollout_ref.actor.megatron.use_distributed_optimizer"
+    saved = bool(OmegaConf.select(OmegaConf.load(path / "config.yaml"), key))
+    chained = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    now = any(isinstance(o, DistributedOptimizer) for o in chained)
+    if saved != now:
+        was, setting = str(saved).lower(), str(now).lower()  # as written in the config
+        raise ValueError(f"{key}={setting}: {path} was saved with {key}={was}, whose optimizer state the other "
+                         f"optimizer can't load; resume with {key}={was}")
+
+
 def load_checkpoint(path: Path, *, policy: MegatronPolicy) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    _check_optimizer_kind(path, policy)
     sharded = _model_and_optimizer_state(policy, loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "megatron"))
     _load_model_state(policy, loaded["model"])

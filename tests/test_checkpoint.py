@@ -1,4 +1,5 @@
-"""Checkpoints: bitwise resume, a SIGKILL mid-save, resharding TP=2 → TP=1 and PP=2×VPP=2 → TP=1, export-hf."""
+"""Checkpoints: bitwise resume, a SIGKILL mid-save, resharding TP=2 → TP=1 and PP=2×VPP=2 → TP=1, the
+distributed optimizer's sharded state (bitwise resume at DP=2, resharded to DP=1), export-hf."""
 
 from __future__ import annotations
 
@@ -157,3 +158,30 @@ def test_checkpoint_saved_at_pp2_vpp2_loads_at_tp1_with_identical_weights(tiny: 
     run(cmd(tiny, tiny / "pp2vpp2_tp1_resumed", f"trainer.resume={ckpt}", "trainer.total_training_steps=3",
             model="model4"))
     assert sorted(metrics(tiny / "pp2vpp2_tp1_resumed")) == [3]
+
+
+@pytest.mark.distributed
+def test_distributed_optimizer_state_resumes_bitwise_and_loads_at_dp1(tiny: Path) -> None:
+    """The optimizer state is sharded over DP=2 and saved in Megatron's fully reshardable format."""
+    distopt = "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"
+    out = tiny / "distopt"
+    run(cmd(tiny, out, distopt, "trainer.save_every=2", nproc=2))
+    resumed = tiny / "distopt_resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    run(cmd(tiny, resumed, distopt, "trainer.save_every=2", nproc=2))  # resume=auto picks step 2
+    assert metrics(resumed) == metrics(out)  # Adam moments restored exactly on both shards
+    a = export(out / "checkpoints" / "step_00000004", tiny / "hf_distopt")
+    b = export(resumed / "checkpoints" / "step_00000004", tiny / "hf_distopt_resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # one rank takes the whole optimizer state (DP=1) and keeps training, on-policy
+    step2 = f"trainer.resume={out / 'checkpoints' / 'step_00000002'}"
+    run(cmd(tiny, tiny / "distopt_dp1", distopt, step2, "trainer.total_training_steps=3"))
+    rows = metrics(tiny / "distopt_dp1")
+    assert sorted(rows) == [3] and abs(rows[3]["actor/ppo_kl_first_mb"]) <= 1e-6, rows
+    # the plain optimizer keeps its state in another format: the error names the key to keep
+    plain = subprocess.run(cmd(tiny, tiny / "distopt_plain", step2, "trainer.total_training_steps=3"),
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert plain.returncode != 0
+    assert ("actor_rollout_ref.actor.megatron.use_distributed_optimizer=false: " in plain.stderr
+            and "resume with actor_rollout_ref.actor.megatron.use_distributed_optimizer=true" in plain.stderr)

@@ -66,8 +66,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         roles["critic"] = ("critic.megatron", cfg.critic.megatron)
         issues.add("critic.enable", True, "the critic (value model for PPO/GAE) is not implemented in this "
                                           "version; use a critic-free estimator (grpo, rloo, reinforce_pp)")
-    layouts = {name: _check_parallel(key, m, world, model, issues, planning=model_config is not None)
-               for name, (key, m) in roles.items()}
+    layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
     for name, (key, m) in roles.items():  # one Megatron parallel_state per process: same layout
         for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "virtual_pipeline_model_parallel_size", "context_parallel_size"):
@@ -108,7 +107,7 @@ def _check_model(cfg: RLConfig, issues: _Issues) -> ModelInfo | None:
 
 
 def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | None,
-                    issues: _Issues, *, planning: bool = False) -> RoleLayout:
+                    issues: _Issues) -> RoleLayout:
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                     ("context_parallel_size", cp)):
@@ -132,9 +131,6 @@ def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | 
             issues.add(f"{key}.pipeline_model_parallel_size", pp,
                        f"must divide the model's {model.num_layers} layers (valid: {_divisors(model.num_layers)})")
     _check_virtual_pipeline(key, m, model, issues)
-    if m.use_distributed_optimizer and not planning and not _cuda():
-        issues.add(f"{key}.use_distributed_optimizer", True,
-                   "Megatron's distributed optimizer needs CUDA (its CPU path is not adapted); set false on CPU")
     if m.sequence_parallel and tp == 1:
         issues.add(f"{key}.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
     if m.sequence_parallel and importlib.util.find_spec("transformer_engine") is None:
@@ -395,12 +391,6 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
 
         if not torch.cuda.is_available():
             issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _divisors(n: int) -> list[int]:

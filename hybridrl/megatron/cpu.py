@@ -2,15 +2,19 @@
 
 megatron-core assumes CUDA in a handful of spots (PLATFORM.md lists them). Where Megatron takes an
 explicit argument that avoids the CUDA path we pass it (:func:`causal_attention_mask`,
-:func:`cpu_model_parallel_kwargs`); the rest are patches, installed by :func:`apply_cpu_adaptations`,
-which is idempotent and does nothing when CUDA is available. Each function's docstring names the
-upstream file and behaviour it works around; ``tests/megatron/test_cpu_adaptations.py`` runs each
-upstream behaviour without its adaptation and fails once upstream no longer needs it.
+:func:`cpu_model_parallel_kwargs`, :func:`cpu_distributed_optimizer_checkpoint_metadata`), where it has
+a helper we call it (:func:`init_distributed_optimizer_state`); the rest are patches, installed by
+:func:`apply_cpu_adaptations`, which is idempotent and does nothing when CUDA is available. Each
+function's docstring names the upstream file and behaviour it works around;
+``tests/megatron/test_cpu_adaptations.py`` runs each upstream behaviour without its adaptation and fails
+once upstream no longer needs it.
 
-Not adapted (not used yet; they fail loudly if reached): the fp16/bf16 and distributed optimizers'
+Not adapted (not used yet; they fail loudly if reached): the fp16/bf16 (non-distributed) optimizer's
 ``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event`` in the inference controller.
-(The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the CP RoPE
-slice: :func:`use_cpu_in_cp_rope`.)
+(The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the distributed
+optimizer: :func:`use_cpu_in_distributed_optimizer`,
+:func:`cpu_distributed_optimizer_checkpoint_metadata`, :func:`init_distributed_optimizer_state` and
+:func:`load_torch_adam_step_in_distributed_optimizer`; the CP RoPE slice: :func:`use_cpu_in_cp_rope`.)
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def apply_cpu_adaptations() -> None:
     use_cpu_in_pipeline_schedules()
     use_cpu_in_tied_embedding_setup()
     use_cpu_in_optimizer()
+    use_cpu_in_distributed_optimizer()
+    load_torch_adam_step_in_distributed_optimizer()
     use_cpu_in_cp_rope()
     use_cpu_in_dist_checkpointing()
     use_cpu_in_p2p_shape_exchange()
@@ -78,6 +84,41 @@ def cpu_model_parallel_kwargs() -> dict[str, Any]:
     if cuda_available():
         return {}
     return {"batch_p2p_comm": False, "batch_p2p_sync": False}
+
+
+def cpu_distributed_optimizer_checkpoint_metadata() -> dict[str, Any]:
+    """``metadata`` entries for ``DistributedOptimizer.sharded_state_dict`` on CPU (empty on CUDA).
+
+    ``optimizer/distrib_optimizer.py``: the ``fully_reshardable`` checkpoint format gathers every DP
+    rank's optimizer shard (``get_parameter_state_dp_zero``); by default it moves each shard to the GPU
+    (``send_tensor.cuda()``) and all-gathers it there → ``AssertionError: Torch not compiled with CUDA
+    enabled`` at the first save. ``distrib_optim_fully_reshardable_mem_efficient=True`` selects its
+    gloo path instead: the shards are gathered on DP rank 0 in CPU memory and rank 0 writes them
+    (Megatron treats checkpoints written either way as interchangeable).
+    """
+    if cuda_available():
+        return {}
+    return {"distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def init_distributed_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer the per-parameter Adam state that loading a checkpoint reads.
+
+    ``optimizer/distrib_optimizer.py``: ``sharded_state_dict(is_loading=True)`` starts with
+    ``DistributedOptimizer.state_dict()``, which, when neither Transformer Engine nor apex is installed
+    (torch's Adam; always so on CPU), takes Adam's step from the per-parameter state; before the first
+    step there is none → ``AssertionError`` (``assert len(steps) == 1``) on resume. Upstream's own
+    ``_init_optimizer_states_with_dummy_values`` (which it runs for its FSDP format only) creates that
+    state with one zero-gradient step; loading then overwrites the states, the step and the parameters.
+    A no-op with TE/apex, for other optimizers, and once the state exists.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, distrib_optimizer.DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
 
 
 # --- patches ------------------------------------------------------------------------------------
@@ -256,6 +297,87 @@ def use_cpu_in_optimizer() -> None:
         if not isinstance(module.torch, _TorchWithCpuFactories):
             module.torch = _TorchWithCpuFactories()  # type: ignore[assignment]
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _cpu_tensors_named_as_cuda() -> Iterator[None]:
+    """``Tensor.type()`` (no arguments: the type's name only) says ``torch.cuda.X`` for a CPU ``torch.X``."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def use_cpu_in_distributed_optimizer() -> None:
+    """Let Megatron's distributed optimizer shard CPU parameters.
+
+    ``optimizer/distrib_optimizer.py``: ``DistributedOptimizer.__init__`` sorts the parameters by their
+    type name against CUDA names only: ``_build_model_and_main_param_groups`` raises ``TypeError: Wrapped
+    parameters must be one of torch.cuda.FloatTensor,  torch.cuda.HalfTensor, or
+    torch.cuda.BFloat16Tensor. Received torch.FloatTensor`` when ``get_megatron_optimizer`` builds it
+    for CPU parameters (and its 16-bit test would miss a CPU bf16 parameter). The constructor is
+    wrapped so that, during that call only, ``Tensor.type()`` names a CPU tensor's type as its CUDA
+    twin (``torch.FloatTensor`` → ``torch.cuda.FloatTensor``); with arguments (a conversion) it is
+    untouched. The rest of the distributed optimizer (reduce-scatter of the grad buffers, all-gather
+    of the updated parameters) runs on gloo as it is.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init = DistributedOptimizer.__init__
+    if getattr(init, _MARK, False):
+        return
+
+    def __init__(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+        with _cpu_tensors_named_as_cuda():
+            init(self, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    DistributedOptimizer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def load_torch_adam_step_in_distributed_optimizer() -> None:
+    """Give each parameter its own Adam step when the distributed optimizer loads a checkpoint into
+    torch's Adam (no TE/apex: always so on CPU).
+
+    ``optimizer/distrib_optimizer.py``, ``DistributedOptimizer.load_state_dict`` treats Adam's step as
+    one value, but torch's Adam keeps a step tensor per parameter and increments each in place:
+    - it stores one ``step`` tensor object in every parameter's state (torch's ``load_state_dict`` does
+      not copy a ``step``), so each optimizer step after a resume adds 1 per parameter to the shared
+      tensor: the bias corrections run ahead and the resumed run silently diverges (upstream clones
+      the step per parameter only for its ``HybridDeviceOptimizer``);
+    - ``_set_main_param_and_optimizer_states`` copies every key of the destination state, ``step``
+      included, while the model-space loaders (``load_parameter_state_from_fully_reshardable``,
+      ``..._fs_model_space``) leave ``step`` out of the source → ``KeyError: 'step'`` on resume.
+    The wrapper runs for each loaded parameter: it replaces the shared step by the parameter's own
+    copy and hands that copy in as the source (a no-op copy); upstream copies the other states as before.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    method = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(method, _MARK, False):
+        return
+
+    def _set_main_param_and_optimizer_states(self: DistributedOptimizer, model_param: torch.nn.Parameter,
+                                             tensors: dict[str, torch.Tensor]) -> None:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                state["step"] = state["step"].clone()
+                tensors = {"step": state["step"], **tensors}
+        method(self, model_param, tensors)
+
+    setattr(_set_main_param_and_optimizer_states, _MARK, True)
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states  # type: ignore[method-assign]
 
 
 def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:

@@ -138,6 +138,104 @@ def optimizer_step() -> dict[str, Any]:
     return {"ok": ok, "grad_norm": grad_norm, "w": ddp.module.w.tolist()}
 
 
+class TwoWeights(MegatronModule):
+    """w (1500 ones) and v (500 ones): the grad buffer (2000, padded) splits over DP=2 so that DP rank 1
+    holds the end of w and all of v: two Adam states on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1))
+        self.w = torch.nn.Parameter(torch.ones(1500))
+        self.v = torch.nn.Parameter(torch.ones(500))
+
+
+def distributed_optimizer() -> tuple[DistributedDataParallel, Any]:
+    """Megatron DDP + the distributed optimizer (Adam, lr 0.1, clip 0.5) over :class:`TwoWeights`."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    model = TwoWeights()
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.1, weight_decay=0.0, clip_grad=0.5,
+                                                 use_distributed_optimizer=True), [ddp])
+    return ddp, opt
+
+
+def distributed_optimizer_step(ddp: DistributedDataParallel, opt: Any) -> dict[str, Any]:
+    """loss = sum((rank + 1)·(w + v)): the DP-mean grad is 1.5 per entry (norm 1.5·√2000, clipped to
+    0.5); Adam's first step moves each entry by lr (any grad scale), so every entry is 0.9 on both ranks
+    once the updated shards are all-gathered. Returns the distinct values and each Adam state's step."""
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ((ddp.module.w.sum() + ddp.module.v.sum()) * (dist.get_rank() + 1)).backward()
+    finalize_model_grads([ddp])
+    ok, grad_norm, _ = opt.step()
+    weights = torch.cat([ddp.module.w, ddp.module.v]).tolist()
+    steps = [float(state["step"]) for state in opt.chained_optimizers[0].optimizer.state.values()]
+    return {"ok": ok, "grad_norm": grad_norm, "weights": sorted({round(v, 6) for v in weights}), "steps": steps}
+
+
+def distributed_optimizer_state(ddp: DistributedDataParallel, opt: Any, loading: bool,
+                                metadata: dict[str, Any]) -> dict[str, Any]:
+    """Model + optimizer sharded state as hybridrl's checkpoints build it (``metadata`` for the optimizer)."""
+    model = ddp.module.sharded_state_dict()
+    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=loading, metadata=metadata)}
+
+
+def distributed_optimizer_checkpoint(ddp: DistributedDataParallel, opt: Any, metadata: dict[str, Any]) -> Any:
+    """The optimizer state in Megatron's ``fully_reshardable`` format: per checkpoint key, the number of
+    entries and their distinct values."""
+    state = distributed_optimizer_state(ddp, opt, False, {"distrib_optim_sharding_type": "fully_reshardable",
+                                                          **metadata})["optimizer"]
+    if state["param_state"] is None:  # gathered on DP rank 0 only
+        return None
+    return {t.key: [t.data.numel(), sorted({round(v, 12) for v in t.data.tolist()})]
+            for tensors in state["param_state"].values() for t in tensors.values()}
+
+
+def distributed_optimizer_resume(ddp: DistributedDataParallel, opt: Any, ckpt_dir: Path) -> dict[str, Any]:
+    """Save ``ddp``/``opt`` after their step as hybridrl does, resume into fresh pairs, take one more step.
+    Records the upstream failures first: a fresh optimizer's state dict, the model-space loader's missing
+    ``step``, and one ``step`` tensor shared by all parameters after ``load_state_dict``; then resumes
+    with the adaptations."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable",
+                **cpu.cpu_distributed_optimizer_checkpoint_metadata()}
+    if dist.get_rank() == 0:
+        ckpt_dir.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(distributed_optimizer_state(ddp, opt, False, metadata), str(ckpt_dir))
+
+    def resumed() -> dict[str, Any]:
+        fresh_ddp, fresh_opt = distributed_optimizer()
+        cpu.init_distributed_optimizer_state(fresh_opt)
+        state = distributed_optimizer_state(fresh_ddp, fresh_opt, True, metadata)
+        loaded = dist_checkpointing.load(state, str(ckpt_dir))
+        fresh_ddp.module.load_state_dict(loaded["model"])
+        fresh_opt.load_state_dict(loaded["optimizer"])
+        adam = fresh_opt.chained_optimizers[0].optimizer
+        return {"shard": sum(state["exp_avg"].numel() for state in adam.state.values()),
+                "exp_avg": sorted({round(v, 12) for state in adam.state.values() for v in state["exp_avg"].tolist()}),
+                "after_step": distributed_optimizer_step(fresh_ddp, fresh_opt)}
+
+    def steps_after_upstream_load() -> list[float]:
+        """Upstream's own ``load_state_dict(state_dict())`` (run by ``sharded_state_dict(is_loading=True)``),
+        then a step: each Adam state should read 2 (the dummy step and this one)."""
+        fresh_ddp, fresh_opt = distributed_optimizer()
+        cpu.init_distributed_optimizer_state(fresh_opt)
+        inner = fresh_opt.chained_optimizers[0]
+        inner.load_state_dict(inner.state_dict())
+        return distributed_optimizer_step(fresh_ddp, fresh_opt)["steps"]
+
+    fresh = distributed_optimizer()
+    out: dict[str, Any] = {
+        "state_without": error_of(lambda: distributed_optimizer_state(*fresh, True, metadata)),
+        "step_without": error_of(resumed),
+        "shared_step_without": steps_after_upstream_load(),
+    }
+    cpu.load_torch_adam_step_in_distributed_optimizer()
+    out["with"] = resumed()
+    return out
+
+
 class Chunk(MegatronModule):
     """One model chunk of the interleaved-schedule probe: ``h -> tanh(h·w)``; chunk 0 of stage 0 reads data."""
 
@@ -255,6 +353,15 @@ def main(out_dir: Path) -> None:
     results["optimizer_without"] = error_of(optimizer_step)
     cpu.use_cpu_in_optimizer()
     record("optimizer_with", optimizer_step)
+    results["distopt_without"] = error_of(distributed_optimizer)
+    cpu.use_cpu_in_distributed_optimizer()
+    ddp, opt = distributed_optimizer()
+    record("distopt_with", lambda: distributed_optimizer_step(ddp, opt))
+    results["distopt_ckpt_without"] = error_of(lambda: distributed_optimizer_checkpoint(ddp, opt, {}))
+    record("distopt_ckpt_with", lambda: distributed_optimizer_checkpoint(
+        ddp, opt, cpu.cpu_distributed_optimizer_checkpoint_metadata()))
+    cpu.use_cpu_in_dist_checkpointing()
+    record("distopt_resume", lambda: distributed_optimizer_resume(ddp, opt, out_dir / "distopt_ckpt"))
 
     # World of 2 as CP=2: RotaryEmbedding slices its table for this CP rank (chunks r, 3 - r of 4).
     parallel_state.destroy_model_parallel()

@@ -99,6 +99,49 @@ def test_optimizer_cuda_literals_and_grad_type_assert_still_fail(probes: list[di
         assert rank["optimizer_with"]["w"] == pytest.approx([0.975] * 4)
 
 
+# The distributed optimizer probes: Adam (lr 0.1, clip 0.5) over w (1500) and v (500), loss
+# sum((rank + 1)·(w + v)) on DP=2: the DP-mean grad is 1.5 per entry, norm 1.5·√2000, clipped to 0.5.
+DISTOPT_NORM = 1.5 * 2000**0.5
+DISTOPT_GRAD = 1.5 * 0.5 / DISTOPT_NORM
+
+
+def test_distributed_optimizer_grad_type_check_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["distopt_without"] == (  # DistributedOptimizer._build_model_and_main_param_groups
+            "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor,  torch.cuda.HalfTensor, or "
+            "torch.cuda.BFloat16Tensor. Received torch.FloatTensor")
+        assert rank["distopt_with"]["ok"] is True
+        assert rank["distopt_with"]["grad_norm"] == pytest.approx(DISTOPT_NORM)
+        assert rank["distopt_with"]["weights"] == [pytest.approx(0.9)]  # Adam's first step, all-gathered
+    assert [len(rank["distopt_with"]["steps"]) for rank in probes] == [2, 1]  # Adam states: w, v sharded
+
+
+def test_distributed_optimizer_checkpoint_gather_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:  # get_parameter_state_dp_zero: send_tensor.cuda() before the NCCL all-gather
+        assert rank["distopt_ckpt_without"] == NO_CUDA
+    assert probes[1]["distopt_ckpt_with"] is None  # the gloo path gathers on DP rank 0 only
+    state = probes[0]["distopt_ckpt_with"]  # both ranks' shards, whole, in model space
+    for name, numel in (("w", 1500), ("v", 500)):
+        assert state[f"optimizer.state.param.{name}"] == [numel, [pytest.approx(0.9)]]
+        assert state[f"optimizer.state.exp_avg.{name}"] == [numel, [pytest.approx(0.1 * DISTOPT_GRAD)]]  # 1 - β1
+        assert state[f"optimizer.state.exp_avg_sq.{name}"] == [numel, [pytest.approx(0.001 * DISTOPT_GRAD**2)]]
+
+
+def test_distributed_optimizer_resume_into_torch_adam_still_fails(probes: list[dict[str, Any]]) -> None:
+    """Three gaps of the distributed optimizer with torch's Adam (no TE/apex) on resume; adapted, each
+    rank gets its shard of the Adam state back and the next step is the uninterrupted one."""
+    for rank in probes:
+        resume = rank["distopt_resume"]
+        assert resume["state_without"] == "AssertionError: "  # state_dict(): assert len(steps) == 1
+        assert resume["step_without"] == "KeyError: 'step'"  # _set_main_param_and_optimizer_states
+        assert resume["with"]["exp_avg"] == [pytest.approx(0.1 * DISTOPT_GRAD)]
+        after = resume["with"]["after_step"]
+        assert after["weights"] == [pytest.approx(0.8)] and set(after["steps"]) == {2.0}  # Adam's 2nd step
+    # one step tensor for both of rank 0's Adam states: the step after a load counts it twice
+    assert probes[0]["distopt_resume"]["shared_step_without"] == [3.0, 3.0]
+    assert [rank["distopt_resume"]["with"]["shard"] for rank in probes] == [1012, 988]  # of 2000 entries
+
+
 def test_cp_rope_slice_still_fails(probes: list[dict[str, Any]]) -> None:
     for rank in probes:  # torch.tensor(..., pin_memory=True).cuda() for the chunk index
         assert rank["cp_rope_without"].startswith("RuntimeError: pin_memory=True requires a CUDA")

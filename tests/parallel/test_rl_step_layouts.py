@@ -11,6 +11,7 @@ HF tensor exported after the step. The max abs differences reached are printed p
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     # interleaved 1F1B: 2 stages × 2 chunks of 1 layer (rank 0: layers 0, 2; rank 1: layers 1, 3), tied
     # embeddings between chunk 0 of rank 0 and chunk 1 of rank 1
     "vpp": (2, ["tp1pp2cp1vpp2"]),
+    # Megatron's distributed optimizer (Adam only: no SGD mode) at DP=2, next to plain DP=2
+    "distopt": (2, ["tp1pp1cp1", "tp1pp1cp1-distopt"]),
 }
 
 
@@ -50,6 +53,25 @@ def max_abs_diffs(ref: dict, got: dict) -> dict[str, float]:
     return diffs
 
 
+@pytest.fixture(scope="module")
+def launched(torchrun, rl_model: Path, reference: Path) -> Callable[[str], list[str]]:
+    """Runs a launch's layouts once (into the reference's folder); returns them."""
+    done: set[str] = set()
+
+    def launch(name: str) -> list[str]:
+        nproc, layouts = LAUNCHES[name]
+        if name not in done:
+            torchrun([WORKER, str(rl_model), str(reference), *layouts], nproc=nproc, timeout=600)
+            done.add(name)
+        return layouts
+
+    return launch
+
+
+def modes(layout: str) -> tuple[str, ...]:
+    return MODES[:1] if layout.endswith("-distopt") else MODES  # the distributed optimizer: Adam only
+
+
 def data_parallel_size(layout: str, nproc: int) -> int:
     match = re.match(r"tp(\d+)pp(\d+)cp(\d+)", layout)
     assert match, layout
@@ -59,13 +81,12 @@ def data_parallel_size(layout: str, nproc: int) -> int:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_rl_step_matches_single_rank(torchrun, rl_model: Path, reference: Path, launch: str) -> None:
-    nproc, layouts = LAUNCHES[launch]
-    torchrun([WORKER, str(rl_model), str(reference), *layouts], nproc=nproc, timeout=600)
+def test_rl_step_matches_single_rank(launched: Callable[[str], list[str]], reference: Path, launch: str) -> None:
+    nproc = LAUNCHES[launch][0]
     failures = []
-    for layout in layouts:
+    for layout in launched(launch):
         dp = data_parallel_size(layout, nproc)
-        for mode in MODES:
+        for mode in modes(layout):
             ref = torch.load(reference / f"tp1pp1cp1dp1-{mode}.pt")
             got = torch.load(reference / f"{layout}dp{dp}-{mode}.pt")
             assert all(abs(s["ppo_kl"]) < 1e-6 for s in (ref["steps"][0], got["steps"][0]))  # on-policy
@@ -78,3 +99,17 @@ def test_rl_step_matches_single_rank(torchrun, rl_model: Path, reference: Path, 
                 if not v <= tol:
                     failures.append(f"{layout}dp{dp} {mode} {k}: max |Δ| {v:.2e} > {tol:.0e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.distributed
+def test_distributed_optimizer_matches_plain_data_parallel(launched: Callable[[str], list[str]],
+                                                           reference: Path) -> None:
+    """Same DP=2 step with Megatron's optimizer state sharded over DP (reduce-scatter of the grads, each
+    rank updates its shard, all-gather of the weights) and replicated (all-reduce, full update)."""
+    plain, sharded = launched("distopt")
+    got = torch.load(reference / f"{sharded}dp2-token-mean.pt")
+    diffs = max_abs_diffs(torch.load(reference / f"{plain}dp2-token-mean.pt"), got)
+    print(f"{sharded}dp2 vs {plain}dp2: " + " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
+    assert all(v <= TOL["weights"]["token-mean"] if k == "weights" else v <= TOL["metrics"]
+               for k, v in diffs.items()), diffs
+    assert got["steps"][1]["grad_norm"] > 1.0  # clip_grad=1.0 was applied, over the sharded grads
