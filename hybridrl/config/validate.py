@@ -15,6 +15,7 @@ from hybridrl.config.model_info import ModelInfo, inspect_model_dir
 from hybridrl.config.schema import MegatronConfig, OptimConfig, RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.config.topology import RoleLayout, Topology, ref_needed, world_size_of
+from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED
 from hybridrl.registry import PluginError, Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -279,6 +280,12 @@ def _check_dynamic_bsz(cfg: RLConfig, issues: _Issues) -> None:
                         aor.actor.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None
                         else sub.log_prob_use_dynamic_bsz,
                         sub.log_prob_max_token_len_per_gpu or aor.actor.ppo_max_token_len_per_gpu))
+    vpp = aor.actor.megatron.virtual_pipeline_model_parallel_size
+    dynamic = [key.rsplit(".", 2)[1] for key, enabled, _ in budgets if enabled]
+    if vpp is not None and dynamic:
+        issues.add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", vpp,
+                   f"token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(dynamic)}) with the "
+                   f"interleaved pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")
     for key, enabled, budget in budgets:
         if enabled and budget < longest:
             issues.add(key, budget, f"the token budget per micro-batch must hold the longest sample: "

@@ -11,9 +11,9 @@ micro-batch fixes its padded length and shorter ones join while the cost stays w
 sorted lengths this greedy gives the fewest micro-batches of any partition into contiguous runs, and
 it groups similar lengths, which is what minimises padding.
 
-All ranks that step together (data-parallel replicas; with the interleaved pipeline, a multiple of the
-pipeline size) must run the same number of micro-batches, so the count can be raised to ``min_count``:
-the costliest micro-batch is split in two until the count is reached (a split never raises cost).
+The count can be raised to ``min_count`` (and to a multiple of ``count_multiple``): the costliest
+micro-batch is split in two until it is reached (a split never raises cost). Not combined with the
+interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``).
 Gradients do not depend on the grouping: the loss of every micro-batch is normalised by the
 mini-batch-global normaliser, so the accumulated gradient is the mini-batch gradient whatever the
 partition (up to the order of floating-point sums). Same idea as verl's ``use_dynamic_bsz`` /
@@ -24,6 +24,13 @@ sequences, whereas here the cost is the padded rectangle the dense attention rea
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+# Measured on gloo at PP=2 × VPP=2: the interleaved schedule's combined send/receive exchanges the
+# shapes of the forward and backward tensors in one batch, and with both neighbours the same rank they
+# are paired the wrong way round (gloo: "Received data size doesn't match expected size").
+VPP_DYNAMIC_UNSUPPORTED = ("not supported yet (Megatron's variable-shape exchange under the interleaved schedule "
+                           "mispairs the two directions on gloo); use fixed micro-batches or "
+                           "virtual_pipeline_model_parallel_size=null")
 
 
 def padded_len(length: int, multiple: int) -> int:

@@ -44,7 +44,7 @@ from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
-from hybridrl.megatron.dynamic_batch import token_budget_partition
+from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
 from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig
@@ -172,10 +172,11 @@ class MegatronPolicy:
         if max_tokens is None:
             parts = list(torch.arange(len(batch)).split(micro_batch_size))
         else:
+            if self.parallel.num_model_chunks > 1:  # config validation says so first, naming the keys
+                raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
+                                 f"{VPP_DYNAMIC_UNSUPPORTED}")
             lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
-            chunks_per_stage = self.parallel.pipeline_model_parallel_size if self.parallel.num_model_chunks > 1 else 1
-            parts = [torch.tensor(p) for p in token_budget_partition(
-                lengths, max_tokens=max_tokens, multiple=multiple, count_multiple=chunks_per_stage)]
+            parts = [torch.tensor(p) for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
         seq_len = padded_seq_len(batch, multiple=multiple)
         out = []
         for index in parts:

@@ -63,9 +63,9 @@ def test_more_micro_batches_than_samples_is_an_error() -> None:
         token_budget_partition([3, 3], max_tokens=100, min_count=3)
 
 
-def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> str:
+def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str, world: int = 1) -> str:
     monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))  # nothing built: model/data checks are pending
-    return validate(compose_config(["recipe=grpo_tiny", *overrides]), world_size=1, before_bootstrap=True).render()
+    return validate(compose_config(["recipe=grpo_tiny", *overrides]), world_size=world, before_bootstrap=True).render()
 
 
 def test_config_budget_must_hold_the_longest_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,3 +87,15 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypat
     plan = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
                      f"{A}.actor.ppo_max_token_len_per_gpu=4096")
     assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in plan
+
+
+def test_config_rejects_dynamic_bsz_with_the_interleaved_schedule(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    vpp = [f"{A}.{role}.megatron.{k}=2" for role in ("actor", "ref")
+           for k in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
+    with pytest.raises(ConfigError) as e:
+        _validate(tmp_path, monkeypatch, *vpp, f"{A}.actor.use_dynamic_bsz=true",
+                  f"{A}.rollout.log_prob_use_dynamic_bsz=false", world=2)
+    msg = str(e.value)
+    assert f"{A}.actor.megatron.virtual_pipeline_model_parallel_size=2" in msg
+    assert "on for: actor, ref)" in msg and "use fixed micro-batches" in msg

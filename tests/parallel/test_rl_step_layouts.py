@@ -32,6 +32,8 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     "vpp": (2, ["tp1pp2cp1vpp2"]),
     # Megatron's distributed optimizer (Adam only: no SGD mode) at DP=2, next to plain DP=2
     "distopt": (2, ["tp1pp1cp1", "tp1pp1cp1-distopt"]),
+    # token-budget micro-batches of differing shapes (use_dynamic_bsz) under PP=2 and under DP=2
+    "dyn": (2, ["tp1pp2cp1-dyn", "tp1pp1cp1-dyn"]),
 }
 
 
