@@ -24,13 +24,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": model, "train": train, "test": test, "tmp": tmp}
 
 
-def overrides(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+def base_overrides(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """grpo_tiny on the ``tiny`` model and data (nothing bootstrapped), writing to ``out``."""
     return ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={tiny['model']}",
             "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{tiny['train']}]",
-            f"data.val_files=[{tiny['test']}]", "data.build_if_missing=null", "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.n=4", "data.val_batch_size=64", "trainer.total_training_steps=3",
-            "trainer.test_freq=3", f"trainer.output_dir={out}", *extra]
+            f"data.val_files=[{tiny['test']}]", "data.build_if_missing=null", f"trainer.output_dir={out}", *extra]
+
+
+def overrides(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return base_overrides(tiny, out, "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=4",
+                          "data.val_batch_size=64", "trainer.total_training_steps=3", "trainer.test_freq=3", *extra)
 
 
 def read_metrics(out: Path) -> list[dict[str, float]]:

@@ -11,9 +11,7 @@ micro-batch fixes its padded length and shorter ones join while the cost stays w
 sorted lengths this greedy gives the fewest micro-batches of any partition into contiguous runs, and
 it groups similar lengths, which is what minimises padding.
 
-The count can be raised to ``min_count`` (and to a multiple of ``count_multiple``): the costliest
-micro-batch is split in two until it is reached (a split never raises cost). Not combined with the
-interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``).
+Not combined with the interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``).
 Gradients do not depend on the grouping: the loss of every micro-batch is normalised by the
 mini-batch-global normaliser, so the accumulated gradient is the mini-batch gradient whatever the
 partition (up to the order of floating-point sums). Same idea as verl's ``use_dynamic_bsz`` /
@@ -37,12 +35,11 @@ def padded_len(length: int, multiple: int) -> int:
     return max(-(-length // multiple) * multiple, 2)
 
 
-def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple: int = 1,
-                           min_count: int = 1, count_multiple: int = 1) -> list[list[int]]:
+def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple: int = 1) -> list[list[int]]:
     """Indices of ``lengths`` grouped into micro-batches whose padded cost is ≤ ``max_tokens``.
 
-    The result has at least ``min_count`` micro-batches (and a multiple of ``count_multiple``), each
-    non-empty, together holding every index exactly once; within a micro-batch indices are ascending.
+    Every micro-batch is non-empty; together they hold every index exactly once; within a micro-batch
+    indices are ascending.
     """
     if not lengths:
         raise ValueError("token_budget_partition: no samples")
@@ -60,15 +57,6 @@ def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple:
         else:
             parts.append([i])
             width = padded_len(lengths[i], multiple)
-    target = max(min_count, len(parts))
-    target = -(-target // count_multiple) * count_multiple
-    if target > len(lengths):
-        raise ValueError(f"{len(lengths)} samples cannot fill {target} micro-batches")
-    while len(parts) < target:
-        costs = [len(p) * padded_len(max(lengths[i] for i in p), multiple) if len(p) > 1 else -1 for p in parts]
-        k = max(range(len(parts)), key=costs.__getitem__)
-        p = parts.pop(k)
-        parts[k:k] = [p[: len(p) // 2], p[len(p) // 2:]]  # sorted by length: keeps the grouping
     return [sorted(p) for p in parts]
 
 

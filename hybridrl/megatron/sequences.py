@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.batch import RolloutBatch
+from hybridrl.megatron.dynamic_batch import padded_len
 
 
 @dataclass(slots=True, kw_only=True)
@@ -54,4 +55,4 @@ def pack_rows(batch: RolloutBatch, *, seq_len: int, pad_token_id: int) -> Packed
 def padded_seq_len(batch: RolloutBatch, multiple: int = 8) -> int:
     """Longest prompt + response in ``batch``, rounded up to ``multiple`` (fewer distinct shapes)."""
     longest = int((batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).max()) if len(batch) else 2
-    return max(-(-longest // multiple) * multiple, 2)
+    return padded_len(longest, multiple)  # the rounding the token-budget partition plans with

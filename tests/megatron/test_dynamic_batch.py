@@ -41,26 +41,11 @@ def test_skewed_lengths_cost_less_than_fixed_micro_batches() -> None:
     assert len(parts) <= len(fixed)
 
 
-def test_min_count_and_count_multiple_split_the_costliest() -> None:
-    lengths = [5] * 8
-    parts = token_budget_partition(lengths, max_tokens=1000, multiple=1, min_count=3)
-    assert len(parts) == 3
-    _check(lengths, parts, 1000, 1)
-    parts = token_budget_partition(lengths, max_tokens=1000, multiple=1, min_count=3, count_multiple=2)
-    assert len(parts) == 4
-    assert sorted(len(p) for p in parts) == [2, 2, 2, 2]
-
-
 def test_sample_longer_than_budget_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="does not fit the token budget of 16.*at least"):
         token_budget_partition([4, 17], max_tokens=16, multiple=1)
     with pytest.raises(ValueError, match="padded to 24"):  # 17 rounds up to 24 with multiple=8
         token_budget_partition([17], max_tokens=20, multiple=8)
-
-
-def test_more_micro_batches_than_samples_is_an_error() -> None:
-    with pytest.raises(ValueError, match="2 samples cannot fill 3 micro-batches"):
-        token_budget_partition([3, 3], max_tokens=100, min_count=3)
 
 
 def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str, world: int = 1) -> str:

@@ -10,64 +10,44 @@ step's rewards and update numbers must match (the split layouts learn like TP=1)
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
+from test_train_e2e import TRAIN, base_overrides, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
-from hybridrl.bootstrap import ensure_data
-from hybridrl.models.tiny import make_tiny_model
-
-TRAIN = str(Path(__file__).resolve().parents[2] / "launch" / "train.py")
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("train_layouts")
-    model = make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
-    train, test = tmp / "train.parquet", tmp / "test.parquet"
-    ensure_data("arithmetic", [str(train)], [str(test)])
-    return {"model": model, "train": train, "test": test, "tmp": tmp}
 
 
 def overrides(run: dict[str, Path], out: Path, *extra: str) -> list[str]:
     """4 prompts × 4 samples per step; 2 mini-batches of 8 samples, 2 micro-batches each; KL loss on."""
-    return ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={run['model']}",
-            "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{run['train']}]",
-            f"data.val_files=[{run['test']}]", "data.build_if_missing=null", "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-            # a random model never solves arithmetic; a keyword reward gives it a learning signal
-            "reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any",
-            f"trainer.total_training_steps={STEPS}",
-            "trainer.val_before_train=false", "trainer.test_freq=0",
-            f"trainer.output_dir={out}", *extra]
-
-
-def _rows(out: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return base_overrides(
+        run, out, "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        # a random model never solves arithmetic; a keyword reward gives it a learning signal
+        "reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any",
+        f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=0", *extra)
 
 
 @pytest.fixture(scope="module")
-def tp1_rows(torchrun, tiny_run: dict[str, Path]) -> list[dict[str, float]]:
+def tp1_rows(torchrun, tiny: dict[str, Path]) -> list[dict[str, float]]:  # noqa: F811
     """The same run on one rank: the reference the split layouts must learn like."""
-    out = tiny_run["tmp"] / "tp1"
-    torchrun([TRAIN, *overrides(tiny_run, out)], nproc=1, timeout=300)
-    return _rows(out)
+    out = tiny["tmp"] / "tp1"
+    torchrun([TRAIN, *overrides(tiny, out)], nproc=1, timeout=300)
+    return read_metrics(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, tiny_run: dict[str, Path],
-                                                               tp1_rows: list[dict[str, float]], size: str) -> None:
-    out = tiny_run["tmp"] / size
+def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, tiny: dict[str, Path],  # noqa: F811
+                                                               tp1_rows: list[dict[str, float]], size: str) -> None:  # noqa: F811
+    out = tiny["tmp"] / size
     layout = [f"actor_rollout_ref.{role}.megatron.{size}=2" for role in ("actor", "ref")]
-    torchrun([TRAIN, *overrides(tiny_run, out, *layout)], nproc=2, timeout=300)
-    rows = _rows(out)
+    torchrun([TRAIN, *overrides(tiny, out, *layout)], nproc=2, timeout=300)
+    rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert all(math.isfinite(v) for v in r.values()), r
