@@ -37,7 +37,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import OmegaConf
 
 from hybridrl.config.schema import RLConfig
-from hybridrl.hf_checkpoint import SIDE_FILES, save_hf_checkpoint
+from hybridrl.hf_checkpoint import copy_side_files, save_hf_checkpoint
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.model import unwrap_model
 from hybridrl.megatron.policy import MegatronPolicy
@@ -142,9 +142,7 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
         save_hf_checkpoint(policy.export_weights(bucket_bytes=512 << 20), tmp / "hf", source_dir=model_dir)
     elif rank == 0:
         (tmp / "hf").mkdir()
-        for f in SIDE_FILES:
-            if (Path(model_dir) / f).is_file():
-                shutil.copy2(Path(model_dir) / f, tmp / "hf" / f)
+        copy_side_files(model_dir, tmp / "hf")
     dist.barrier()
     if rank == 0:
         if final.exists():  # a re-run of the same step: replace only now that the new one is whole

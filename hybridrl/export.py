@@ -14,8 +14,7 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
-from hybridrl.hf_checkpoint import save_hf_checkpoint
-from hybridrl.megatron.hf_config import HFArch
+from hybridrl.hf_checkpoint import HFArch, save_hf_checkpoint
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.megatron.weights import export_hf_weights

@@ -1,31 +1,387 @@
-"""Write an HF checkpoint (safetensors + config + tokenizer) from the bucketed weight stream.
+"""A Hugging Face checkpoint directory: its architecture, its problems, its tensors, and writing one.
 
-Every rank must consume the stream (it is made of collectives); rank 0 writes. The checkpoint is
-written into a temporary sibling directory and renamed into place, so a crash mid-save never leaves
-a half-written directory at ``out_dir`` (and an existing one is replaced only once the new one is whole).
+- :class:`HFArch`: the part of ``config.json`` that decides the Megatron model, and how TP/PP/VPP may
+  split it (:meth:`HFArch.split_problems`, the one statement of those rules).
+- :func:`inspect_model_dir`: every problem with a checkpoint directory, as strings (static validation).
+- :func:`tensor_files`, :func:`checkpoint_shapes`, :class:`SafetensorsReader`: safetensors files,
+  single or sharded (``model.safetensors.index.json``); :func:`eos_token_ids`.
+- :func:`save_hf_checkpoint`: write the bucketed weight stream as safetensors + config + tokenizer.
+
+Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
+(RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings). Anything else is an error that names the
+file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
+process group or model is built.
+
+Importing this module imports neither torch nor transformers (static validation runs without them);
+functions that read or write tensors import torch/safetensors themselves.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
-from hybridrl.interfaces import WeightBucket
+    from hybridrl.interfaces import WeightBucket
 
+Family = Literal["qwen2", "qwen3", "llama"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # non-weight files of an HF checkpoint that travel with it
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+SIDE_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
 SHARD_BYTES = 4 << 30
 
+_TP, _PP, _VPP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"
+
+
+# --- architecture -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1-style frequency scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class HFArch:
+    """Architecture of a dense HF causal LM, in Megatron's terms."""
+
+    family: Family
+    vocab_size: int  # true vocab (the checkpoint's rows); Megatron may pad it, exports never do
+    hidden_size: int
+    ffn_hidden_size: int  # HF intermediate_size
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int  # KV heads
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: q/k/v projections have biases
+    qk_layernorm: bool  # Qwen3: RMSNorm over each head of q and k
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None) -> list[tuple[str, int, str]]:
+        """Every way ``tp``/``pp``(×``vpp``) fail to split this model evenly, as ``(key, value, message)``
+        with key one of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+        ``virtual_pipeline_model_parallel_size``; the message reads after ``<key>=<value>: ``.
+
+        Only the model's rules: sizes < 1, VPP without PP and the world size are the caller's.
+        """
+        heads, kv, ffn, layers = self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, self.num_layers
+        out: list[tuple[str, int, str]] = []
+        if tp >= 1 and heads % tp:
+            out.append((_TP, tp, f"must divide the model's {heads} attention heads (valid: {_divisors(heads)})"))
+        if tp >= 1 and kv % tp:
+            out.append((_TP, tp, f"must divide the model's {kv} KV heads (GQA groups) (valid: {_divisors(kv)})"))
+        if tp >= 1 and ffn % tp:
+            out.append((_TP, tp, f"must divide the model's intermediate_size={ffn} (each TP rank holds an equal "
+                                f"slice of the MLP) (valid for this model: {_divisors(math.gcd(heads, kv, ffn))})"))
+        if pp >= 1 and layers % pp:
+            out.append((_PP, pp, f"must divide the model's {layers} layers (valid: {_divisors(layers)})"))
+        if pp >= 1 and vpp is not None and vpp >= 1 and layers % (pp * vpp):
+            valid = [v for v in _divisors(layers // pp if layers % pp == 0 else 0) if v >= 2]
+            out.append((_VPP, vpp, f"PP×VPP = {pp}×{vpp} = {pp * vpp} must divide the model's {layers} layers "
+                                  f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}"))
+        return out
+
+    def check_split(self, *, tp: int, pp: int, vpp: int | None = None) -> None:
+        """Raise ``ValueError`` listing :meth:`split_problems` unless the sizes split this model evenly."""
+        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp)
+        if problems:
+            raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
+
+    @classmethod
+    def from_hf(cls, config: Any, *, source: str = "config") -> HFArch:
+        """From a ``transformers.PretrainedConfig``, a config.json dict, or a checkpoint directory.
+
+        Raises ``KeyError`` (missing key), ``NotImplementedError`` (unsupported value), ``ValueError``
+        (unreadable file, bad or inconsistent values), each naming ``source`` (the file) and the key, or
+        ``FileNotFoundError`` (no config.json).
+        """
+        if isinstance(config, str | Path):
+            path = Path(config)
+            path = path / CONFIG_FILE if path.is_dir() else path
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no such file; a HF checkpoint dir holds {CONFIG_FILE}")
+            return cls.from_hf(_read_json(path), source=str(path))
+        if not isinstance(config, Mapping):
+            config = config.to_dict()  # PretrainedConfig: carries its class defaults
+        return _parse(config, source)
+
+
+def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise KeyError(f"{source}: missing key {key!r} (needed to build the Megatron model)")
+        return cfg[key]
+
+    def expect(key: str, valid: object, default: object) -> None:
+        value = cfg.get(key, default)  # absent means the HF default, which is the valid value
+        if value != valid:
+            raise NotImplementedError(f"{source}: {key}={value!r} is not supported; valid: {valid!r}")
+
+    family = need("model_type")
+    if family not in FAMILIES:
+        raise NotImplementedError(f"{source}: model_type={family!r} is not supported; valid: {FAMILIES}")
+    expect("hidden_act", "silu", "silu")
+    expect("use_sliding_window", False, False)
+    expect("mlp_bias", False, False)
+    if family != "qwen2":  # Qwen2's q/k/v bias is fixed in its modeling code; this key adds o_proj's
+        expect("attention_bias", False, False)
+
+    hidden = _size(need("hidden_size"), f"{source}: hidden_size")
+    heads = _size(need("num_attention_heads"), f"{source}: num_attention_heads")
+    kv_heads = _size(cfg.get("num_key_value_heads") or heads, f"{source}: num_key_value_heads")  # absent: MHA
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}")
+    theta, scaling = _rope(cfg, source)
+    return HFArch(
+        family=family,
+        vocab_size=_size(need("vocab_size"), f"{source}: vocab_size"),
+        hidden_size=hidden,
+        ffn_hidden_size=_size(need("intermediate_size"), f"{source}: intermediate_size"),
+        num_layers=_size(need("num_hidden_layers"), f"{source}: num_hidden_layers"),
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        head_dim=_size(cfg.get("head_dim") or hidden // heads, f"{source}: head_dim"),
+        rms_norm_eps=_number(need("rms_norm_eps"), f"{source}: rms_norm_eps"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_size(need("max_position_embeddings"), f"{source}: max_position_embeddings"),
+        tie_word_embeddings=bool(need("tie_word_embeddings")),
+        qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+    )
+
+
+def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """transformers 5.x keeps θ and scaling in ``rope_parameters``; 4.x in ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    if "rope_theta" in params:
+        theta = _number(params["rope_theta"], f"{source}: {key}.rope_theta")
+    elif "rope_theta" in cfg:
+        theta = _number(cfg["rope_theta"], f"{source}: rope_theta")
+    else:
+        raise KeyError(f"{source}: missing key 'rope_parameters.rope_theta' (or 'rope_theta')")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        def need(name: str) -> Any:
+            if name not in params:
+                raise KeyError(f"{source}: missing key '{key}.{name}' (rope_type 'llama3' needs it)")
+            return params[name]
+
+        scaling = Llama3RopeScaling(
+            factor=_number(need("factor"), f"{source}: {key}.factor"),
+            low_freq_factor=_number(need("low_freq_factor"), f"{source}: {key}.low_freq_factor"),
+            high_freq_factor=_number(need("high_freq_factor"), f"{source}: {key}.high_freq_factor"),
+            original_max_position_embeddings=_size(need("original_max_position_embeddings"),
+                                                   f"{source}: {key}.original_max_position_embeddings"),
+        )
+        # Megatron's RotaryEmbedding._apply_scaling fixes these three; only the factor is an argument.
+        fixed = Llama3RopeScaling(factor=scaling.factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192)
+        if scaling != fixed:
+            raise NotImplementedError(f"{source}: {key}={params!r}: Megatron's llama3 RoPE scaling "
+                                      f"supports only {fixed}")
+        return theta, scaling
+    raise NotImplementedError(f"{source}: {key}.rope_type={rope_type!r} is not supported; "
+                              "valid: 'default', 'llama3'")
+
+
+def _size(value: Any, where: str) -> int:
+    whole = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if not whole or value < 1:
+        raise ValueError(f"{where}={value!r} must be an integer ≥ 1")
+    return int(value)
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}={value!r} must be a number")
+    return float(value)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a usable HF checkpoint file ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a usable HF checkpoint file (a JSON object expected, got "
+                         f"{type(data).__name__})")
+    return data
+
+
+# --- the directory ------------------------------------------------------------------------------
+
+
+def inspect_model_dir(path: str | Path, *,
+                      tokenizer_path: str | Path | None = None) -> tuple[HFArch | None, list[str]]:
+    """The checkpoint's architecture (None when config.json is missing or unusable) and every problem
+    with the directory: config.json (incl. what :class:`HFArch` does not support), weights, tokenizer.
+    Each problem names the file (and key) it is about. Reads files only."""
+    d = Path(path)
+    if not d.is_dir():
+        return None, [f"directory {d} does not exist (an HF checkpoint: config.json + *.safetensors + tokenizer)"]
+    problems: list[str] = []
+    arch: HFArch | None = None
+    cfg = d / CONFIG_FILE
+    if not cfg.is_file():
+        problems.append(f"{cfg} is missing")
+    else:
+        try:
+            arch = HFArch.from_hf(cfg)
+        except (KeyError, ValueError, NotImplementedError) as e:
+            problems.append(str(e.args[0]) if e.args else type(e).__name__)  # KeyError's str() adds quotes
+    if not any((d / f).is_file() for f in WEIGHT_FILES):
+        has_bin = any(d.glob("*.bin"))
+        problems.append(
+            f"{d} holds no {SINGLE_FILE} or {INDEX_FILE}"
+            + (" (only *.bin weights: hybridrl reads safetensors; re-save with safe_serialization=True)"
+               if has_bin else "")
+        )
+    tok = Path(tokenizer_path) if tokenizer_path else d
+    if not any((tok / f).is_file() for f in TOKENIZER_FILES):
+        problems.append(f"{tok} holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    return arch, problems
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The stop ids: ``generation_config.json``'s ``eos_token_id`` (an id or a list), else config.json's."""
+    root = Path(model_dir)
+    eos = None
+    if (root / GENERATION_CONFIG_FILE).is_file():
+        eos = _read_json(root / GENERATION_CONFIG_FILE).get("eos_token_id")
+    if eos is None:
+        if not (root / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{root}: no {CONFIG_FILE} (nor an eos_token_id in {GENERATION_CONFIG_FILE})")
+        eos = _read_json(root / CONFIG_FILE).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+# --- safetensors --------------------------------------------------------------------------------
+
+
+def tensor_files(model_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file, from ``model.safetensors`` or its sharded index."""
+    root = Path(model_dir)
+    if (root / INDEX_FILE).is_file():
+        weight_map = _read_json(root / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{root / INDEX_FILE}: no 'weight_map' object (tensor name -> file)")
+        return {name: root / file for name, file in weight_map.items()}
+    if (root / SINGLE_FILE).is_file():
+        return dict.fromkeys(_header_shapes(root / SINGLE_FILE), root / SINGLE_FILE)
+    raise FileNotFoundError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; a HF checkpoint dir holds its "
+                            "weights in one of them")
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the safetensors headers only (no weights are read). With tied
+    embeddings (no ``lm_head.weight``), ``lm_head.weight`` maps to the embedding's shape too."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(tensor_files(model_dir).values())):
+        shapes.update(_header_shapes(file))
+    if "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes
+
+
+def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open  # the numpy framework reads headers without importing torch
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types (missing file, bad header)
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
+class SafetensorsReader:
+    """Lazy, sliced reads from a (possibly sharded) safetensors checkpoint; a context manager."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = tensor_files(model_dir)
+        self._stack = ExitStack()
+        self._open: dict[Path, Any] = {}
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The tensor ``name`` (only ``index`` of it when given: a slice per leading dim)."""
+        if name not in self.files:
+            raise KeyError(f"{self.model_dir}: the checkpoint has no tensor {name!r}")
+        path = self.files[name]
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        handle = self._open[path]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def copy_side_files(source_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy the checkpoint's non-weight files (:data:`SIDE_FILES`, those present) into ``out_dir``."""
+    for f in SIDE_FILES:
+        if (Path(source_dir) / f).is_file():
+            shutil.copy2(Path(source_dir) / f, Path(out_dir) / f)
+
 
 def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, source_dir: str | Path) -> None:
+    """Write an HF checkpoint (safetensors, shards of ≤ 4 GiB, + ``source_dir``'s side files) from the
+    bucketed weight stream.
+
+    Every rank must consume the stream (it is made of collectives); rank 0 writes. The checkpoint is
+    written into a temporary sibling directory and renamed into place, so a crash mid-save never leaves
+    a half-written directory at ``out_dir`` (and an existing one is replaced only once the new one is whole).
+    """
+    import torch.distributed as dist
+
     out = Path(out_dir)
     writer = dist.get_rank() == 0 if dist.is_initialized() else True
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -46,9 +402,7 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         _write(shards, tmp)
-        for f in SIDE_FILES:
-            if (Path(source_dir) / f).is_file():
-                shutil.copy2(Path(source_dir) / f, tmp / f)
+        copy_side_files(source_dir, tmp)
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
             out.rename(old)
@@ -60,8 +414,10 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
 
 
 def _write(shards: list[dict[str, torch.Tensor]], d: Path) -> None:
+    from safetensors.torch import save_file
+
     if len(shards) == 1:
-        save_file(shards[0], str(d / "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], str(d / SINGLE_FILE), metadata={"format": "pt"})
         return
     weight_map: dict[str, str] = {}
     total = 0
@@ -71,4 +427,4 @@ def _write(shards: list[dict[str, torch.Tensor]], d: Path) -> None:
         weight_map |= {n: fname for n in shard}
         total += sum(t.numel() * t.element_size() for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (d / INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -43,13 +43,12 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from hybridrl.hf_checkpoint import HFArch
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
-from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.parallel import ParallelConfig
 
 __all__ = [
-    "HFArch",
     "ParallelConfig",
     "build_model_chunks",
     "gather_vocab_logits",

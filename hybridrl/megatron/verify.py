@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.megatron.hf_config import HFArch
+from hybridrl.hf_checkpoint import WEIGHT_FILES, HFArch, SafetensorsReader
 
 DEFAULT_BUCKET_BYTES = 32 << 20
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -56,7 +55,7 @@ def check_model_dir(model_dir: Path) -> HFArch:
     try:
         return HFArch.from_hf(model_dir)
     except (KeyError, ValueError, NotImplementedError) as e:
-        raise VerifyError(str(e)) from None
+        raise VerifyError(str(e.args[0]) if e.args else str(e)) from None  # KeyError's str() adds quotes
 
 
 def run_verification(
@@ -126,9 +125,6 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("model_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
 
-    import warnings
-
-    warnings.filterwarnings("ignore", module=r"megatron\.")  # "TE/Apex not installed, falling back"
     import torch
     import torch.distributed as dist
 
@@ -248,7 +244,7 @@ def _roundtrip(
 ) -> tuple[list[str], int, list[tuple[int, int]]]:
     import torch
 
-    from hybridrl.megatron.weights import SafetensorsReader, export_hf_weights
+    from hybridrl.megatron.weights import export_hf_weights
 
     mismatches: list[str] = []
     seen: set[str] = set()

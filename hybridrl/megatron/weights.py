@@ -1,30 +1,27 @@
 """HF safetensors -> this rank's Megatron shards, and Megatron -> a bucketed stream of HF tensors.
 
-Loading: each rank opens the checkpoint lazily (``safe_open``) and reads only the slices of the
-tensors its TP rank and PP stage hold. Both directions take this rank's model chunks (one, or VPP
-under the interleaved schedule); parameters are named by global layer number, so a chunk's layers
-map to HF layers wherever interleaving put them. Export: :func:`export_hf_weights` yields buckets of
-``(hf_name, full_tensor)`` in HF order; each unit is all-gathered over TP on the stage that owns
-it and broadcast over PP, so every rank receives the same stream. The stream feeds the in-place
-weight sync into SGLang and HF checkpoint saving; it never holds more than one bucket plus the unit
-being converted. Layout rules live in :mod:`hybridrl.megatron.convert`.
+Loading: each rank opens the checkpoint lazily (:class:`hybridrl.hf_checkpoint.SafetensorsReader`)
+and reads only the slices of the tensors its TP rank and PP stage hold. Both directions take this
+rank's model chunks (one, or VPP under the interleaved schedule); parameters are named by global
+layer number, so a chunk's layers map to HF layers wherever interleaving put them. Export:
+:func:`export_hf_weights` yields buckets of ``(hf_name, full_tensor)`` in HF order; each unit is
+all-gathered over TP on the stage that owns it and broadcast over PP, so every rank receives the same
+stream. The stream feeds the in-place weight sync into SGLang and HF checkpoint saving; it never holds
+more than one bucket plus the unit being converted. Layout rules live in :mod:`hybridrl.megatron.convert`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
 from pathlib import Path
-from types import TracebackType
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from safetensors import safe_open
 
+from hybridrl.hf_checkpoint import HFArch, SafetensorsReader
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.convert import (
     TE_TO_LOCAL,
@@ -35,51 +32,7 @@ from hybridrl.megatron.convert import (
     hf_from_full,
     shard_from_hf,
 )
-from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.model import unwrap_model
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file, from ``model.safetensors`` or its sharded index."""
-    root = Path(model_dir)
-    if (root / INDEX_FILE).is_file():
-        weight_map: dict[str, str] = json.loads((root / INDEX_FILE).read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
-    if (root / SINGLE_FILE).is_file():
-        with safe_open(str(root / SINGLE_FILE), framework="pt") as f:
-            return {name: root / SINGLE_FILE for name in f.keys()}
-    raise FileNotFoundError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; a HF checkpoint dir holds its "
-                            "weights in one of them")
-
-
-class SafetensorsReader:
-    """Lazy, sliced reads from a (possibly sharded) safetensors checkpoint; a context manager."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self.files = checkpoint_files(model_dir)
-        self._stack = ExitStack()
-        self._open: dict[Path, object] = {}
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._stack.close()
-
-    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        if name not in self.files:
-            raise KeyError(f"{self.model_dir}: the checkpoint has no tensor {name!r}")
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        handle = self._open[path]
-        return handle.get_slice(name)[index] if index else handle.get_tensor(name)  # type: ignore[attr-defined]
-
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from hybridrl.hf_checkpoint import HFArch
 from hybridrl.megatron.convert import (
     all_units,
     full_from_shards,
@@ -15,7 +16,6 @@ from hybridrl.megatron.convert import (
     hf_shapes,
     shard_from_hf,
 )
-from hybridrl.megatron.hf_config import HFArch
 
 
 def make_arch(**overrides: object) -> HFArch:
