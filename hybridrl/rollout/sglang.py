@@ -9,10 +9,12 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
   with log_softmax(logits / T); greedy (T=0) reports the untempered log_softmax — the same
   conventions as the ``hf`` engine. ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would switch SGLang to
   untempered log-probs at every T, so the engine refuses to start with it set.
-- **Seeds.** ``SamplingParams.seed`` becomes a distinct SGLang ``sampling_seed`` per sample. SGLang
-  honours per-request seeds only with ``enable_deterministic_inference`` (batch-invariant kernels,
-  CUDA/XPU only); otherwise samples come from the scheduler's generator, seeded once at start with
-  ``random_seed``. On CPU, sampling is therefore not reproducible call by call.
+- **Seeds.** ``generate(..., seeds=...)``: sample ``j`` of prompt ``i`` is one SGLang request with
+  ``sampling_seed`` = a hash of ``(seeds[i], j)`` alone (not of ``i``, so a prompt samples the same
+  wherever it sits in a call). SGLang honours per-request seeds only with
+  ``enable_deterministic_inference`` (batch-invariant kernels, CUDA/XPU only); otherwise samples come
+  from the scheduler's generator, seeded once at start with ``random_seed``. On CPU, sampling is
+  therefore not reproducible call by call, and the per-sample seed contract is not honoured.
 - **Weight swap.** ``update_weights`` streams the HF-named buckets with ``update_weights_from_tensor``
   inside ``begin_weight_update()/end_weight_update()``, one ``FlattenedTensorBucket`` per bucket
   (``load_format="flattened_bucket"``: one tensor and its metadata, shared memory on CPU, CUDA IPC on
@@ -28,29 +30,28 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an
   ``atexit`` hook and SIGTERM/SIGINT handlers kill exactly the engine's processes; a crashed engine
   process raises :class:`SGLangEngineError` in the trainer instead of SGLang's SIGKILL of the whole
-  process tree. Every adaptation to SGLang's own behaviour lives in :mod:`hybridrl.rollout.sglang_compat`.
+  process tree (:mod:`hybridrl.rollout.sglang_process`). Every adaptation to SGLang's own behaviour
+  lives in :mod:`hybridrl.rollout.sglang_compat`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import json
+import hashlib
 import os
-import signal
-import tempfile
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from hybridrl.hf_checkpoint import checkpoint_shapes, eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
 from hybridrl.rollout import sglang_compat as compat
+from hybridrl.rollout import sglang_process as process
+from hybridrl.rollout.sglang_process import SGLangEngineError
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,12 +59,7 @@ LOAD_FORMATS = ("flattened_bucket", "tensors")
 CPU_MAX_TOTAL_TOKENS = 16384
 # server args the engine sets itself; `server_args` may not override them
 _OWNED_SERVER_ARGS = frozenset({"model_path", "device", "tp_size", "skip_tokenizer_init", "base_gpu_id",
-                                "custom_sigquit_handler", "custom_weight_loader", "weight_version"})
-_STORAGE_REPORTER = "hybridrl.rollout.sglang.report_parameter_storage"
-
-
-class SGLangEngineError(RuntimeError):
-    """The SGLang engine failed to start, crashed, timed out or refused a request."""
+                                "custom_sigquit_handler", "weight_version"})
 
 
 class SGLangRolloutEngine:
@@ -128,8 +124,7 @@ class SGLangRolloutEngine:
         self._released: set[str] = set()
         self.failure: str | None = None  # set when an engine process died
         self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
-        self.stop_ids = _eos_token_ids(self.model_path)
-        self.shapes = _checkpoint_shapes(self.model_path)  # HF name -> shape: what an update may send
+        self.stop_ids, self.shapes = _read_checkpoint(self.model_path)
         self.server_args = self._server_args()
         self._start()
 
@@ -150,8 +145,7 @@ class SGLangRolloutEngine:
         args: dict[str, Any] = dict(
             model_path=self.model_path, tp_size=self.tp_size, skip_tokenizer_init=True,
             dtype=c.dtype or ("float32" if cpu else "bfloat16"), log_level=c.log_level, weight_version="0",
-            enable_memory_saver=c.enable_memory_saver, custom_sigquit_handler=_on_sigquit,
-            custom_weight_loader=[_STORAGE_REPORTER],
+            enable_memory_saver=c.enable_memory_saver, custom_sigquit_handler=process.on_sigquit,
         )
         if c.release_weights:
             args["enable_weights_cpu_backup"] = True  # a resume restores the weights' content
@@ -172,67 +166,51 @@ class SGLangRolloutEngine:
             args["enable_deterministic_inference"] = True
         return args | c.server_args
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         shown = {k: v for k, v in asdict(self.config).items() if v not in (None, {}, False)}
         return f"{CONFIG_KEY}={shown} (model_path={self.model_path!r}, device={self.device}, tp_size={self.tp_size})"
 
     def _start(self) -> None:
-        if self.device.type == "cpu":
+        cpu = self.device.type == "cpu"
+        if cpu:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when sglang is imported, here and in its children
         import psutil
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         t0 = time.perf_counter()
-        _STARTING.add(id(self))
-        try:
-            with compat.keep_start_method(), compat.without_torchrun_env(), self._thread_env(), \
-                    _deadline(self.config.start_timeout_s, what="start"):
-                from sglang.srt.entrypoints.engine import Engine
+        threads = process.thread_env(self.config.cpu_threads or 1) if cpu else nullcontext()
+        with process.starting(self):  # until the failed start's processes are killed too
+            try:
+                with compat.keep_start_method(), compat.without_torchrun_env(), threads, \
+                        process.deadline(self.config.start_timeout_s, what="start"):
+                    from sglang.srt.entrypoints.engine import Engine
 
-                self.engine = Engine(**self.server_args)
-        except BaseException as e:
-            compat.kill_processes(compat.new_children(before))
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            raise SGLangEngineError(f"the SGLang engine failed to start: {type(e).__name__}: {e}. "
-                                    f"Engine config: {self._describe()}") from e
-        finally:
-            _STARTING.discard(id(self))
+                    self.engine = Engine(**self.server_args)
+            except BaseException as e:
+                compat.kill_processes(compat.new_children(before))
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise SGLangEngineError(f"the SGLang engine failed to start: {type(e).__name__}: {e}. "
+                                        f"Engine config: {self.describe()}") from e
         self.procs = compat.new_children(before)
-        _LIVE[id(self)] = self
-        _install_signal_handlers()
-        compat.take_back_signals(self.engine, {signal.SIGTERM: _on_terminate, signal.SIGQUIT: _on_sigquit})
+        process.supervise(self)
         self.start_seconds = time.perf_counter() - t0
-
-    @contextmanager
-    def _thread_env(self) -> Iterator[None]:
-        """The engine's processes read OMP_NUM_THREADS when they start. On a CPU shared with the trainer,
-        OpenMP's default (all cores) makes the scheduler's threads spin against the other processes:
-        50x slower generation was measured on 2 cores."""
-        if self.device.type != "cpu":
-            yield
-            return
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(self.config.cpu_threads or 1)
-        try:
-            yield
-        finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
 
     def shutdown(self) -> None:
         """Stop the engine's processes (idempotent); other children of the trainer are left alone."""
         if self.engine is None:
             return
         engine, self.engine = self.engine, None
-        _LIVE.pop(id(self), None)
+        process.release(self)
         compat.shutdown_engine(engine, self.procs)
         self.procs = []
 
     # ---- generate ----
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
+                 seeds: Sequence[int] | None = None) -> list[Generation]:
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"sglang engine: {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per "
+                             "prompt (or none)")
         expanded = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         if not expanded:
             return []
@@ -240,7 +218,7 @@ class SGLangRolloutEngine:
         stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
         base = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     max_new_tokens=params.max_new_tokens, stop_token_ids=stop)
-        sampling = [base | ({"sampling_seed": _sample_seed(params.seed, i, j)} if params.seed is not None else {})
+        sampling = [base if seeds is None else base | {"sampling_seed": _sample_seed(seeds[i], j)}
                     for i, j in expanded]
         input_ids = [list(prompts[i]) for i, _ in expanded]
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
@@ -253,7 +231,7 @@ class SGLangRolloutEngine:
         finish = meta["finish_reason"] or {}
         if finish.get("type") not in ("stop", "length"):
             raise SGLangEngineError(f"the SGLang engine did not finish a request: {finish}. "
-                                    f"Engine config: {self._describe()}")
+                                    f"Engine config: {self.describe()}")
         token_ids = list(out["output_ids"])
         logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
         if len(logprobs) != len(token_ids):
@@ -319,30 +297,6 @@ class SGLangRolloutEngine:
         payload = MultiprocessingSerializer.serialize(data)
         return [payload] * self.tp_size  # every engine TP rank loads the full tensors and keeps its shard
 
-    def parameter_storage(self) -> dict[str, int]:
-        """``{name: data_ptr}`` of the engine's parameters, read inside its (TP rank 0) scheduler process.
-
-        Runs :func:`report_parameter_storage` as a custom SGLang weight loader that loads nothing; two
-        reports around a swap show whether the swap reused the parameter storage.
-        """
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "storage.json"
-            self._ok(self._call(compat.weight_update_session(self.engine, "begin"), what="begin_weight_update"))
-            try:
-                request = compat.update_weights_from_tensor(
-                    self.engine, self._payloads_for_probe(str(path)), load_format=_STORAGE_REPORTER,
-                    flush_cache=False, weight_version=None)
-                self._ok(self._call(request, what="update_weights_from_tensor (storage report)"))
-            finally:
-                if self.failure is None:
-                    self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
-            return {k: int(v) for k, v in json.loads(path.read_text()).items()}
-
-    def _payloads_for_probe(self, path: str) -> list[bytes]:
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        return [MultiprocessingSerializer.serialize([(path, torch.zeros(1))])] * self.tp_size
-
     # ---- memory phases ----
     def release_memory(self) -> None:
         c = self.config
@@ -375,7 +329,7 @@ class SGLangRolloutEngine:
             raise SGLangEngineError(self.failure or f"SGLang {what} was cancelled") from e
         except TimeoutError as e:
             raise SGLangEngineError(f"SGLang {what} took longer than {CONFIG_KEY}.request_timeout_s={timeout} s; "
-                                    f"engine config: {self._describe()}") from e
+                                    f"engine config: {self.describe()}") from e
 
     def _wait_until_idle(self) -> None:
         result = self._call(compat.wait_until_idle(self.engine, self.config.request_timeout_s), what="flush_cache")
@@ -386,122 +340,17 @@ class SGLangRolloutEngine:
         success, message = result
         if not success:
             raise SGLangEngineError(f"the SGLang engine refused the request: {message}. "
-                                    f"Engine config: {self._describe()}")
+                                    f"Engine config: {self.describe()}")
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise SGLangEngineError(self.failure)
         if self.engine is None:
             raise SGLangEngineError("the SGLang engine was shut down")
-        dead = [p for p in self.procs if not _alive(p)]
+        dead = [p for p in self.procs if not process.alive(p)]
         if dead:
             raise SGLangEngineError(f"SGLang engine process(es) {[p.pid for p in dead]} died (see their log above); "
-                                    f"engine config: {self._describe()}")
-
-
-def report_parameter_storage(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:
-    """A custom SGLang weight loader that loads nothing: writes ``{name: data_ptr}`` to the path it is sent.
-
-    Runs inside the scheduler process (see :meth:`SGLangRolloutEngine.parameter_storage`).
-    """
-    (path, _), *_ = named_tensors
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        Path(path).write_text(json.dumps({n: p.data_ptr() for n, p in model.named_parameters()}))
-
-
-# ---- process-wide cleanup: the engines' processes never outlive the trainer ----
-_LIVE: dict[int, SGLangRolloutEngine] = {}
-_STARTING: set[int] = set()
-_PREVIOUS: dict[int, Any] = {}
-_SIGQUIT_GRACE_S = 10.0
-
-
-def _install_signal_handlers() -> None:
-    """SIGTERM/SIGINT: kill the engines' processes, then do what the trainer did before; atexit: the same."""
-    if _PREVIOUS or threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        _PREVIOUS[signum] = signal.getsignal(signum)
-        signal.signal(signum, _on_terminate)
-    atexit.register(_shutdown_all)
-
-
-def _shutdown_all() -> None:
-    for engine in list(_LIVE.values()):
-        engine.shutdown()
-
-
-def _on_terminate(signum: int, frame: Any) -> None:
-    _shutdown_all()
-    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL:  # die by the signal, as without an engine
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _on_sigquit(signum: int, frame: Any) -> None:
-    """An SGLang child sends SIGQUIT to the trainer when it fails: fail loudly instead of SGLang's SIGKILL.
-
-    The child sends it *before* it exits (with code 0, which SGLang's own watchdog then takes for a
-    clean exit), so wait a little for an engine process to be gone before deciding. Inside an engine
-    call the handler runs as a callback of the engine's event loop, which would swallow an exception:
-    there it cancels the call, which then raises the error.
-    """
-    if _STARTING:
-        raise SGLangEngineError("an SGLang engine process failed during start (see its log above)")
-    engines = list(_LIVE.values())
-    deadline = time.monotonic() + _SIGQUIT_GRACE_S
-    dead: list[tuple[SGLangRolloutEngine, Any]] = []
-    while engines and not dead and time.monotonic() < deadline:
-        dead = [(e, p) for e in engines for p in e.procs if not _alive(p)]
-        if not dead:
-            time.sleep(0.1)
-    if not dead:
-        return  # no engine process died: a stray SIGQUIT (e.g. from a child being shut down) is ignored
-    message = (f"SGLang engine process(es) {[p.pid for _, p in dead]} died (see their log above); "
-               f"engine config: {dead[0][0]._describe()}")
-    running = [e.engine.loop for e in engines if e.engine is not None and e.engine.loop.is_running()]
-    for engine in engines:
-        engine.failure = message
-    _shutdown_all()
-    if not running:
-        raise SGLangEngineError(message)
-    for loop in running:
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-
-
-def _alive(proc: Any) -> bool:
-    import psutil
-
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-class _deadline:  # noqa: N801 - used as a context manager
-    """Raise ``TimeoutError`` in the main thread after ``seconds`` (SIGALRM; no limit off the main thread)."""
-
-    def __init__(self, seconds: float | None, *, what: str) -> None:
-        self.seconds, self.what = seconds, what
-        self.armed = seconds is not None and threading.current_thread() is threading.main_thread()
-
-    def __enter__(self) -> None:
-        if self.armed:
-            self.previous = signal.signal(signal.SIGALRM, self._fire)
-            signal.setitimer(signal.ITIMER_REAL, float(self.seconds))  # type: ignore[arg-type]
-
-    def _fire(self, signum: int, frame: Any) -> None:
-        raise TimeoutError(f"SGLang {self.what} took longer than {self.seconds} s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
+                                    f"engine config: {self.describe()}")
 
 
 def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
@@ -517,43 +366,26 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     yield current, True
 
 
-def _sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    return (seed * 1_000_003 + prompt_index * 1_009 + sample_index) % (2**63 - 1)
+def _sample_seed(seed: int, sample_index: int) -> int:
+    """SGLang's ``sampling_seed`` of sample ``sample_index`` of a prompt seeded ``seed``: a hash of that pair
+    alone, in [0, 2**63) (SGLang takes a signed 64-bit seed)."""
+    digest = hashlib.blake2b(f"{seed},{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of the HF checkpoint, from safetensors headers only (no weights are read)."""
-    from safetensors import safe_open
-
-    root = Path(model_path)
-    index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"]
-    shapes: dict[str, tuple[int, ...]] = {}
+def _read_checkpoint(model_path: str) -> tuple[list[int], dict[str, tuple[int, ...]]]:
+    """The rollout model's stop ids and its tensor shapes (HF name -> shape: what an update may send)."""
     try:
-        for file in files:
-            with safe_open(str(root / file), framework="pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    except Exception as e:  # safetensors raises its own error types
-        raise SGLangEngineError(f"the SGLang engine cannot read the weights at {model_path!r} "
-                                f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}") from e
-    if "model.embed_tokens.weight" in shapes:  # tied embeddings: the stream may also name the output layer
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
-    return shapes
-
-
-def _eos_token_ids(model_path: str) -> list[int]:
-    """The stop ids the ``hf`` engine uses: generation_config's EOS list, else config.json's."""
-    from transformers import AutoConfig, GenerationConfig
-
+        stop_ids = eos_token_ids(model_path)
+    except (OSError, ValueError) as e:
+        raise _unreadable("model", model_path, e) from e
     try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        try:
-            eos = AutoConfig.from_pretrained(model_path).eos_token_id
-        except (OSError, ValueError) as e:
-            raise SGLangEngineError(f"the SGLang engine cannot read the model at {model_path!r} "
-                                    f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}") from e
-    return [eos] if isinstance(eos, int) else list(eos or [])
+        shapes = checkpoint_shapes(model_path)
+    except (OSError, ValueError) as e:
+        raise _unreadable("weights", model_path, e) from e
+    return stop_ids, shapes
+
+
+def _unreadable(what: str, model_path: str, e: Exception) -> SGLangEngineError:
+    return SGLangEngineError(f"the SGLang engine cannot read the {what} at {model_path!r} "
+                             f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}")

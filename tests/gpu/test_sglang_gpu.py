@@ -3,7 +3,9 @@
 - a real colocated swap: the engine shares the GPU with the "actor" (a transformers copy of the new
   weights, on the same device), releases its KV cache and weights with ``enable_memory_saver``, takes
   the actor's CUDA tensors in place, and then samples exactly like a fresh engine on the new weights;
-- the time of one in-place swap per GB (bf16, 512 MB buckets, CUDA IPC).
+- the time of one in-place swap per GB (bf16, 512 MB buckets, CUDA IPC);
+- per-sample seeds (``enable_deterministic_inference``, which the CPU engine lacks): a prompt's samples
+  depend on its seed alone, not on where it sits in the call or on the other prompts.
 Each test appends a JSON line to ``$HYBRIDRL_GPU_REPORT`` (the script prints them as its summary).
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from rollout.sglang_probes import SERVER_ARGS, parameter_storage  # tests/ is on sys.path (tests/conftest.py)
 from safetensors.torch import load_file
 
 from hybridrl.interfaces import SamplingParams, WeightBucket
@@ -75,11 +78,11 @@ def test_colocated_swap_with_memory_saver(small: tuple[Path, Path]) -> None:
     a, b = small
     actor = {n: t.cuda() for n, t in load_file(b / "model.safetensors").items()}  # the trainer's copy, same GPU
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    kw = dict(dtype="float32", enable_memory_saver=True, release_weights=True, mem_fraction_static=0.3)
-    eng = build(a, **kw)
+    eng = build(a, dtype="float32", enable_memory_saver=True, release_weights=True, mem_fraction_static=0.3,
+                server_args=SERVER_ARGS)
     try:
         before = eng.generate(PROMPTS, params)
-        storage = eng.parameter_storage()
+        storage = parameter_storage(eng)
         torch.cuda.synchronize()
         free_0 = torch.cuda.mem_get_info()[0]
         eng.release_memory()  # KV cache, then weights
@@ -89,7 +92,7 @@ def test_colocated_swap_with_memory_saver(small: tuple[Path, Path]) -> None:
         swap_s = time.perf_counter() - t0
         eng.resume_memory()
         after = eng.generate(PROMPTS, params)
-        assert eng.parameter_storage() == storage  # the memory saver keeps virtual addresses: in place
+        assert parameter_storage(eng) == storage  # the memory saver keeps virtual addresses: in place
     finally:
         eng.shutdown()
     fresh = build(b, dtype="float32")
@@ -132,3 +135,21 @@ def test_swap_time_per_gb(tmp_path: Path) -> None:
     report(test="swap_time_per_gb", gb=round(gb, 3), seconds=[round(t, 4) for t in times],
            seconds_per_gb=round(median / gb, 4), engine_start_s=round(start_s, 1))
     assert {g.weight_version for g in out} == {4}
+
+
+def test_per_sample_seeds_fix_each_prompts_samples(small: tuple[Path, Path]) -> None:
+    eng = build(small[0], enable_deterministic_inference=True, mem_fraction_static=0.3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, n=2)
+    try:
+        first = [g.token_ids for g in eng.generate(PROMPTS, params, seeds=[11, 12, 13])]
+        moved = [g.token_ids for g in eng.generate(PROMPTS[::-1], params, seeds=[13, 12, 11])]
+        fewer = [g.token_ids for g in eng.generate(PROMPTS[1:], params, seeds=[12, 13])]
+        other = [g.token_ids for g in eng.generate(PROMPTS, params, seeds=[21, 22, 23])]
+    finally:
+        eng.shutdown()
+    report(test="per_sample_seeds", same_when_moved=moved == first[4:] + first[2:4] + first[:2],
+           same_with_fewer_prompts=fewer == first[2:])
+    assert moved == first[4:] + first[2:4] + first[:2]  # prompt-major, n=2 per prompt
+    assert fewer == first[2:]
+    assert first[0] != first[1]  # the samples of one prompt differ
+    assert other != first

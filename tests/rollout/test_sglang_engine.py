@@ -1,7 +1,8 @@
 """The ``sglang`` rollout engine with the real SGLang engine on CPU (``launch/install_sglang_cpu.sh``).
 
-One engine (tiny model A) serves the module; a second one (model B) is started once as the "fresh
-load" reference for the in-place swap. Process-lifecycle cases run as small scripts in subprocesses.
+One engine (tiny model A, with the storage probe of ``sglang_probes``) serves the module; a second one
+(model B) is started once as the "fresh load" reference for the in-place swap. Process-lifecycle cases
+run as small scripts in subprocesses.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from sglang_probes import SERVER_ARGS, parameter_storage
 from transformers import AutoModelForCausalLM
 
 from hybridrl.interfaces import Generation, SamplingParams
@@ -52,7 +54,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine(models: tuple[Path, Path]) -> Iterator[SGLangRolloutEngine]:
-    eng = build(models[0])
+    eng = build(models[0], server_args=SERVER_ARGS)
     yield eng
     eng.shutdown()
 
@@ -68,7 +70,7 @@ def forward_logprobs(model: torch.nn.Module, prompt: list[int], g: Generation, t
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_match_a_full_transformers_forward(engine: SGLangRolloutEngine, models: tuple[Path, Path],
                                                     temperature: float) -> None:
-    out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=8, n=2, seed=3))
+    out = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=8, n=2), seeds=[3, 4, 5])
     ref = AutoModelForCausalLM.from_pretrained(models[0]).eval()
     for g in out:  # log_softmax(logits / T): what the Megatron actor recomputes
         want = forward_logprobs(ref, PROMPTS[g.prompt_index], g, temperature)
@@ -86,7 +88,7 @@ def test_greedy_tokens_and_logprobs_match_the_hf_engine(engine: SGLangRolloutEng
 
 
 def test_n_samples_stop_tokens_and_finish_reasons(engine: SGLangRolloutEngine) -> None:
-    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5, n=3, seed=7))
+    out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5, n=3), seeds=[7, 8, 9])
     assert [g.prompt_index for g in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert len({tuple(g.token_ids) for g in out[:3]}) > 1  # n samples of one prompt differ
     for g in out:
@@ -97,6 +99,30 @@ def test_n_samples_stop_tokens_and_finish_reasons(engine: SGLangRolloutEngine) -
     stopped = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[first]))
     assert stopped[0].token_ids == [first] and stopped[0].finish_reason == "stop"
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_a_samples_sglang_seed_depends_on_its_prompts_seed_and_index_alone(
+        engine: SGLangRolloutEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[list[dict[str, object]]] = []  # sampling params of each generate call, per request
+    real = engine.engine.async_generate
+
+    def spy(**kw: object) -> object:
+        sent.append(kw["sampling_params"])  # type: ignore[arg-type]
+        return real(**kw)
+
+    monkeypatch.setattr(engine.engine, "async_generate", spy)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2, n=2)
+    engine.generate(PROMPTS, params, seeds=[11, 12, 13])
+    engine.generate(PROMPTS[::-1], params, seeds=[13, 12, 11])  # the same prompts at other positions
+    engine.generate(PROMPTS[1:], params, seeds=[12, 13])  # fewer prompts in the call
+    engine.generate(PROMPTS, params)  # no seeds: the engine's own randomness
+    s = [[r.get("sampling_seed") for r in call] for call in sent]
+    assert len(set(s[0])) == 6  # prompt-major: (11, 0), (11, 1), (12, 0), (12, 1), (13, 0), (13, 1)
+    assert s[1] == s[0][4:] + s[0][2:4] + s[0][:2]
+    assert s[2] == s[0][2:]
+    assert s[3] == [None] * 6
+    with pytest.raises(ValueError, match="3 prompts; pass one seed per prompt"):
+        engine.generate(PROMPTS, params, seeds=[1])
 
 
 def test_memory_phases_are_harmless_on_cpu(engine: SGLangRolloutEngine) -> None:
@@ -118,16 +144,16 @@ def test_memory_phases_are_harmless_on_cpu(engine: SGLangRolloutEngine) -> None:
 def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models: tuple[Path, Path]) -> None:
     a, b = models
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8)
     before = engine.generate(PROMPTS, params)
-    storage = engine.parameter_storage()
+    storage = parameter_storage(engine)
     version = engine.version + 1
     weights = load_file(b / "model.safetensors")
     names = sorted(weights)
     engine.update_weights(([(n, weights[n]) for n in names[i:i + 3]] for i in range(0, len(names), 3)),
                           version=version)
     assert engine.last_update["buckets"] == -(-len(names) // 3)
-    swapped, swapped_sampled = engine.generate(PROMPTS, params), engine.generate(PROMPTS, sampled)
+    swapped, swapped_sampled = engine.generate(PROMPTS, params), engine.generate(PROMPTS, sampled, seeds=[1, 2, 3])
     fresh = build(b)
     try:
         want = fresh.generate(PROMPTS, params)
@@ -142,14 +168,14 @@ def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models
         want_lp = forward_logprobs(ref_b, PROMPTS[g.prompt_index], g, 1.0)
         assert torch.allclose(torch.tensor(g.logprobs), want_lp, atol=1e-4)
     assert [g.logprobs for g in swapped] != [g.logprobs for g in before]
-    assert engine.parameter_storage() == storage  # same storage: swapped in place
+    assert parameter_storage(engine) == storage  # same storage: swapped in place
     assert {g.weight_version for g in swapped + swapped_sampled} == {version}
     # and back to A (one bucket), version incremented again: the original outputs return
     weights_a = load_file(a / "model.safetensors")
     engine.update_weights([list(weights_a.items())], version=version + 1)
     back = engine.generate(PROMPTS, params)
     assert [(g.token_ids, g.weight_version) for g in back] == [(g.token_ids, version + 1) for g in before]
-    assert engine.parameter_storage() == storage
+    assert parameter_storage(engine) == storage
 
 
 def test_a_refused_update_raises_with_the_engines_message(engine: SGLangRolloutEngine) -> None:
