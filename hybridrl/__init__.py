@@ -1,3 +1,7 @@
 """hybridrl: Megatron-core RL post-training for LLMs with colocated SGLang rollouts."""
 
+from hybridrl.megatron.fallbacks import ignore_fallback_warnings
+
 __version__ = "0.1.0"
+
+ignore_fallback_warnings()  # megatron-core's TE/Apex-missing import warnings: init_parallel says it in one line

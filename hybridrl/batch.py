@@ -87,7 +87,7 @@ class RolloutBatch:
     def index(self, idx: Index) -> RolloutBatch:
         """The samples at ``idx`` (slice, list of ints, 1-D long or bool tensor), in that order."""
         if isinstance(idx, int):
-            raise TypeError(f"RolloutBatch index must select a batch; use [{idx}:{idx + 1}], not [{idx}]")
+            raise TypeError(f"RolloutBatch.index selects a batch; pass [{idx}] or slice({idx}, {idx + 1}), not {idx}")
         if isinstance(idx, slice):
             positions = list(range(len(self)))[idx]
         else:
@@ -98,8 +98,6 @@ class RolloutBatch:
             positions = idx.tolist()
         tensors: dict[str, Any] = {n: v[idx] for n, v in self._tensors().items() if v is not None}
         return dataclasses.replace(self, **tensors, meta=[self.meta[i] for i in positions])
-
-    __getitem__ = index
 
     def split(self, size: int) -> list[RolloutBatch]:
         """Consecutive chunks of ``size`` samples; the last one is smaller when B % size != 0."""
@@ -136,27 +134,6 @@ class RolloutBatch:
             tensors[name] = torch.cat(values)
         meta = [m for b in batches for m in b.meta]
         return cls(**tensors, meta=meta, pad_token_id=first.pad_token_id)  # type: ignore[arg-type]
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        moved: dict[str, Any] = {n: v.to(device) for n, v in self._tensors().items() if v is not None}
-        return dataclasses.replace(self, **moved)
-
-    # ---- views for the actor/critic forward over prompt + response ----
-    @property
-    def input_ids(self) -> torch.Tensor:  # [B, P+T]
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:  # [B, P+T]
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
-
-    @property
-    def position_ids(self) -> torch.Tensor:  # [B, P+T] long, 0 at each row's first real token
-        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-    @property
-    def response_length(self) -> torch.Tensor:  # [B] long
-        return self.response_mask.long().sum(dim=1)
 
     def _tensors(self) -> dict[str, torch.Tensor | None]:
         return {n: getattr(self, n) for n in (*self.PROMPT_FIELDS, *self.RESPONSE_FIELDS, *self.SAMPLE_FIELDS)}

@@ -30,7 +30,6 @@ class SamplingParams:
     max_new_tokens: int = 64
     n: int = 1  # samples per prompt
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -49,12 +48,22 @@ class RolloutEngine(Protocol):
     """Generates responses from token ids; holds its own copy of the policy weights.
 
     Built with ctx: ``model_path: str``, ``device: torch.device`` and ``tp_size: int`` (the engine's
-    tensor-parallel size); an engine takes ``**ctx`` so that later context keys do not break it.
+    tensor-parallel size; the engine spans ``tp_size`` devices starting at ``device``); an engine takes
+    ``**ctx`` so that later context keys do not break it.
     """
 
     Config: ClassVar[type]
+    supports_tensor_parallel: ClassVar[bool]  # False: validation rejects rollout.tensor_model_parallel_size > 1
 
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]: ...
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
+                 seeds: Sequence[int] | None = None) -> list[Generation]:
+        """``params.n`` samples per prompt, prompt-major (all of prompt 0's, then prompt 1's, ...).
+
+        ``seeds[i]`` fixes prompt ``i``'s samples: sample ``j`` draws from a random stream determined by
+        ``(seeds[i], j)`` alone, so a prompt's samples do not depend on the other prompts of the call or
+        on which engine generates it (the same rollouts at every parallel layout). ``None``: the
+        engine's own randomness. An engine that cannot honour per-sample seeds says so in its docstring.
+        """
 
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
         """Copy new weights into the engine's existing parameter storage (in place)."""
@@ -70,12 +79,18 @@ class RolloutEngine(Protocol):
 @dataclass(slots=True, kw_only=True)
 class RewardOutput:
     scores_B: torch.Tensor  # [B] sequence-level score, placed on the last response token by the loop
-    info: dict[str, list[Any]] = field(default_factory=dict)  # per-sample extras, e.g. {"correct": [...]}
+    # [B] bool: the sample's answer is right (accuracy metrics); None: the reward has no notion of
+    # correctness, and accuracy counts score > 0
+    correct_B: torch.Tensor | None = None
+    info: dict[str, list[Any]] = field(default_factory=dict)  # other per-sample extras, e.g. {"has_answer": [...]}
 
 
 @runtime_checkable
 class RewardManager(Protocol):
-    """Scores a batch of decoded responses. Built with ctx: ``tokenizer``."""
+    """Scores a batch of decoded responses. Built with ctx: ``tokenizer``.
+
+    A reward that can tell a right answer from a wrong one also returns ``correct_B``.
+    """
 
     Config: ClassVar[type]
 
@@ -84,11 +99,14 @@ class RewardManager(Protocol):
 
 @runtime_checkable
 class AdvantageEstimator(Protocol):
-    """Turns token-level rewards (and values) into advantages and returns. Built with no ctx."""
+    """Turns token-level rewards (and values) into advantages and returns. Built with no ctx.
+
+    Every estimator class declares both flags below (the registry rejects one that does not).
+    """
 
     Config: ClassVar[type]
     needs_group: ClassVar[bool]  # compares samples of one prompt: requires rollout.n >= 2
-    needs_critic: ClassVar[bool]  # consumes values: requires critic.enable
+    needs_critic: ClassVar[bool]  # consumes values: requires a critic (value model)
 
     def __call__(
         self,

@@ -7,6 +7,9 @@ package declares its plugins, so there is a single dispatch path::
     my_reward = "my_pkg.rewards:MyReward"
 
 A plugin is a class with a nested kw-only ``Config`` dataclass; it is built as ``cls(config, **ctx)``.
+It also declares, as plain ``bool`` class attributes, the capability flags of its group's protocol
+(``ClassVar[bool]`` in ``hybridrl.interfaces``, e.g. ``AdvantageEstimator.needs_group``); ``load``
+checks both, so callers read ``cls.needs_group`` directly and a third-party plugin learns at once.
 Loading is lazy: listing plugins reads only package metadata; a plugin's module is imported when
 the plugin is chosen (``load``). A new entry point needs a (re)install of its distribution, since
 metadata is written at install time.
@@ -22,12 +25,27 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from hybridrl.interfaces import AdvantageEstimator, PolicyLoss, RewardManager, RolloutEngine
+
 GROUPS: dict[str, str] = {
     "rollout_engines": "hybridrl.rollout_engines",
     "reward_managers": "hybridrl.reward_managers",
     "advantage_estimators": "hybridrl.advantage_estimators",
     "policy_losses": "hybridrl.policy_losses",
 }
+# the protocol that the plugins of each group implement
+PROTOCOLS: dict[str, type] = {
+    "rollout_engines": RolloutEngine,
+    "reward_managers": RewardManager,
+    "advantage_estimators": AdvantageEstimator,
+    "policy_losses": PolicyLoss,
+}
+
+
+def capability_flags(protocol: type) -> list[str]:
+    """The protocol's ``ClassVar[bool]`` attributes, which every plugin class of its group declares."""
+    return [n for n, tp in typing.get_type_hints(protocol).items()
+            if typing.get_origin(tp) is typing.ClassVar and typing.get_args(tp) == (bool,)]
 
 
 class PluginError(Exception):
@@ -130,15 +148,29 @@ class Registry:
 
     def load(self, name: str, *, key: str | None = None) -> type:
         if name not in self._loaded:
-            cls = self.entry(name, key=key).load()
+            entry = self.entry(name, key=key)
+            cls = entry.load()
             config_cls = getattr(cls, "Config", None)
             if config_cls is None or not dataclasses.is_dataclass(config_cls):
                 raise PluginLoadError(
-                    f"{self.group} plugin {name!r} ({self.entry(name).value}) has no nested "
+                    f"{self.group} plugin {name!r} ({entry.value}) has no nested "
                     f"`Config` dataclass; every plugin declares one (it may be empty)."
                 )
+            self._check_flags(entry, cls)
             self._loaded[name] = cls
         return self._loaded[name]
+
+    def _check_flags(self, entry: PluginEntry, cls: type) -> None:
+        protocol = PROTOCOLS[self.group]
+        problems = [f"`{flag}` is missing" if not hasattr(cls, flag) else f"`{flag}` is {getattr(cls, flag)!r}"
+                    for flag in capability_flags(protocol) if not isinstance(getattr(cls, flag, None), bool)]
+        if problems:
+            raise PluginLoadError(
+                f"{self.group} plugin {entry.name!r} ({entry.value}) from {entry.distribution} {entry.version}: "
+                f"{', '.join(problems)}; the {protocol.__name__} protocol (hybridrl.interfaces) requires the "
+                f"class attributes {', '.join(capability_flags(protocol))} (each a bool), read before the "
+                f"plugin is built."
+            )
 
     def make_config(self, name: str, kwargs: Mapping[str, Any] | None, *, key: str) -> Any:
         """Validate ``kwargs`` (the plugin's config block at ``key``) against its Config dataclass."""

@@ -49,7 +49,8 @@ def _write_dist(root: Path, dist: str, module: str, group: str, entries: dict[st
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three site dirs: the example plugin package; a rival claiming a built-in name; a broken one."""
+    """Site dirs: the example plugin package; a rival claiming a built-in name; a broken one; one whose
+    estimators lack the protocol's capability flags."""
     tmp = tmp_path_factory.mktemp("plugins")
     example = tmp / "site_example"
     _pip_install(REPO / "plugins" / "hybridrl-length-reward", example)
@@ -69,7 +70,23 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                              "class NoConfig:\n    pass\n")
     broken = tmp / "site_broken"
     _pip_install(broken_src, broken)
-    return {"example": example, "rival": rival, "broken": broken}
+    flagless_src = _write_dist(tmp / "flagless_src", "flagless-estimators", "flagless_estimators",
+                               GROUPS["advantage_estimators"],
+                               {"nocritic": "flagless_estimators:NoCritic", "strflag": "flagless_estimators:StrFlag"},
+                               """
+                               from dataclasses import dataclass
+                               class NoCritic:
+                                   @dataclass(kw_only=True)
+                                   class Config:
+                                       pass
+                                   needs_group = True
+                               class StrFlag(NoCritic):
+                                   needs_group = "yes"
+                                   needs_critic = False
+                               """)
+    flagless = tmp / "site_flagless"
+    _pip_install(flagless_src, flagless)
+    return {"example": example, "rival": rival, "broken": broken, "flagless": flagless}
 
 
 def _run(code: str, *sites: Path) -> subprocess.CompletedProcess[str]:
@@ -135,6 +152,34 @@ def test_broken_plugins_fail_with_their_distribution_named(sites: dict[str, Path
     lines = r.stdout.splitlines()
     assert "noconfig" in lines[0] and "no nested `Config` dataclass" in lines[0]
     assert "crashes" in lines[1] and "broken-plugin 9.9.1" in lines[1] and "ModuleNotFoundError" in lines[1]
+
+
+def test_missing_capability_flag_names_plugin_distribution_attribute_and_protocol(sites: dict[str, Path]) -> None:
+    r = _run("""
+        from hybridrl.registry import Registry, PluginError
+        reg = Registry("advantage_estimators")
+        for name in ("nocritic", "strflag"):
+            try:
+                reg.load(name, key="algorithm.adv_estimator")
+            except PluginError as e:
+                print(e)
+        print(reg.load("grpo").needs_group)  # built-ins declare theirs
+        """, sites["flagless"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for line in lines[:2]:
+        assert "flagless-estimators 9.9.1" in line and "AdvantageEstimator protocol" in line, line
+        assert "needs_group, needs_critic (each a bool)" in line, line
+    assert "plugin 'nocritic'" in lines[0] and "`needs_critic` is missing" in lines[0]
+    assert "plugin 'strflag'" in lines[1] and "`needs_group` is 'yes'" in lines[1]
+    assert lines[2] == "True"
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_installed_plugin_passes_the_load_checks(group: str) -> None:
+    reg = Registry(group)
+    for name in reg.names():
+        reg.load(name)  # a Config dataclass and the protocol's capability flags, built-ins included
 
 
 def test_unknown_name_lists_installed() -> None:

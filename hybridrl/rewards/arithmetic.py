@@ -7,7 +7,7 @@ The answer is extracted from the decoded response in one of two ways (``extract`
   the whole response if it never ended; none → no answer.
 With ``strip`` both answer and ground truth are stripped of surrounding whitespace.
 Score: ``correct_score`` on a match, ``wrong_score`` on a mismatch, ``format_score`` without an
-answer. Per-sample info: ``correct`` (bool) and ``has_answer`` (bool).
+answer. ``correct_B``: the answer matches; per-sample info: ``has_answer`` (bool).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class ArithmeticReward:
             scores.append(c.format_score if answer is None else c.correct_score if ok else c.wrong_score)
             correct.append(ok)
             has_answer.append(answer is not None)
-        scores_B = torch.tensor(scores, dtype=torch.float32, device=batch.response_ids.device)
-        return RewardOutput(scores_B=scores_B, info={"correct": correct, "has_answer": has_answer})
+        device = batch.response_ids.device
+        return RewardOutput(scores_B=torch.tensor(scores, dtype=torch.float32, device=device),
+                            correct_B=torch.tensor(correct, dtype=torch.bool, device=device),
+                            info={"has_answer": has_answer})
 
     def extract(self, tokens: list[int]) -> str | None:
         """The answer in one response's tokens, or ``None``."""

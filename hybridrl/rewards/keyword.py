@@ -5,8 +5,8 @@ The response is decoded without special tokens; a keyword counts once if it occu
 - ``fraction``: matched keywords / all keywords;
 - ``any``: 1.0 if at least one keyword occurs, else 0.0;
 - ``all``: 1.0 if every keyword occurs, else 0.0.
-The result is multiplied by ``scale``. Per-sample info: ``matched`` (how many keywords occur) and
-``correct`` (every keyword occurs).
+The result is multiplied by ``scale``. ``correct_B``: every keyword occurs; per-sample info:
+``matched`` (how many keywords occur).
 """
 
 from __future__ import annotations
@@ -54,11 +54,10 @@ class KeywordReward:
             value = share if c.mode == "fraction" else float(n > 0) if c.mode == "any" else float(share == 1.0)
             scores.append(c.scale * value)
             matched.append(n)
-        scores_B = torch.tensor(scores, dtype=torch.float32, device=batch.response_ids.device)
-        return RewardOutput(
-            scores_B=scores_B,
-            info={"matched": matched, "correct": [n == len(self._keywords) for n in matched]},
-        )
+        device = batch.response_ids.device
+        return RewardOutput(scores_B=torch.tensor(scores, dtype=torch.float32, device=device),
+                            correct_B=torch.tensor(matched, device=device) == len(self._keywords),
+                            info={"matched": matched})
 
     def _fold(self, text: str) -> str:
         return text if self.config.case_sensitive else text.casefold()

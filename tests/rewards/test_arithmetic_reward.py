@@ -9,11 +9,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import RolloutBatch
-from hybridrl.interfaces import RewardManager
+from hybridrl.interfaces import RewardManager, RewardOutput
 from hybridrl.registry import PluginConfigError, Registry
 from hybridrl.rewards.arithmetic import ArithmeticReward
 
 MakeBatch = Callable[..., RolloutBatch]  # the make_batch fixture of conftest.py
+
+
+def correct(out: RewardOutput) -> list[bool]:
+    assert out.correct_B is not None
+    return out.correct_B.tolist()
 
 
 def test_exact_match_before_eos(make_batch: MakeBatch, tok: PreTrainedTokenizerBase) -> None:
@@ -24,24 +29,25 @@ def test_exact_match_before_eos(make_batch: MakeBatch, tok: PreTrainedTokenizerB
     )
     out = reward(batch)
     torch.testing.assert_close(out.scores_B, torch.tensor([1.0, 1.0, -0.5, -1.0, 1.0, -0.5, 1.0]))
-    assert out.info["correct"] == [True, True, False, False, True, False, True]
-    assert out.info["has_answer"] == [True, True, True, False, True, True, True]
+    assert out.correct_B is not None and out.correct_B.dtype == torch.bool
+    assert out.correct_B.tolist() == [True, True, False, False, True, False, True]
+    assert out.info == {"has_answer": [True, True, True, False, True, True, True]}
 
 
 def test_pad_token_also_ends_the_answer(make_batch: MakeBatch, tok: PreTrainedTokenizerBase) -> None:
     batch = make_batch(["12" + tok.pad_token], ["12"])
     out = ArithmeticReward(ArithmeticReward.Config(), tokenizer=tok)(batch)
-    assert out.info["correct"] == [True]
+    assert correct(out) == [True]
 
 
 def test_no_strip_and_last_number(make_batch: MakeBatch, tok: PreTrainedTokenizerBase) -> None:
     strict = ArithmeticReward(ArithmeticReward.Config(strip=False), tokenizer=tok)
-    assert strict(make_batch([" 46<eos>", "46<eos>"], ["46", "46"])).info["correct"] == [False, True]
+    assert correct(strict(make_batch([" 46<eos>", "46<eos>"], ["46", "46"]))) == [False, True]
 
     last = ArithmeticReward(ArithmeticReward.Config(extract="last_number"), tokenizer=tok)
     out = last(make_batch(["so 12+34 = 46<eos>", "it is -7", "none<eos>", "46<eos>1"],
                           ["46", "-7", "1", "46"]))
-    assert out.info["correct"] == [True, True, False, True]
+    assert correct(out) == [True, True, False, True]
     assert out.info["has_answer"] == [True, True, False, True]
 
 

@@ -26,8 +26,8 @@ def test_modes(make_batch: MakeBatch, tok: PreTrainedTokenizerBase, mode: str, e
                            tokenizer=tok)
     out = reward(make_batch(RESPONSES))
     torch.testing.assert_close(out.scores_B, torch.tensor(expected))
-    assert out.info["matched"] == [2, 1, 0]
-    assert out.info["correct"] == [True, False, False]
+    assert out.info == {"matched": [2, 1, 0]}
+    assert out.correct_B is not None and out.correct_B.tolist() == [True, False, False]
 
 
 def test_case_sensitivity_scale_and_special_tokens(make_batch: MakeBatch, tok: PreTrainedTokenizerBase) -> None:

@@ -1,5 +1,8 @@
 """Reward manager: score = -|response_length - target_length| / scale, clipped at ``min_score``.
 
+A response of exactly ``target_length`` tokens counts as correct (``correct_B``, for the accuracy
+metrics); per-sample info: ``length``.
+
 A deliberately simple, task-free reward that shapes response length; mostly an example of how a
 third-party package plugs into hybridrl (see pyproject.toml's entry point).
 """
@@ -37,4 +40,5 @@ class LengthReward:
         lengths_B = batch.response_mask.sum(dim=-1).to(torch.float32)
         c = self.config
         scores_B = (-(lengths_B - c.target_length).abs() / c.scale).clamp(min=c.min_score)
-        return RewardOutput(scores_B=scores_B, info={"length": lengths_B.tolist()})
+        return RewardOutput(scores_B=scores_B, correct_B=lengths_B == c.target_length,
+                            info={"length": lengths_B.tolist()})
