@@ -3,11 +3,13 @@
 ``data.build_if_missing: arithmetic`` writes the arithmetic task's splits to ``data.train_files[0]``
 (and ``data.val_files[0]``); ``model.build_if_missing: tiny`` writes a random tiny model (the
 architecture below) and ``sft:<recipe>`` runs that SFT recipe with ``trainer.save_path`` set to the
-model path. Results are cached: a path that exists is used as is, except a model this module built
+model path. It builds only inside the hybridrl cache (``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``),
+where the tiny recipes point: a path elsewhere that does not exist is the user's (a typo, a model not
+downloaded yet) and is reported as a config error naming its key, never filled with a toy model.
+Results are cached: a path that exists is used as is, except a model this module built
 from an SFT recipe that has changed since (``hybridrl_build.json`` records a hash of the recipe and
 of the tiny-model/task settings below): that one is rebuilt, so a cached warm start never silently
-comes from an older recipe. Paths in the tiny recipes live under ``$HYBRIDRL_CACHE_DIR`` (default
-``~/.cache/hybridrl``); delete a folder there to rebuild it.
+comes from an older recipe. Delete a folder in the cache to rebuild it.
 
 Only global rank 0 builds (under a file lock, so two runs never build the same thing at once);
 other ranks wait for the result. Every build writes to a temporary path and renames it into place.
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hybridrl.paths import cache_dir, in_cache, recipes_dir
 from hybridrl.tracking import say
 
 TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_positions=256, tie=True, seed=0)
@@ -38,36 +41,65 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
-def cache_dir() -> str:
-    return os.environ.get("HYBRIDRL_CACHE_DIR") or str(Path.home() / ".cache" / "hybridrl")
+DATA_KINDS = ("arithmetic",)
+MODEL_KINDS = ("tiny", "sft:<recipe>")
+
+
+def kind_problem(kind: str | None, *, model: bool) -> str | None:
+    """Why ``build_if_missing=kind`` is not a known build (None: it is, or nothing is to be built)."""
+    if kind is None:
+        return None
+    known = (kind == "tiny" or kind.startswith("sft:")) if model else kind in DATA_KINDS
+    return None if known else f"valid: {', '.join(MODEL_KINDS if model else DATA_KINDS)} (or null)"
+
+
+def will_build(kind: str | None, path: str, *, model: bool) -> bool:
+    """``build_if_missing`` will build ``path``: a known build, a missing path, inside the cache."""
+    return kind is not None and kind_problem(kind, model=model) is None and not Path(path).exists() and in_cache(path)
+
+
+def outside_cache_problem(kind: str | None, path: str) -> str | None:
+    """The hint for a missing ``path`` that ``build_if_missing`` will not build because it is not in the cache."""
+    if kind is None or Path(path).exists() or in_cache(path):
+        return None
+    return (f"does not exist, and build_if_missing={kind} builds only inside the hybridrl cache {cache_dir()} "
+            "($HYBRIDRL_CACHE_DIR), never at a path of yours; point it at an existing file/checkpoint")
 
 
 def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) -> None:
     if kind is None:
         return
-    if kind != "arithmetic":
-        raise ValueError(f"data.build_if_missing={kind!r}; valid: arithmetic (or null)")
+    if (problem := kind_problem(kind, model=False)) is not None:
+        raise ValueError(f"data.build_if_missing={kind!r}: {problem}")
     if not train_files:
         raise ValueError("data.build_if_missing=arithmetic needs data.train_files to name the file to write")
     targets = [Path(train_files[0])] + ([Path(val_files[0])] if val_files else [])
+    for key, path in zip(("data.train_files", "data.val_files"), targets, strict=False):
+        if (problem := outside_cache_problem(kind, str(path))) is not None:
+            raise ValueError(f"{key}: {path}: {problem}")
+    _once(targets, lambda: write_arithmetic_task(*targets))
 
-    def build() -> None:
-        from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
-        from hybridrl.data.rows import write_rows
 
-        say(f"writing the arithmetic task ({ARITHMETIC}) to {', '.join(map(str, targets))}")
-        train, test = arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC))
-        for rows, path in zip((train, test), targets, strict=False):
-            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-            write_rows(rows, tmp)
-            tmp.rename(path)
+def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
+    """The tiny recipes' arithmetic splits (``ARITHMETIC``) at ``train`` (and ``test``), each written atomically."""
+    from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
+    from hybridrl.data.rows import write_rows
 
-    _once(targets, build)
+    targets = [Path(train)] + ([Path(test)] if test is not None else [])
+    say(f"writing the arithmetic task ({ARITHMETIC}) to {', '.join(map(str, targets))}")
+    for rows, path in zip(arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC)), targets, strict=False):
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+        write_rows(rows, tmp)
+        tmp.rename(path)
 
 
 def ensure_model(kind: str | None, path: str) -> None:
     if kind is None:
         return
+    if (problem := kind_problem(kind, model=True)) is not None:
+        raise ValueError(f"actor_rollout_ref.model.build_if_missing={kind!r}: {problem}")
+    if (problem := outside_cache_problem(kind, path)) is not None:
+        raise ValueError(f"actor_rollout_ref.model.path={path!r}: {problem}")
     out = Path(path)
     if kind == "tiny":
         def build() -> None:
@@ -82,8 +114,6 @@ def ensure_model(kind: str | None, path: str) -> None:
         key = _sft_build_key(recipe)
 
         def build() -> None:
-            from hybridrl.config.compose import recipes_dir
-
             script = recipes_dir().parent / "launch" / "sft.py"
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             cmd = [sys.executable, str(script), f"recipe={recipe}", f"trainer.save_path={tmp}"]
@@ -103,15 +133,11 @@ def ensure_model(kind: str | None, path: str) -> None:
 
         _once([out], build, lambda: not out.exists() or _stale_build(out, key))
         return
-    else:
-        raise ValueError(f"actor_rollout_ref.model.build_if_missing={kind!r}; valid: tiny, sft:<recipe> (or null)")
     _once([out], build)
 
 
 def _sft_build_key(recipe: str) -> str:
     """Hash of what an SFT-built start model depends on: the recipe file and the tiny settings here."""
-    from hybridrl.config.compose import recipes_dir
-
     path = recipes_dir() / "recipe" / f"{recipe}.yaml"
     text = path.read_text() if path.exists() else recipe
     return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}".encode()).hexdigest()[:16]

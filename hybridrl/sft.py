@@ -13,15 +13,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hybridrl.algorithms.loss_agg import aggregate
 from hybridrl.batch import RolloutBatch
+from hybridrl.config.plan import MicroBatching
 from hybridrl.config.sft_schema import SFTConfig
-from hybridrl.data.collate import PromptBatch
+from hybridrl.data.collate import PromptBatch, collate_prompts
 from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
 from hybridrl.hf_checkpoint import save_hf_checkpoint
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy, parallel_config
+from hybridrl.metrics import DPMeans
 from hybridrl.tracking import Tracker, say
 
 
@@ -46,6 +49,31 @@ def sft_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, max_r
                         meta=prompts.meta, pad_token_id=prompts.pad_token_id)
 
 
+def nll_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
+             normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's share of the token-mean NLL of the whole batch (``normalizer``: its token count)."""
+    loss = -aggregate(logprobs_BT, mb.response_mask, "token-mean", global_normalizer=normalizer)
+    return loss, {"loss_sum": loss.detach()}
+
+
+def validation_loss(policy: MegatronPolicy, val: PromptDataset, tokenizer: PreTrainedTokenizerBase,
+                    micro: MicroBatching, *, max_response_length: int, pad_token_id: int) -> float:
+    """Token-mean NLL of the held-out pairs (``data.val_files``), each DP rank scoring its share."""
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mine = list(range(dp_rank, len(val), dp_size))
+    rows = 256  # pairs per forward-only pass (micro-batched inside)
+    m = DPMeans()
+    for start in range(0, -(-len(val) // dp_size), rows):  # the same number of passes on every rank
+        idx = mine[start:start + rows]
+        weight = 1.0 if idx else 0.0  # a rank with nothing left runs a pass on row 0 that counts for nothing
+        idx = idx or [0]
+        batch = sft_batch(collate_prompts([val[i] for i in idx], idx, pad_token_id=pad_token_id), tokenizer,
+                          max_response_length=max_response_length)
+        logp_BT, _ = policy.compute_log_probs(batch, batching=micro)
+        m.add("val/loss", -(logp_BT * batch.response_mask).sum() * weight, batch.response_mask.sum() * weight)
+    return m.reduce()["val/loss"]
+
+
 def fit_sft(cfg: SFTConfig) -> dict[str, float]:
     init_parallel(parallel_config(cfg.megatron))
     seed_everything(cfg.trainer.seed)
@@ -60,6 +88,7 @@ def fit_sft(cfg: SFTConfig) -> dict[str, float]:
                           dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size)
     policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
                             total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id)
+    val = PromptDataset(d.val_files, tokenizer=tokenizer, config=dataset.config) if d.val_files else None
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     say(f"SFT: {len(dataset)} pairs, {t.total_training_steps} steps of {d.train_batch_size} samples")
 
@@ -68,18 +97,14 @@ def fit_sft(cfg: SFTConfig) -> dict[str, float]:
             yield from loader
 
     metrics: dict[str, float] = {}
+    micro = MicroBatching(micro_batch_size=d.micro_batch_size_per_gpu)
     for step, prompts in zip(range(1, t.total_training_steps + 1), batches(), strict=False):
         batch = sft_batch(prompts, tokenizer, max_response_length=d.max_response_length)
-        tokens = batch.response_mask.sum().double()
-        dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
-
-        def loss_fn(logp_BT: torch.Tensor, ent_BT: torch.Tensor, mb: RolloutBatch,
-                    n: torch.Tensor = tokens) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss = -(logp_BT * mb.response_mask).sum() / n.float()
-            return loss, {"loss_sum": loss.detach()}
-
-        step_metrics = policy.train_step(batch, loss_fn, micro_batch_size=d.micro_batch_size_per_gpu)
+        step_metrics = policy.train_step(batch, nll_loss, batching=micro, loss_agg_mode="token-mean")
         metrics = {f"sft/{k}": v for k, v in step_metrics.items()}
+        if val is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
+            metrics["val/loss"] = validation_loss(policy, val, tokenizer, micro, pad_token_id=loader.pad_token_id,
+                                                  max_response_length=d.max_response_length)
         tracker.log(metrics, step=step)
     say(f"SFT: saving the HF checkpoint to {t.save_path}")
     save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path)

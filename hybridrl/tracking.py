@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridrl.config.schema import TrainerConfig
+from hybridrl.config.sft_schema import SFTTrainerConfig
 
 
 class _Backend(Protocol):
@@ -46,7 +47,7 @@ class JsonlBackend:
 
 
 class WandbBackend:
-    def __init__(self, cfg: TrainerConfig, config: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, config: Mapping[str, Any]) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or (None if os.environ.get("WANDB_API_KEY") else "offline")
@@ -121,8 +122,12 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
 
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard")  # trainer.loggers
+
+
 class Tracker:
-    def __init__(self, cfg: TrainerConfig, *, config: Mapping[str, Any], rank: int, resume_step: int = 0) -> None:
+    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, *, config: Mapping[str, Any], rank: int,
+                 resume_step: int = 0) -> None:
         self.backends: list[_Backend] = []
         if rank != 0:
             return
@@ -136,6 +141,8 @@ class Tracker:
                 self.backends.append(WandbBackend(cfg, config))
             elif name == "tensorboard":
                 self.backends.append(TensorboardBackend(out))
+            else:
+                raise ValueError(f"trainer.loggers: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for b in self.backends:

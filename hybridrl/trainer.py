@@ -23,7 +23,7 @@ def fit(c: Components) -> dict[str, float]:
         timer = Timer()
         with timer("step"):
             with timer("gen"):
-                batch = hybrid.generate(next(prompts), sampling_params(c, step))
+                batch = hybrid.generate(next(prompts), sampling_params(c), seed=t.seed * 1_000_003 + step)
             with timer("reward"):
                 scores_B = score(c, batch)
             with timer("old_log_prob"):
@@ -48,11 +48,10 @@ def fit(c: Components) -> dict[str, float]:
     return metrics
 
 
-def sampling_params(c: Components, step: int) -> SamplingParams:
+def sampling_params(c: Components) -> SamplingParams:
     r = c.cfg.actor_rollout_ref.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                          max_new_tokens=c.cfg.data.max_response_length,
-                          seed=(c.cfg.trainer.seed * 1_000_003 + step) * 4099 + c.dp_rank)
+                          max_new_tokens=c.cfg.data.max_response_length)
 
 
 def score(c: Components, batch: RolloutBatch) -> torch.Tensor:
@@ -90,13 +89,13 @@ def evaluate(c: Components) -> dict[str, float]:
     """Greedy (``rollout.val_kwargs``) accuracy over the whole validation split."""
     v = c.cfg.actor_rollout_ref.rollout.val_kwargs
     params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
-                            max_new_tokens=c.cfg.data.max_response_length, seed=c.cfg.trainer.seed)
+                            max_new_tokens=c.cfg.data.max_response_length)
     m = DPMeans()
-    for prompts in c.val_batches():
-        batch = c.hybrid.generate(prompts, params)
+    for k, prompts in enumerate(c.val_batches()):
+        batch = c.hybrid.generate(prompts, params, seed=c.cfg.trainer.seed * 1_000_003 - k - 1)
         out = c.reward(batch)
-        correct = out.info.get("correct", [float(s > 0) for s in out.scores_B.tolist()])
-        m.add("eval/accuracy", sum(float(x) for x in correct), len(batch))
+        correct_B = out.correct_B if out.correct_B is not None else out.scores_B > 0
+        m.add("eval/accuracy", correct_B.sum(), len(batch))
         m.add("eval/reward_mean", out.scores_B.sum(), len(batch))
         m.add("eval/response_length_mean", batch.response_mask.sum(), len(batch))
     return m.reduce()

@@ -13,7 +13,7 @@ def test_build_key_follows_the_recipe_text(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "recipe").mkdir()
     recipe = tmp_path / "recipe" / "my_sft.yaml"
     recipe.write_text("optim:\n  lr: 1e-3\n")
-    monkeypatch.setattr("hybridrl.config.compose.recipes_dir", lambda: tmp_path)
+    monkeypatch.setattr(bootstrap, "recipes_dir", lambda: tmp_path)
     first = _sft_build_key("my_sft")
     assert _sft_build_key("my_sft") == first
     recipe.write_text("optim:\n  lr: 3e-3\n")

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hybridrl.bootstrap import ensure_data
+from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("ckpt")
     make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
     make_tiny_model(tmp / "model4", hidden=64, layers=4, heads=4, kv_heads=2, max_positions=128)  # PP=2 × VPP=2
-    ensure_data("arithmetic", [str(tmp / "train.parquet")], [])
+    write_arithmetic_task(tmp / "train.parquet")
     return tmp
 
 

@@ -23,8 +23,10 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cmd = [sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_tiny", f"model.path={tmp / 'random'}",
            f"data.train_files=[{tmp / 'train.parquet'}]", f"data.val_files=[{tmp / 'test.parquet'}]",
            "trainer.total_training_steps=40", "optim.lr_warmup_steps=2", "data.train_batch_size=32",
-           "data.micro_batch_size_per_gpu=16", f"trainer.output_dir={out}", f"trainer.save_path={saved}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           "data.micro_batch_size_per_gpu=16", "trainer.test_freq=20", f"trainer.output_dir={out}",
+           f"trainer.save_path={saved}"]
+    # the recipe builds its random model and data when missing (build_if_missing): only inside the cache
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRIDRL_CACHE_DIR": str(tmp)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"out": out, "saved": saved, "random": tmp / "random", "stdout": Path(proc.stdout)}
@@ -36,6 +38,9 @@ def test_sft_loss_drops(sft_run: dict[str, Path]) -> None:
     assert len(losses) == 40
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, (first, last)
+    # held-out NLL (data.val_files) every trainer.test_freq=20 steps: it drops with the training loss
+    val = [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r]
+    assert [s for s, _ in val] == [20, 40] and val[1][1] < val[0][1] < losses[0], (val, losses[0])
 
 
 def test_saved_checkpoint_is_a_trained_hf_model(sft_run: dict[str, Path]) -> None:

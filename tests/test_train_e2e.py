@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.bootstrap import ensure_data
+from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(tmp / "model", hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
     train, test = tmp / "train.parquet", tmp / "test.parquet"
-    ensure_data("arithmetic", [str(train)], [str(test)])
+    write_arithmetic_task(train, test)
     return {"model": model, "train": train, "test": test, "tmp": tmp}
 
 

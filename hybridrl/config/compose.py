@@ -9,7 +9,6 @@ naming the key, with the closest valid keys. Everything else is checked by ``val
 from __future__ import annotations
 
 import difflib
-import os
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
@@ -26,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
+from hybridrl.paths import cache_dir, recipes_dir
 
 SCHEMA_NAME = "hybridrl_schema"
 SFT_SCHEMA_NAME = "hybridrl_sft_schema"
@@ -33,23 +33,9 @@ SFT_SCHEMA_NAME = "hybridrl_sft_schema"
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore and the ``${hybridrl_cache:}`` resolver (idempotent)."""
-    from hybridrl.bootstrap import cache_dir
-
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RLConfig)
     ConfigStore.instance().store(name=SFT_SCHEMA_NAME, node=SFTConfig)
     OmegaConf.register_new_resolver("hybridrl_cache", cache_dir, replace=True)
-
-
-def recipes_dir() -> Path:
-    """``$HYBRIDRL_RECIPES_DIR``, else the ``recipes/`` folder of this source checkout."""
-    env = os.environ.get("HYBRIDRL_RECIPES_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
-    if not (path / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"no recipes at {path} (expected {path / 'config.yaml'}); install hybridrl from a source "
-            f"checkout (pip install -e .) or point HYBRIDRL_RECIPES_DIR at a recipes folder"
-        )
-    return path
 
 
 def available_recipes() -> list[str]:

@@ -1,4 +1,4 @@
-"""``hybridrl validate``: compose a recipe, run the static checks, print the resolved topology."""
+"""``hybridrl validate``: compose a recipe, run the static checks, print the run's plan (what runs where)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ def main(overrides: Sequence[str], *, world_size: int | None = None, model_confi
     try:
         cfg = compose_config(overrides)
         # what build_if_missing will build on the first run is reported as pending, not missing
-        topology = validate(cfg, world_size=world_size, model_config=model_config, before_bootstrap=True)
+        plan = validate(cfg, world_size=world_size, model_config=model_config, before_bootstrap=True)
     except ConfigError as e:
         print(f"hybridrl validate: {e}", file=sys.stderr)
         return 2
-    print(topology.render())
+    print(plan.render())
     m = cfg.actor_rollout_ref.model
     if m.build_if_missing is not None and not Path(m.path).exists():
         print(f"actor_rollout_ref.model.path={m.path} does not exist yet: the run builds it first "

@@ -1,7 +1,7 @@
 """The typed config tree of a hybridrl run (registered in Hydra's ConfigStore by ``store.py``).
 
 The tree is the run's topology: ``actor_rollout_ref`` is the composite node (actor, ref, rollout,
-each with its own parallel sizes), then ``critic``, ``reward``, ``algorithm``, ``data``, ``trainer``.
+each with its own parallel sizes), then ``reward``, ``algorithm``, ``data``, ``trainer``.
 Where a concept is the same as in verl, the key has verl's name so overrides carry over
 (``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``, ...).
 
@@ -16,7 +16,7 @@ and checked against the chosen plugin's own ``Config`` dataclass by ``validate.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omegaconf import MISSING
@@ -24,7 +24,7 @@ from omegaconf import MISSING
 
 @dataclass(kw_only=True, slots=True)
 class MegatronConfig:
-    """Megatron-core parallel layout of one role (actor, ref or critic)."""
+    """Megatron-core parallel layout of the actor (the ref shares it)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -78,10 +78,31 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RefMegatronConfig:
+    """The ref shares the actor's Megatron process groups, so its layout *is* the actor's: every size
+    follows the actor (null); an explicit value must equal the actor's (validation says so otherwise)."""
+
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int | None = None
+    sequence_parallel: bool | None = None
+
+    def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
+        """``(key, ref value, actor value)`` for every explicit size that differs from the actor's."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(actor, f.name)
+            if mine is not None and mine != theirs:
+                out.append((f.name, mine, theirs))
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
 class RefConfig:
     # null: built only when a KL term needs it (actor.use_kl_loss or algorithm.use_kl_in_reward)
     enable: bool | None = None
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
@@ -117,18 +138,6 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-
-
-@dataclass(kw_only=True, slots=True)
-class CriticConfig:
-    enable: bool = False
-    model_path: str | None = None  # defaults to actor_rollout_ref.model.path
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 8  # prompts
-    ppo_micro_batch_size_per_gpu: int = 4  # samples
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,7 +196,6 @@ class TrainerConfig:
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)

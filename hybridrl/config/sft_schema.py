@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, TrainerConfig
+from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 
 
 @dataclass(kw_only=True, slots=True)
 class SFTDataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet / jsonl
-    val_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # held-out pairs: `val/loss` every trainer.test_freq steps
     prompt_key: str = "prompt"
     response_key: str = "ground_truth"  # the target text; EOS is appended
     apply_chat_template: bool = True
@@ -23,7 +23,16 @@ class SFTDataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class SFTTrainerConfig(TrainerConfig):
+class SFTTrainerConfig:
+    total_training_steps: int = 100
+    seed: int = 1
+    test_freq: int = 100  # val/loss on data.val_files every N steps and at the end (0 = never)
+    output_dir: str = "outputs/sft"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
+    project_name: str = "hybridrl"
+    experiment_name: str = "sft"
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
     save_path: str = "outputs/sft/hf"  # the HF checkpoint written at the end
 
 
@@ -33,5 +42,4 @@ class SFTConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    trainer: SFTTrainerConfig = field(
-        default_factory=lambda: SFTTrainerConfig(output_dir="outputs/sft", experiment_name="sft"))
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

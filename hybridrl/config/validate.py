@@ -1,32 +1,34 @@
 """Static validation: the whole config is checked before any model or engine is built.
 
-Every rule appends ``ConfigIssue``s instead of raising, so one run reports all violations at once.
-Reads only config files, the checkpoint's ``config.json`` and plugin classes (which import torch,
-never Megatron or an engine).
+Each rule lives with the object that owns it — the plan (placement, batch arithmetic), the HF
+checkpoint reader (architecture, how sizes split the model), Megatron's layout rules, the plugins'
+``Config`` classes, the loss/KL/logger/data-format lists of the modules that implement them — and
+validation collects their problems into one ``ConfigError``, each naming its key, value and what
+would be valid. Reads only config files, the checkpoint's ``config.json`` and plugin classes (which
+import torch, never Megatron or an engine).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
+from hybridrl import bootstrap
+from hybridrl.algorithms.kl import KL_KINDS
+from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.config.errors import ConfigError, ConfigIssue
-from hybridrl.config.model_info import ModelInfo, inspect_model_dir
-from hybridrl.config.schema import MegatronConfig, OptimConfig, RLConfig
-from hybridrl.config.sft_schema import SFTConfig
-from hybridrl.config.topology import RoleLayout, Topology, ref_needed, world_size_of
-from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED
+from hybridrl.config.plan import AOR, Plan, RoleLayout, interleaved_micro_batches_problem, layout_problems
+from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLConfig, TrainerConfig
+from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
+from hybridrl.data.rows import SUFFIXES as DATA_SUFFIXES
+from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
 from hybridrl.registry import PluginError, Registry
+from hybridrl.tracking import LOGGERS
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
-OPTIMIZERS = ("adam", "sgd")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+OPTIMIZERS = ("adam", "sgd")  # Megatron's OptimizerConfig.optimizer
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron's OptimizerParamScheduler
 DEVICES = ("auto", "cpu", "cuda")
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
-
-AOR = "actor_rollout_ref"
 
 
 class _Issues(list[ConfigIssue]):
@@ -38,156 +40,98 @@ class _Issues(list[ConfigIssue]):
             self.add(key, value, "must be ≥ 1")
 
 
+def device_type(device: str, *, planning: bool = False) -> str:
+    """``trainer.device`` resolved: ``auto`` is cuda where a GPU is visible (or when planning a run for
+    another machine), else cpu."""
+    if device != "auto":
+        return device
+    if planning:
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
-             model_config: Path | None = None) -> Topology:
-    """Check ``cfg`` for a run on ``world_size`` ranks; return its topology or raise ConfigError.
+             model_config: Path | None = None, ranks_per_node: int | None = None) -> Plan:
+    """Check ``cfg`` for a run on ``world_size`` ranks; return its plan or raise ConfigError.
 
     ``before_bootstrap``: a model or data file that the config builds when missing
-    (``build_if_missing``) may not exist yet; the checks that need it are skipped.
+    (``build_if_missing``, inside the hybridrl cache) may not exist yet; the checks that need it wait.
     ``model_config``: plan a run on another machine: take the architecture from this config.json
     instead of the model directory, and skip every check of local files (weights, tokenizer, data).
     """
     issues = _Issues()
-    world = world_size if world_size is not None else world_size_of(cfg)
+    t, aor = cfg.trainer, cfg.actor_rollout_ref
+    world = world_size if world_size is not None else t.nnodes * t.n_gpus_per_node
     if world < 1:
-        issues.add("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node, "world size must be ≥ 1")
+        issues.add("trainer.n_gpus_per_node", t.n_gpus_per_node, "world size must be ≥ 1")
         world = 1
-    aor = cfg.actor_rollout_ref
-    m = aor.model
-    pending_model = before_bootstrap and m.build_if_missing is not None and not Path(m.path).exists()
-    if model_config is not None:
-        model = ModelInfo.from_config_json(model_config)
+    planning = model_config is not None
+    if planning:
+        try:
+            model: HFArch | None = HFArch.from_hf(model_config)
+        except (OSError, KeyError, ValueError, NotImplementedError) as e:
+            issues.add("--model-config", str(model_config), str(e))
+            model = None
     else:
-        model = None if pending_model else _check_model(cfg, issues)
-
-    roles = {"actor": (f"{AOR}.actor.megatron", aor.actor.megatron)}
-    if ref_needed(cfg):
-        roles["ref"] = (f"{AOR}.ref.megatron", aor.ref.megatron)
-    if cfg.critic.enable:
-        roles["critic"] = ("critic.megatron", cfg.critic.megatron)
-        issues.add("critic.enable", True, "the critic (value model for PPO/GAE) is not implemented in this "
-                                          "version; use a critic-free estimator (grpo, rloo, reinforce_pp)")
-    layouts = {name: _check_parallel(key, m, world, model, issues) for name, (key, m) in roles.items()}
-    for name, (key, m) in roles.items():  # one Megatron parallel_state per process: same layout
-        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "virtual_pipeline_model_parallel_size", "context_parallel_size"):
-            if name != "actor" and getattr(m, size) != getattr(aor.actor.megatron, size):
-                issues.add(f"{key}.{size}", getattr(m, size),
-                           f"must equal {AOR}.actor.megatron.{size}={getattr(aor.actor.megatron, size)} "
-                           f"(the {name} shares the actor's Megatron process groups)")
-    _check_rollout(cfg, world, model, issues)
-    steps = cfg.trainer.total_training_steps * aor.actor.ppo_epochs * max(
-        cfg.data.train_batch_size // max(aor.actor.ppo_mini_batch_size, 1), 1)
+        model = _check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
+    plan, plan_issues = Plan.build(cfg, world_size=world, model=model, ranks_per_node=ranks_per_node,
+                                   device_type=device_type(t.device, planning=planning) if t.device in DEVICES
+                                   else "cpu")
+    issues += plan_issues
+    _check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, world, model, issues)
+    if "ref" in plan.roles:  # one Megatron parallel_state per process: the ref runs on the actor's layout
+        for size, ref_value, actor_value in aor.ref.megatron.mismatches(aor.actor.megatron):
+            issues.add(f"{AOR}.ref.megatron.{size}", ref_value,
+                       f"must equal {AOR}.actor.megatron.{size}={actor_value} (the ref shares the actor's Megatron "
+                       "process groups); leave it null to follow the actor")
+    _check_sampling(cfg, issues)
+    steps = plan.batch.total_optimizer_steps
     _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
-    if cfg.critic.enable:
-        _check_optim("critic.optim", cfg.critic.optim, cfg.critic.megatron, issues, optimizer_steps=steps)
-    batch = _check_batches(cfg, layouts, issues)
     _check_algorithm(cfg, issues)
     _check_plugins(cfg, issues)
-    _check_lengths(cfg, model, issues)
-    _check_data(cfg, issues, pending=model_config is not None or (
-        before_bootstrap and cfg.data.build_if_missing is not None))
-    _check_trainer(cfg, issues, planning=model_config is not None)
+    _check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
+    issues.positive("data.val_batch_size", cfg.data.val_batch_size)
+    if not planning:
+        _check_data(issues, "data", cfg.data.train_files, cfg.data.val_files, cfg.data.build_if_missing,
+                    before_bootstrap=before_bootstrap)
+    _check_trainer(cfg, issues, planning=planning)
     if issues:
         raise ConfigError(list(issues))
-    return Topology(world_size=world, roles=layouts, rollout_tp=aor.rollout.tensor_model_parallel_size,
-                    model=model, **batch)
+    return plan
 
 
-def _check_model(cfg: RLConfig, issues: _Issues) -> ModelInfo | None:
-    m = cfg.actor_rollout_ref.model
+def _check_model(key: str, m: ModelConfig, issues: _Issues, *, before_bootstrap: bool) -> HFArch | None:
+    """The checkpoint's problems; a start model that ``build_if_missing`` will build is pending."""
+    if (problem := bootstrap.kind_problem(m.build_if_missing, model=True)) is not None:
+        issues.add(f"{key}.build_if_missing", m.build_if_missing, problem)
+    if (problem := bootstrap.outside_cache_problem(m.build_if_missing, m.path)) is not None:
+        issues.add(f"{key}.path", m.path, problem)
+        return None
+    if before_bootstrap and bootstrap.will_build(m.build_if_missing, m.path, model=True):
+        return None
     info, problems = inspect_model_dir(m.path, tokenizer_path=m.tokenizer_path)
     for p in problems:
-        key = f"{AOR}.model.tokenizer_path" if m.tokenizer_path and "tokenizer" in p else f"{AOR}.model.path"
-        issues.add(key, m.tokenizer_path if key.endswith("tokenizer_path") else m.path, p)
-    if cfg.critic.enable and cfg.critic.model_path:
-        _, critic_problems = inspect_model_dir(cfg.critic.model_path)
-        for p in critic_problems:
-            issues.add("critic.model_path", cfg.critic.model_path, p)
+        tok = m.tokenizer_path is not None and "tokenizer" in p
+        issues.add(f"{key}.tokenizer_path" if tok else f"{key}.path", m.tokenizer_path if tok else m.path, p)
     return info
 
 
-def _check_parallel(key: str, m: MegatronConfig, world: int, model: ModelInfo | None,
-                    issues: _Issues) -> RoleLayout:
-    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                    ("context_parallel_size", cp)):
-        issues.positive(f"{key}.{name}", v)
-    tp, pp, cp = max(tp, 1), max(pp, 1), max(cp, 1)
-    if world % (tp * pp * cp):
-        valid_tp = _divisors(world // (pp * cp)) if world % (pp * cp) == 0 else []
-        issues.add(f"{key}.tensor_model_parallel_size", tp,
-                   f"TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp} must divide the world size {world} "
-                   f"(valid TP for PP={pp}, CP={cp}: {valid_tp})")
+def _check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, issues: _Issues) -> None:
+    te = importlib.util.find_spec("transformer_engine") is not None
+    for size, value, message in layout_problems(m, world_size=world, transformer_engine=te):
+        issues.add(f"{key}.{size}", value, message)
     if model is not None:
-        if model.num_heads % tp:
-            issues.add(f"{key}.tensor_model_parallel_size", tp,
-                       f"must divide the model's {model.num_heads} attention heads "
-                       f"(valid: {_divisors(model.num_heads)})")
-        if model.num_kv_heads % tp:
-            issues.add(f"{key}.tensor_model_parallel_size", tp,
-                       f"must divide the model's {model.num_kv_heads} KV heads (GQA groups) "
-                       f"(valid: {_divisors(model.num_kv_heads)})")
-        if model.num_layers % pp:
-            issues.add(f"{key}.pipeline_model_parallel_size", pp,
-                       f"must divide the model's {model.num_layers} layers (valid: {_divisors(model.num_layers)})")
-    _check_virtual_pipeline(key, m, model, issues)
-    if m.sequence_parallel and tp == 1:
-        issues.add(f"{key}.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
-    if m.sequence_parallel and importlib.util.find_spec("transformer_engine") is None:
-        issues.add(f"{key}.sequence_parallel", True,
-                   "needs Transformer Engine (Megatron's torch-norm fallback does not support it); set false")
-    return RoleLayout.of(m, world)
+        for size, value, message in model.split_problems(
+                tp=max(m.tensor_model_parallel_size, 1), pp=max(m.pipeline_model_parallel_size, 1),
+                vpp=m.virtual_pipeline_model_parallel_size):
+            issues.add(f"{key}.{size}", value, message)
 
 
-def _check_virtual_pipeline(key: str, m: MegatronConfig, model: ModelInfo | None, issues: _Issues) -> None:
-    """Megatron's rules for the interleaved schedule (parallel_state, TransformerConfig)."""
-    vpp, pp = m.virtual_pipeline_model_parallel_size, max(m.pipeline_model_parallel_size, 1)
-    if vpp is None:
-        return
-    if vpp < 2:
-        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                   "must be null (one model chunk per stage, plain 1F1B) or ≥ 2 chunks per stage")
-    if pp < 2:
-        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                   f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
-                   "set null or raise PP")
-    if model is not None and vpp >= 1 and model.num_layers % (pp * vpp):
-        per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
-        valid = [v for v in _divisors(per_stage) if v >= 2]
-        issues.add(f"{key}.virtual_pipeline_model_parallel_size", vpp,
-                   f"PP×VPP = {pp}×{vpp} = {pp * vpp} must divide the model's {model.num_layers} layers "
-                   f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}")
-
-
-def _check_interleaved_micro_batches(key: str, micro: int, samples: int, lay: RoleLayout,
-                                     issues: _Issues) -> None:
-    """Megatron's interleaved schedule (0.16.1, ``forward_backward_pipelining_with_interleaving``) runs
-    micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default PP) and refuses a count
-    that is not a multiple of it. Log-prob passes are padded by the policy; optimizer steps can't be."""
-    if not lay.vpp or lay.pp < 2:
-        return
-    n_micro = samples // (micro * lay.dp)
-    if n_micro % lay.pp:
-        valid = [v for v in _divisors(samples) if samples % (v * lay.dp * lay.pp) == 0]
-        issues.add(key, micro,
-                   f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={lay.vpp}) needs a "
-                   f"multiple of PP={lay.pp} micro-batches per optimizer step; {samples} samples over DP={lay.dp} "
-                   f"in micro-batches of {micro} make {n_micro}; valid: {valid or 'none at this DP and PP'}")
-
-
-def _check_rollout(cfg: RLConfig, world: int, model: ModelInfo | None, issues: _Issues) -> None:
+def _check_sampling(cfg: RLConfig, issues: _Issues) -> None:
     r, key = cfg.actor_rollout_ref.rollout, f"{AOR}.rollout"
-    issues.positive(f"{key}.n", r.n)
-    issues.positive(f"{key}.tensor_model_parallel_size", r.tensor_model_parallel_size)
     issues.positive(f"{key}.update_weights_bucket_megabytes", r.update_weights_bucket_megabytes)
-    tp = max(r.tensor_model_parallel_size, 1)
-    if world % tp:
-        issues.add(f"{key}.tensor_model_parallel_size", tp,
-                   f"must divide the world size {world} (engines are colocated; valid: {_divisors(world)})")
-    if model is not None and model.num_heads % tp:
-        issues.add(f"{key}.tensor_model_parallel_size", tp,
-                   f"must divide the model's {model.num_heads} attention heads (valid: {_divisors(model.num_heads)})")
     for sub, t, p, k in (("", r.temperature, r.top_p, r.top_k),
                          (".val_kwargs", r.val_kwargs.temperature, r.val_kwargs.top_p, r.val_kwargs.top_k)):
         if t < 0:
@@ -217,89 +161,14 @@ def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues, *
                    "(or set megatron.use_distributed_optimizer=false)")
 
 
-def _check_batches(cfg: RLConfig, layouts: dict[str, RoleLayout], issues: _Issues) -> dict[str, int]:
-    d, a, n = cfg.data, cfg.actor_rollout_ref.actor, max(cfg.actor_rollout_ref.rollout.n, 1)
-    issues.positive("data.train_batch_size", d.train_batch_size)
-    issues.positive("data.val_batch_size", d.val_batch_size)
-    roles = [("actor", f"{AOR}.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs)]
-    if cfg.critic.enable:
-        c = cfg.critic
-        roles.append(("critic", "critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
-    for role, key, mini, micro, epochs in roles:
-        issues.positive(f"{key}.ppo_mini_batch_size", mini)
-        issues.positive(f"{key}.ppo_micro_batch_size_per_gpu", micro)
-        issues.positive(f"{key}.ppo_epochs", epochs)
-        if min(mini, micro, d.train_batch_size) < 1:
-            continue
-        dp = layouts[role].dp
-        if d.train_batch_size % mini:
-            issues.add(f"{key}.ppo_mini_batch_size", mini,
-                       f"must divide data.train_batch_size={d.train_batch_size} (both count prompts; "
-                       f"valid: {_divisors(d.train_batch_size)})")
-        if role == "actor" and a.use_dynamic_bsz:
-            if (mini * n) % dp:
-                issues.add(f"{key}.ppo_mini_batch_size", mini,
-                           f"a mini-batch of {mini} prompts × rollout.n={n} samples is sharded over DP={dp} "
-                           f"ranks; {mini * n} must be a multiple of {dp}")
-        elif (mini * n) % (micro * dp):
-            issues.add(f"{key}.ppo_micro_batch_size_per_gpu", micro,
-                       f"a mini-batch of {mini} prompts × rollout.n={n} = {mini * n} samples must split into "
-                       f"micro-batches of {micro} on each of DP={dp} ranks; valid: "
-                       f"{[v for v in _divisors(mini * n) if (mini * n) % (v * dp) == 0] or 'none at this DP'}")
-        else:
-            _check_interleaved_micro_batches(f"{key}.ppo_micro_batch_size_per_gpu", micro, mini * n,
-                                             layouts[role], issues)
-    dp_actor = layouts["actor"].dp
-    if d.train_batch_size >= 1 and d.train_batch_size % dp_actor:
-        issues.add("data.train_batch_size", d.train_batch_size,
-                   f"prompts are sharded over the actor's DP={dp_actor} ranks; must be a multiple of {dp_actor}")
-    issues.positive(f"{AOR}.ref.log_prob_micro_batch_size_per_gpu",
-                    cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
-    issues.positive(f"{AOR}.rollout.log_prob_micro_batch_size_per_gpu",
-                    cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
-    _check_dynamic_bsz(cfg, issues)
-    mini = max(a.ppo_mini_batch_size, 1)
-    micro = max(a.ppo_micro_batch_size_per_gpu, 1)
-    return {
-        "prompts_per_step": d.train_batch_size,
-        "samples_per_step": d.train_batch_size * n,
-        "mini_batches_per_epoch": max(d.train_batch_size // mini, 1),
-        "samples_per_mini_batch": mini * n,
-        "grad_accum_steps": max(mini * n // (micro * dp_actor), 1),
-        "micro_batch_token_budget": a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-    }
-
-
-def _check_dynamic_bsz(cfg: RLConfig, issues: _Issues) -> None:
-    """Token budgets must hold the longest sample (prompt + response), or its micro-batch has no room."""
-    aor, longest = cfg.actor_rollout_ref, cfg.data.max_prompt_length + cfg.data.max_response_length
-    budgets = [(f"{AOR}.actor.ppo_max_token_len_per_gpu", aor.actor.use_dynamic_bsz,
-                aor.actor.ppo_max_token_len_per_gpu)]
-    for role, sub in (("rollout", aor.rollout), ("ref", aor.ref)):
-        budgets.append((f"{AOR}.{role}.log_prob_max_token_len_per_gpu",
-                        aor.actor.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None
-                        else sub.log_prob_use_dynamic_bsz,
-                        sub.log_prob_max_token_len_per_gpu or aor.actor.ppo_max_token_len_per_gpu))
-    vpp = aor.actor.megatron.virtual_pipeline_model_parallel_size
-    dynamic = [key.rsplit(".", 2)[1] for key, enabled, _ in budgets if enabled]
-    if vpp is not None and dynamic:
-        issues.add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", vpp,
-                   f"token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(dynamic)}) with the "
-                   f"interleaved pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")
-    for key, enabled, budget in budgets:
-        if enabled and budget < longest:
-            issues.add(key, budget, f"the token budget per micro-batch must hold the longest sample: "
-                                    f"data.max_prompt_length + data.max_response_length = {longest} or more")
-
-
 def _check_algorithm(cfg: RLConfig, issues: _Issues) -> None:
     a, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
     if a.loss_agg_mode not in LOSS_AGG_MODES:
         issues.add(f"{AOR}.actor.loss_agg_mode", a.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
-    if a.kl_loss_type not in KL_TYPES:
-        issues.add(f"{AOR}.actor.kl_loss_type", a.kl_loss_type, f"valid: {', '.join(KL_TYPES)}")
-    if alg.kl_penalty not in KL_TYPES:
-        issues.add("algorithm.kl_penalty", alg.kl_penalty, f"valid: {', '.join(KL_TYPES)}")
+    if a.kl_loss_type not in KL_KINDS:
+        issues.add(f"{AOR}.actor.kl_loss_type", a.kl_loss_type, f"valid: {', '.join(KL_KINDS)}")
+    if alg.kl_penalty not in KL_KINDS:
+        issues.add("algorithm.kl_penalty", alg.kl_penalty, f"valid: {', '.join(KL_KINDS)}")
     if a.kl_loss_coef < 0:
         issues.add(f"{AOR}.actor.kl_loss_coef", a.kl_loss_coef, "must be ≥ 0")
     if alg.kl_coef < 0:
@@ -333,45 +202,45 @@ def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
             reg.make_config(name, kwargs, key=kwargs_key)
         except PluginError as e:
             issues.add(kwargs_key, dict(kwargs), str(e))
-        if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not getattr(
-                cls, "supports_tensor_parallel", True):
+        if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not cls.supports_tensor_parallel:
             issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                        f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")
         if group == "advantage_estimators":
-            if getattr(cls, "needs_group", False) and r.n < 2:
+            if cls.needs_group and r.n < 2:
                 issues.add(f"{AOR}.rollout.n", r.n,
                            f"advantage estimator {name!r} compares samples of one prompt: needs rollout.n ≥ 2")
-            if getattr(cls, "needs_critic", False) and not cfg.critic.enable:
-                issues.add("critic.enable", False,
-                           f"advantage estimator {name!r} needs a critic: set critic.enable=true")
+            if cls.needs_critic:
+                issues.add(name_key, name, "needs a critic (value model), which this version does not have yet; "
+                                           "use a critic-free estimator (grpo, rloo, reinforce_pp)")
 
 
-def _check_lengths(cfg: RLConfig, model: ModelInfo | None, issues: _Issues) -> None:
-    d = cfg.data
-    issues.positive("data.max_prompt_length", d.max_prompt_length)
-    issues.positive("data.max_response_length", d.max_response_length)
-    if model is not None and d.max_prompt_length + d.max_response_length > model.max_position_embeddings:
-        issues.add("data.max_response_length", d.max_response_length,
-                   f"data.max_prompt_length + data.max_response_length = "
-                   f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "
-                   f"{model.max_position_embeddings}; at most {model.max_position_embeddings - d.max_prompt_length}")
+def _check_lengths(prompt: int, response: int, model: HFArch | None, issues: _Issues) -> None:
+    issues.positive("data.max_prompt_length", prompt)
+    issues.positive("data.max_response_length", response)
+    if model is not None and prompt + response > model.max_position_embeddings:
+        issues.add("data.max_response_length", response,
+                   f"data.max_prompt_length + data.max_response_length = {prompt + response} exceeds the model's "
+                   f"max_position_embeddings {model.max_position_embeddings}; at most "
+                   f"{model.max_position_embeddings - prompt}")
 
 
-def _check_data(cfg: RLConfig, issues: _Issues, *, pending: bool = False) -> None:
-    d = cfg.data
-    check_files(issues, "data", d.train_files, d.val_files, pending=pending)
-
-
-def check_files(issues: _Issues, prefix: str, train_files: list[str], val_files: list[str], *,
-                pending: bool) -> None:
+def _check_data(issues: _Issues, prefix: str, train_files: list[str], val_files: list[str], build: str | None, *,
+                before_bootstrap: bool) -> None:
+    if (problem := bootstrap.kind_problem(build, model=False)) is not None:
+        issues.add(f"{prefix}.build_if_missing", build, problem)
     if not train_files:
         issues.add(f"{prefix}.train_files", list(train_files), "needs at least one parquet or jsonl file")
+    built = [train_files[0]] if train_files else []
+    built += [val_files[0]] if val_files else []
     for key, files in ((f"{prefix}.train_files", train_files), (f"{prefix}.val_files", val_files)):
         for f in files:
-            if not Path(f).is_file() and not pending:
-                issues.add(key, f, "file does not exist")
-            elif Path(f).suffix not in DATA_SUFFIXES:
+            pending = before_bootstrap and f in built and bootstrap.will_build(build, f, model=False)
+            if Path(f).suffix not in DATA_SUFFIXES:
                 issues.add(key, f, f"unsupported file type; valid: {', '.join(DATA_SUFFIXES)}")
+            elif f in built and (problem := bootstrap.outside_cache_problem(build, f)) is not None:
+                issues.add(key, f, problem)
+            elif not Path(f).is_file() and not pending:
+                issues.add(key, f, "file does not exist")
 
 
 def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) -> None:
@@ -379,8 +248,7 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     issues.positive("trainer.total_training_steps", t.total_training_steps)
     issues.positive("trainer.nnodes", t.nnodes)
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
-    if t.test_freq < 0:
-        issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
+    _check_tracking(t, issues)
     if t.save_every < 0:
         issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
     if t.max_checkpoints_to_keep < 0:
@@ -388,52 +256,50 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     if t.resume not in ("auto", "never") and not (Path(t.resume) / "trainer_state.pt").is_file():
         issues.add("trainer.resume", t.resume, "valid: auto, never, or a complete checkpoint dir "
                                                "(<output_dir>/checkpoints/step_<k>, holding trainer_state.pt)")
+    if t.device not in DEVICES:
+        issues.add("trainer.device", t.device, f"valid: {', '.join(DEVICES)}")
+    elif t.device == "cuda" and not planning and device_type("auto") != "cuda":
+        issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
+
+
+def _check_tracking(t: TrainerConfig | SFTTrainerConfig, issues: _Issues) -> None:
+    if t.test_freq < 0:
+        issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
     bad = [lg for lg in t.loggers if lg not in LOGGERS]
     if bad:
         issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
-    if t.device not in DEVICES:
-        issues.add("trainer.device", t.device, f"valid: {', '.join(DEVICES)}")
-    elif t.device == "cuda" and not planning:  # planning for another machine: its GPUs are not here
-        import torch
-
-        if not torch.cuda.is_available():
-            issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
-
 
 
 def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:
     """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout."""
     issues = _Issues()
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    m = cfg.model
-    model = None
-    if not (before_bootstrap and m.build_if_missing is not None and not Path(m.path).exists()):
-        model, problems = inspect_model_dir(m.path, tokenizer_path=m.tokenizer_path)
-        for p in problems:
-            issues.add("model.path", m.path, p)
-    layout = _check_parallel("megatron", cfg.megatron, world, model, issues)
+    model = _check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
+    _check_layout("megatron", cfg.megatron, world, model, issues)
+    layout = RoleLayout.of(cfg.megatron, world)
     _check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps)
     d = cfg.data
     issues.positive("data.train_batch_size", d.train_batch_size)
     issues.positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)
-    if min(d.train_batch_size, d.micro_batch_size_per_gpu) >= 1 and d.train_batch_size % (
-            d.micro_batch_size_per_gpu * layout.dp):
-        issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
-                   f"data.train_batch_size={d.train_batch_size} must split into micro-batches of this size on "
-                   f"each of DP={layout.dp} ranks")
-    elif min(d.train_batch_size, d.micro_batch_size_per_gpu) >= 1:
-        _check_interleaved_micro_batches("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
-                                         d.train_batch_size, layout, issues)
-    if model is not None and d.max_prompt_length + d.max_response_length > model.max_position_embeddings:
-        issues.add("data.max_response_length", d.max_response_length,
-                   f"prompt + response lengths exceed the model's {model.max_position_embeddings} positions")
-    check_files(issues, "data", d.train_files, d.val_files,
-                pending=before_bootstrap and d.build_if_missing is not None)
+    if min(d.train_batch_size, d.micro_batch_size_per_gpu) >= 1:
+        n_micro, rest = divmod(d.train_batch_size, d.micro_batch_size_per_gpu * layout.dp)
+        if rest:
+            issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
+                       f"data.train_batch_size={d.train_batch_size} must split into micro-batches of this size on "
+                       f"each of DP={layout.dp} ranks")
+        elif layout.vpp and n_micro % layout.pp:
+            issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
+                       interleaved_micro_batches_problem(layout.pp, layout.vpp) + f", got {n_micro}")
+    _check_lengths(d.max_prompt_length, d.max_response_length, model, issues)
+    _check_data(issues, "data", d.train_files, d.val_files, d.build_if_missing, before_bootstrap=before_bootstrap)
     issues.positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
+    _check_tracking(cfg.trainer, issues)
     if issues:
         raise ConfigError(list(issues))
     return layout
+
+
+def world_from_env() -> tuple[int, int | None]:
+    """``(world size, ranks per node)`` of this torchrun launch (1 and None outside torchrun)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None

@@ -22,6 +22,14 @@ class PromptBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def select(self, rows: range) -> PromptBatch:
+        """The prompts at positions ``rows``, left padding trimmed to their own longest prompt."""
+        width = int(self.attention_mask[rows.start:rows.stop].sum(-1).max()) if len(rows) else 0
+        return PromptBatch(input_ids=self.input_ids[rows.start:rows.stop, self.input_ids.shape[1] - width:],
+                           attention_mask=self.attention_mask[rows.start:rows.stop, self.input_ids.shape[1] - width:],
+                           index=self.index[rows.start:rows.stop], meta=self.meta[rows.start:rows.stop],
+                           pad_token_id=self.pad_token_id)
+
     def token_lists(self) -> list[list[int]]:
         """Each prompt's tokens without padding (the input of ``RolloutEngine.generate``)."""
         return [ids[mask.bool()].tolist() for ids, mask in zip(self.input_ids, self.attention_mask, strict=True)]

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from hybridrl.config.plan import layout_problems
 from hybridrl.megatron.cpu import apply_cpu_adaptations, cuda_available
+from hybridrl.megatron.fallbacks import say_fallbacks
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -36,15 +38,7 @@ class ParallelConfig:
     """Shard LayerNorm/dropout activations over TP (needs TP > 1 and Transformer Engine norms)."""
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
-            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size ≥ 2 "
-                             "and a value ≥ 2 (None: one model chunk per stage, plain 1F1B)")
+        _raise(layout_problems(self, world_size=None))
 
     @property
     def num_model_chunks(self) -> int:
@@ -56,18 +50,21 @@ class ParallelConfig:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not a multiple of tensor_model_parallel_size × "
-                f"pipeline_model_parallel_size × context_parallel_size = {self.model_parallel_size}"
-            )
+        _raise(layout_problems(self, world_size=world_size))
         return world_size // self.model_parallel_size
+
+
+def _raise(problems: list[tuple[str, object, str]]) -> None:
+    """The config layer's rules (``hybridrl.config.plan.layout_problems``), raised at runtime."""
+    if problems:
+        raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
 
 
 def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None:
     """Start torch.distributed (if not yet) and Megatron's model-parallel groups for ``parallel``."""
     apply_cpu_adaptations()
     if not dist.is_initialized():
+        say_fallbacks()
         backend = "nccl" if cuda_available() else "gloo"
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:

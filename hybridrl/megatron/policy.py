@@ -17,18 +17,19 @@ so every CP rank computes the same loss; the gradient of that loss is summed ove
 ×CP and DDP's 1/(DP·CP) cancel to a sum over CP and a mean over DP).
 
 Loss scaling: the schedule divides each micro-batch loss by the number of micro-batches and
-Megatron's DDP averages gradients over DP. A ``LossFn`` returns its micro-batch loss already
-normalised by the *global* (mini-batch, all-DP) normaliser, so the scaling is undone here
-(× num_microbatches × DP) and the accumulated gradient is exactly that of the mini-batch loss.
+Megatron's DDP averages gradients over DP. ``train_step`` computes the *global* (mini-batch, all-DP)
+normaliser of the loss aggregation mode (:mod:`hybridrl.algorithms.loss_agg`) and hands it to the
+``LossFn``, which returns its micro-batch loss divided by it; the scaling is undone here
+(× num_microbatches × DP), so the accumulated gradient is exactly that of the mini-batch loss.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,21 +40,27 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from hybridrl.algorithms.loss_agg import local_normalizer
 from hybridrl.batch import RolloutBatch
+from hybridrl.config.plan import MicroBatching, interleaved_micro_batches_problem
 from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.hf_checkpoint import HFArch
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
-from hybridrl.megatron.hf_config import HFArch
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
 
-# (logprobs_bT, entropy_bT, micro_batch) -> (loss normalised by the global normaliser, metrics)
-LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+class LossFn(Protocol):
+    """A micro-batch's loss divided by ``normalizer`` (the mini-batch's, over all DP ranks), and metrics."""
+
+    def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
+                 normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 def parallel_config(m: MegatronConfig) -> ParallelConfig:
@@ -110,7 +117,7 @@ class MegatronPolicy:
             )
 
     # ---- forward passes through Megatron's schedule ----
-    def _run(self, micros: list[_Micro], loss_fn: LossFn | None, *, temperature: float,
+    def _run(self, micros: list[_Micro], loss_fn: Any, *, temperature: float,
              forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
         masks = {s: causal_attention_mask(s) for _, s in shapes}
@@ -136,11 +143,9 @@ class MegatronPolicy:
     def _check_interleaving(self, n_micro: int) -> None:
         """Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP (its
         ``microbatch_group_size_per_vp_stage``, which defaults to PP); say so in config terms."""
-        pp = self.parallel.pipeline_model_parallel_size
-        if self.parallel.num_model_chunks > 1 and n_micro % pp:
-            raise ValueError(f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size="
-                             f"{self.parallel.virtual_pipeline_model_parallel_size}) needs a multiple of "
-                             f"pipeline_model_parallel_size={pp} micro-batches per step, got {n_micro}")
+        pp, vpp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
+        if vpp is not None and n_micro % pp:
+            raise ValueError(interleaved_micro_batches_problem(pp, vpp) + f", got {n_micro}")
 
     def _pad_for_interleaving(self, micros: list[_Micro]) -> list[_Micro]:
         """Forward-only passes: repeat the last micro-batch up to a multiple of PP under the interleaved
@@ -150,7 +155,7 @@ class MegatronPolicy:
         short = -len(micros) % self.parallel.pipeline_model_parallel_size
         return micros + [micros[-1]] * short
 
-    def _loss(self, mb: _Micro, loss_fn: LossFn | None, temperature: float, scale: int,
+    def _loss(self, mb: _Micro, loss_fn: Any, temperature: float, scale: int,
               logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, s, v = logits_BSv.shape  # s: this CP rank's positions (all S when CP = 1)
         next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
@@ -165,9 +170,10 @@ class MegatronPolicy:
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
-    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) -> list[_Micro]:
-        """Fixed-size micro-batches padded to the batch's longest row, or, with ``max_tokens``, length-grouped
+    def _micro_batches(self, batch: RolloutBatch, batching: MicroBatching) -> list[_Micro]:
+        """Fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped
         ones each padded to its own longest row (:mod:`dynamic_batch`)."""
+        micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
         multiple = math.lcm(8, 2 * self.parallel.context_parallel_size)
         if max_tokens is None:
             parts = list(torch.arange(len(batch)).split(micro_batch_size))
@@ -190,14 +196,12 @@ class MegatronPolicy:
         return out
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None = None,
+    def compute_log_probs(self, batch: RolloutBatch, *, batching: MicroBatching,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group.
-
-        Micro-batches hold ``micro_batch_size`` samples, or up to ``max_tokens`` padded tokens when given."""
+        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group."""
         for chunk in self.chunks:
             chunk.eval()
-        micros = self._pad_for_interleaving(self._micro_batches(batch, micro_batch_size, max_tokens))
+        micros = self._pad_for_interleaving(self._micro_batches(batch, batching))
         outputs = self._run(micros, None, temperature=temperature, forward_only=True)
         B, T = batch.response_ids.shape
         both = torch.zeros(2, B, T)
@@ -210,20 +214,23 @@ class MegatronPolicy:
         mask = batch.response_mask.float()
         return both[0] * mask, both[1] * mask
 
-    def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, micro_batch_size: int,
-                   max_tokens: int | None = None, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch), in micro-batches of
-        ``micro_batch_size`` samples or, when given, of up to ``max_tokens`` padded tokens."""
+    def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, batching: MicroBatching, loss_agg_mode: str,
+                   temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch); the loss is aggregated
+        as ``loss_agg_mode`` says over the whole mini-batch (all DP ranks)."""
         assert self.optimizer is not None and self.scheduler is not None, "train_step on a frozen model"
-        if max_tokens is None and len(batch) % micro_batch_size:
+        if batching.max_tokens is None and len(batch) % batching.micro_batch_size:
             raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
-                             f"micro-batch size {micro_batch_size}")
+                             f"micro-batch size {batching.micro_batch_size}")
+        normalizer = local_normalizer(batch.response_mask, loss_agg_mode).double()
+        dist.all_reduce(normalizer, group=parallel_state.get_data_parallel_group())
+        loss = partial(loss_fn, normalizer=normalizer.clamp_min(1).float())
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
-        micros = self._micro_batches(batch, micro_batch_size, max_tokens)
-        outputs = self._run(micros, loss_fn, temperature=temperature, forward_only=False)
+        micros = self._micro_batches(batch, batching)
+        outputs = self._run(micros, loss, temperature=temperature, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])

@@ -8,6 +8,11 @@ log-probs under the untempered softmax.
 
 ``update_weights`` copies each streamed tensor into the existing parameter storage (``copy_``), so
 the engine never reallocates or reloads: the weight swap is in place.
+
+Sampling is seeded per sample: each row draws its uniforms from a counter-based generator keyed by
+``(seeds[i], j)`` and the decoding step (SplitMix64, Steele et al. 2014), and picks its token by
+inverting the CDF of its filtered distribution. A sample therefore does not depend on the other rows
+of the batch, so the same seeds give the same samples however prompts are grouped into calls or engines.
 """
 
 from __future__ import annotations
@@ -56,22 +61,23 @@ class HFRolloutEngine:
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[Generation]:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        expanded = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
+                 seeds: Sequence[int] | None = None) -> list[Generation]:
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        expanded = [(i, p, sample_stream(seeds[i], j)) for i, p in enumerate(prompts) for j in range(params.n)]
         out: list[Generation] = []
         for start in range(0, len(expanded), self.config.max_batch_size):
             chunk = expanded[start:start + self.config.max_batch_size]
-            out += self._generate_chunk(chunk, params, gen)
+            out += self._generate_chunk(chunk, params)
         return out
 
-    def _generate_chunk(self, chunk: list[tuple[int, list[int]]], params: SamplingParams,
-                        gen: torch.Generator) -> list[Generation]:
-        B, P = len(chunk), max(len(p) for _, p in chunk)
+    def _generate_chunk(self, chunk: list[tuple[int, list[int], int]], params: SamplingParams) -> list[Generation]:
+        B, P = len(chunk), max(len(p) for _, p, _ in chunk)
         ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask_BP = torch.zeros((B, P), dtype=torch.long)
-        for b, (_, p) in enumerate(chunk):  # left padding
+        stream_B = torch.tensor([s for _, _, s in chunk], dtype=torch.long, device=self.device)
+        for b, (_, p, _) in enumerate(chunk):  # left padding
             ids_BP[b, P - len(p):] = torch.tensor(p)
             mask_BP[b, P - len(p):] = 1
         ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
@@ -83,12 +89,12 @@ class HFRolloutEngine:
         past = None
         step_ids, attn = ids_BP, mask_BP
         pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
-        for _ in range(params.max_new_tokens):
+        for t in range(params.max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_BP, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: past})
             past = getattr(out, self._cache_kw)
             logits_BV = out.logits[:, -1, :].float()
-            token_B, logprob_B = sample(logits_BV, params, gen)
+            token_B, logprob_B = sample(logits_BV, params, uniform(stream_B, t))
             token_B = torch.where(done_B, torch.full_like(token_B, self.pad_id), token_B)
             tokens.append(token_B)
             logprobs.append(torch.where(done_B, torch.zeros_like(logprob_B), logprob_B))
@@ -103,7 +109,7 @@ class HFRolloutEngine:
         tok_BT = torch.stack(tokens, dim=1).cpu()
         lp_BT = torch.stack(logprobs, dim=1).cpu()
         results = []
-        for b, (prompt_index, _) in enumerate(chunk):
+        for b, (prompt_index, _, _) in enumerate(chunk):
             row = tok_BT[b].tolist()
             length = next((t + 1 for t, tok in enumerate(row) if tok in set(stop.tolist())), len(row))
             results.append(Generation(
@@ -141,8 +147,43 @@ class HFRolloutEngine:
         self.params.clear()
 
 
-def sample(logits_BV: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return it and its log-prob under softmax(logits / temperature)."""
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores (two's complement)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def sample_stream(seed: int, j: int) -> int:
+    """The stream of sample ``j`` of a prompt seeded with ``seed`` (a 63-bit key)."""
+    x = (seed * _GAMMA + (j + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 32)) * 0xBF58476D1CE4E5B9) & _MASK64
+    return (x ^ (x >> 29)) >> 1
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform(stream_B: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in [0, 1) per row for decoding step ``t``: SplitMix64 of ``stream + (t+1)·γ`` (int64
+    arithmetic wraps, as the generator needs), top 53 bits as a float64."""
+    z = stream_B + _signed((t + 1) * _GAMMA & _MASK64)
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() / float(1 << 53)
+
+
+def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverting its CDF at ``u_B`` (uniforms in [0, 1)); return it and its
+    log-prob under softmax(logits / temperature)."""
     if params.temperature == 0:
         logp_BV = torch.log_softmax(logits_BV, dim=-1)
         token_B = logits_BV.argmax(dim=-1)
@@ -157,6 +198,7 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, gen: torch.Generator
         cum_BV = sorted_BV.exp().cumsum(dim=-1)
         drop_BV = cum_BV - sorted_BV.exp() > params.top_p  # keep the smallest prefix with mass ≥ top_p
         filtered_BV = filtered_BV.scatter(-1, idx_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
-    probs_BV = torch.softmax(filtered_BV, dim=-1)
-    token_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(-1)
+    cdf_BV = torch.softmax(filtered_BV.double(), dim=-1).cumsum(-1)
+    token_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True).squeeze(-1)
+    token_B = token_B.clamp(max=logits_BV.shape[-1] - 1)
     return token_B, logp_BV.gather(-1, token_B[:, None]).squeeze(-1)

@@ -136,13 +136,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
-    from hybridrl.bootstrap import TINY_MODEL, ensure_data
+    from hybridrl.bootstrap import TINY_MODEL, write_arithmetic_task
     from hybridrl.models.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = make_tiny_model(tmp / "model", **TINY_MODEL)  # type: ignore[arg-type]
-        ensure_data("arithmetic", [str(tmp / "train.parquet")], [])
+        write_arithmetic_task(tmp / "train.parquet")
         t0 = time.perf_counter()
         ours = summary("hybridrl", hybridrl_steps(tmp, model, tmp / "train.parquet", args.steps, args.warmup))
         base = summary("baseline (transformers + AdamW)", baseline_steps(model, tmp / "train.parquet", args.steps,

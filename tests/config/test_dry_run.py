@@ -1,9 +1,14 @@
 """``hybridrl validate`` on a fresh machine: what the run will build is pending, not an error."""
 
 import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_validate_recipe_before_its_start_model_is_built(tmp_path: Path) -> None:
@@ -22,3 +27,33 @@ def test_validate_still_reports_a_missing_model_nobody_builds(tmp_path: Path) ->
                         "actor_rollout_ref.model.build_if_missing=null"], capture_output=True, text=True)
     assert r.returncode == 2
     assert f"actor_rollout_ref.model.path='{tmp_path / 'nope'}'" in r.stderr and "does not exist" in r.stderr
+
+
+def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_path: Path) -> None:
+    """``build_if_missing`` builds only inside the hybridrl cache: a typo in a user's model path must not
+    start the SFT bootstrap there (it used to write a tiny arithmetic model at the typo)."""
+    cache, typo = tmp_path / "cache", tmp_path / "my-models" / "Qwen2.5-7B-Instrcut"
+    env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(cache))
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "recipe=grpo_tiny",
+                        f"actor_rollout_ref.model.path={typo}"], capture_output=True, text=True, env=env, timeout=120)
+    took = time.perf_counter() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"actor_rollout_ref.model.path='{typo}': does not exist" in r.stderr
+    assert "builds only inside the hybridrl cache" in r.stderr
+    assert not typo.parent.exists() and not (cache / "tiny" / "sft-qwen2").exists()  # nothing built anywhere
+    print(f"rejected in {took:.1f} s")
+
+
+def test_every_run_command_in_the_readme_validates(tmp_path: Path) -> None:
+    """The README's ``torchrun ... launch/train.py`` lines pass ``hybridrl validate`` at their world size."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    runs = [m for m in re.finditer(r"torchrun\s+(.*?)launch/train\.py\s+(.*)", text)]
+    assert len(runs) >= 3
+    env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(tmp_path / "cache"))
+    for m in runs:
+        n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1))
+        args = [a for a in shlex.split(m.group(2).split("#")[0]) if "=" in a and not a.startswith("--")]
+        r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *args, "--world-size",
+                            n.group(1) if n else "1"], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, (m.group(0), r.stderr)

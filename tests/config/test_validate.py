@@ -46,15 +46,18 @@ def only(base: list[str], *overrides: str, world: int | None = None) -> str:
     return found[0]
 
 
-def test_valid_config_gives_its_topology(base: list[str]) -> None:
-    topo = validate(compose_config([*base, f"{AOR}.actor.megatron.tensor_model_parallel_size=2"]), world_size=4)
-    assert (topo.roles["actor"].tp, topo.roles["actor"].dp) == (2, 2)
-    assert "ref" not in topo.roles  # no KL term: no reference model
-    assert (topo.samples_per_step, topo.mini_batches_per_epoch, topo.samples_per_mini_batch) == (32, 2, 16)
-    assert topo.grad_accum_steps == 2  # 16 samples / (4 per micro × DP 2)
-    text = topo.render()
-    assert "rank 3: actor(tp1 pp0 cp0 dp1)" in text
-    assert "rollout 4 engine(s) × TP=1" in text
+def test_valid_config_gives_its_plan(base: list[str]) -> None:
+    plan = validate(compose_config([*base, f"{AOR}.actor.megatron.tensor_model_parallel_size=2"]), world_size=4)
+    assert (plan.roles["actor"].tp, plan.roles["actor"].dp) == (2, 2)
+    assert "ref" not in plan.roles  # no KL term: no reference model
+    b = plan.batch
+    assert (b.samples_per_step, b.mini_batches_per_epoch, b.samples_per_mini_batch) == (32, 2, 16)
+    assert b.micro_batches_per_optimizer_step == 2  # 16 samples / (4 per micro × DP 2)
+    assert (b.optimizer_steps_per_rl_step, b.total_optimizer_steps) == (2, 200)  # 100 steps (schema default)
+    assert [b.dp_prompts(d) for d in (0, 1)] == [range(0, 4), range(4, 8)]
+    text = plan.render()
+    assert "rank 3: cpu actor(tp1 pp0 cp0 dp1) rollout(engine 3, leader)" in text
+    assert "rollout 4 engine(s) × TP=1" in text and "engine 3: ranks [3] devices [cpu]" in text
 
 
 def test_parallel_sizes_must_divide_world(base: list[str]) -> None:
@@ -103,10 +106,14 @@ def test_interleaved_schedule_needs_a_multiple_of_pp_micro_batches(base: list[st
     assert issues(base, PP2, f"{AOR}.actor.ppo_micro_batch_size_per_gpu=16", world=2) == []  # plain 1F1B: any
 
 
-def test_ref_must_use_the_actors_virtual_pipeline(base: list[str]) -> None:
-    msg = only(base, PP2, f"{VPP}=2", f"{AOR}.ref.megatron.pipeline_model_parallel_size=2",
+def test_ref_follows_the_actors_layout_unless_set_otherwise(base: list[str]) -> None:
+    plan = validate(compose_config([*base, PP2, f"{VPP}=2", f"{AOR}.actor.use_kl_loss=true"]), world_size=2)
+    assert plan.roles["ref"] == plan.roles["actor"]  # null sizes follow the actor (the README's example)
+    assert issues(base, PP2, f"{VPP}=2", f"{AOR}.ref.megatron.pipeline_model_parallel_size=2",
+                  f"{AOR}.actor.use_kl_loss=true", world=2) == []  # an equal explicit value is fine
+    msg = only(base, PP2, f"{VPP}=2", f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size=4",
                f"{AOR}.actor.use_kl_loss=true", world=2)
-    assert msg.startswith(f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size: must equal {VPP}=2")
+    assert msg.startswith(f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size=4: must equal {VPP}=2")
 
 
 def test_ref_layout_checked_only_when_ref_is_built(base: list[str]) -> None:
@@ -147,12 +154,11 @@ def test_group_estimator_needs_n_at_least_2(base: list[str]) -> None:
     assert msg.startswith(f"{AOR}.rollout.n=1") and "'grpo'" in msg
 
 
-def test_gae_needs_critic(base: list[str]) -> None:
-    msg = only(base, "algorithm.adv_estimator=gae")
-    assert msg.startswith("critic.enable=False") and "'gae'" in msg
-    # the critic itself is not built yet: that is reported too, rather than failing mid-run
-    assert [m.split(":")[0] for m in issues(base, "algorithm.adv_estimator=gae", "critic.enable=true")] == [
-        "critic.enable=True"]
+def test_gae_needs_a_critic_which_is_not_there_yet(base: list[str]) -> None:
+    msg = only(base, "algorithm.adv_estimator=gae")  # rejected up front rather than failing mid-run
+    assert msg.startswith("algorithm.adv_estimator='gae': needs a critic") and "grpo, rloo" in msg
+    with pytest.raises(ConfigError, match="critic"):  # no critic block to half-configure
+        compose_config([*base, "critic.enable=true"])
 
 
 def test_kl_needs_ref(base: list[str]) -> None:
@@ -247,15 +253,15 @@ def test_validate_cli_prints_topology(base: list[str]) -> None:
                         f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", "--world-size", "2"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "actor   TP=1 PP=2 CP=1 DP=1" in r.stdout and "rank 1: actor(tp0 pp1 cp0 dp0)" in r.stdout
+    assert "actor   TP=1 PP=2 CP=1 DP=1" in r.stdout and "rank 1: cpu actor(tp0 pp1 cp0 dp0)" in r.stdout
     assert r.stdout.strip().endswith("config OK")
     vpp = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base,
                           f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", f"{VPP}=2", "--world-size", "2"],
                          capture_output=True, text=True)
     assert vpp.returncode == 0, vpp.stderr
     assert "actor   TP=1 PP=2 VPP=2 CP=1 DP=1" in vpp.stdout  # layer blocks interleave over the stages
-    assert "rank 0: actor(tp0 pp0 cp0 dp0 layers 0 + 2)" in vpp.stdout
-    assert "rank 1: actor(tp0 pp1 cp0 dp0 layers 1 + 3)" in vpp.stdout
+    assert "rank 0: cpu actor(tp0 pp0 cp0 dp0 layers 0 + 2)" in vpp.stdout
+    assert "rank 1: cpu actor(tp0 pp1 cp0 dp0 layers 1 + 3)" in vpp.stdout
     bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base, f"{AOR}.rollout.n=1",
                           f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and f"{AOR}.rollout.n=1" in bad.stderr

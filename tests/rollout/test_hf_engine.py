@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_generate(models: tuple[Path, Path]) -> None
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_match_a_full_forward(models: tuple[Path, Path], temperature: float) -> None:
     eng = engine(models[0])
-    out = eng.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=8, n=2, seed=3))
+    out = eng.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=8, n=2), seeds=[3, 4, 5])
     ref = AutoModelForCausalLM.from_pretrained(models[0]).eval()
     for g in out:
         ids = torch.tensor([PROMPTS[g.prompt_index] + g.token_ids])
@@ -57,10 +57,10 @@ def test_logprobs_match_a_full_forward(models: tuple[Path, Path], temperature: f
 
 def test_n_samples_seed_and_stop(models: tuple[Path, Path]) -> None:
     eng = engine(models[0])
-    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=3, seed=7)
-    out = eng.generate(PROMPTS, params)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=3)
+    out = eng.generate(PROMPTS, params, seeds=[7, 8, 9])
     assert [g.prompt_index for g in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    again = eng.generate(PROMPTS, params)
+    again = eng.generate(PROMPTS, params, seeds=[7, 8, 9])
     assert [g.token_ids for g in out] == [g.token_ids for g in again]  # seeded
     assert all(g.finish_reason == "length" and len(g.token_ids) == 5 for g in out
                if not set(g.token_ids) & set(eng.eos_ids))
@@ -70,10 +70,43 @@ def test_n_samples_seed_and_stop(models: tuple[Path, Path]) -> None:
     assert stopped[0].token_ids == [first] and stopped[0].finish_reason == "stop"
 
 
+def test_a_prompts_samples_depend_only_on_its_seed(models: tuple[Path, Path]) -> None:
+    """Per-sample seeds: the same samples whichever other prompts share the call (or the engine), in
+    whatever order and batch chunking — what makes rollouts identical at every parallel layout."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, n=4)
+    together = engine(models[0]).generate(PROMPTS, params, seeds=[11, 12, 13])
+    alone = engine(models[0], max_batch_size=3).generate(PROMPTS[2:] + PROMPTS[:1], params, seeds=[13, 11])
+    key = {0: 2, 1: 0}  # alone's prompt index -> together's
+    mine = sorted((key[g.prompt_index], g.token_ids, g.logprobs) for g in alone)
+    theirs = sorted((g.prompt_index, g.token_ids, g.logprobs) for g in together if g.prompt_index != 1)
+    assert [m[:2] for m in mine] == [t[:2] for t in theirs]  # the same tokens
+    # log-probs to fp32 round-off: a different batch (padding, shapes) reassociates the sums
+    for m, t in zip(mine, theirs, strict=True):
+        assert torch.allclose(torch.tensor(m[2]), torch.tensor(t[2]), atol=1e-5)
+    assert len({tuple(g.token_ids) for g in together}) > 3  # the n samples of a prompt differ
+    other = engine(models[0]).generate(PROMPTS, params, seeds=[21, 22, 23])
+    assert [g.token_ids for g in other] != [g.token_ids for g in together]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    """Inverse-CDF sampling at the per-sample uniforms draws each token with its probability."""
+    from hybridrl.rollout.hf import sample, sample_stream, uniform
+
+    probs_V = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits_BV = probs_V.clamp_min(1e-30).log().expand(20_000, -1)
+    streams_B = torch.tensor([sample_stream(s, 0) for s in range(20_000)])
+    token_B, logp_B = sample(logits_BV, SamplingParams(temperature=1.0), uniform(streams_B, 0))
+    freq_V = torch.bincount(token_B, minlength=5).double() / 20_000
+    assert torch.allclose(freq_V, probs_V.double(), atol=0.012), freq_V  # ~3.5 σ at the largest p
+    assert freq_V[4] == 0 and torch.allclose(logp_B, probs_V.log()[token_B])
+    top2 = sample(logits_BV, SamplingParams(temperature=1.0, top_k=2), uniform(streams_B, 1))[0]
+    assert set(top2.tolist()) == {0, 1} and abs(float((top2 == 0).double().mean()) - 2 / 3) < 0.012
+
+
 def test_top_k_1_is_greedy(models: tuple[Path, Path]) -> None:
     eng = engine(models[0])
     greedy = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
-    topk = eng.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6, seed=0))
+    topk = eng.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6), seeds=[0, 1, 2])
     assert [g.token_ids for g in greedy] == [g.token_ids for g in topk]
 
 

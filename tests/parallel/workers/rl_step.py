@@ -33,6 +33,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from hybridrl.batch import RolloutBatch, SampleMeta
+from hybridrl.components import actor_objective
+from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.hybrid import ActorRolloutRef
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
@@ -88,6 +90,7 @@ def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_opt
     aor.rollout.log_prob_micro_batch_size_per_gpu = LOGPROB_MICRO
     cfg.algorithm.policy_loss, cfg.algorithm.policy_loss_kwargs = "ppo_clip", {"clip_ratio": 0.02}
     cfg.data.train_batch_size = PROMPTS
+    cfg.data.max_prompt_length, cfg.data.max_response_length = P, T
     cfg.trainer.total_training_steps = 1
     return cfg
 
@@ -147,9 +150,10 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     batch = full.index(mine)
     cfg = config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer,
                  dynamic_bsz=name.endswith("-dyn"))
-    hybrid = ActorRolloutRef(cfg,
-                             pad_token_id=full.pad_token_id,
-                             device=torch.device("cpu"), model_path=model_dir)
+    plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
+    assert not problems, problems
+    hybrid = ActorRolloutRef(cfg.actor_rollout_ref, plan=plan, objective=actor_objective(cfg),
+                             pad_token_id=full.pad_token_id)
     entropy_BT = hybrid.compute_log_probs(batch)
     hybrid.compute_ref_log_probs(batch)
     steps = hybrid.update_actor(batch, seed=7)

@@ -1,0 +1,421 @@
+"""The run's plan: who does what, where, and in which batch sizes — computed once, before anything heavy.
+
+``Plan.build(cfg, world_size=...)`` derives from the config and the world size (and the checkpoint's
+architecture, when known):
+
+- **roles**: each Megatron role's layout (actor; the ref, which shares the actor's process groups;
+  a critic, once there is one) and every rank's coordinates in it (Megatron's rank order, tp fastest, then cp, dp, pp);
+- **placement** of the colocated rollout engines and the devices each owns;
+- **batches**: each DP rank's share of a step's prompts, mini-batches and optimizer steps per RL step
+  (and over the run), micro-batches of the update and of the two log-prob passes (fixed sizes or
+  token budgets).
+
+Static validation builds it and reports its problems with every other one; ``hybridrl validate`` and
+the start-up banner print it (:meth:`Plan.render`); the runtime reads it — ``ActorRolloutRef`` places
+and feeds the engines, the policy cuts micro-batches, the LR scheduler counts optimizer steps — so
+what is printed is what runs.
+
+**Placement rule.** One engine per ``rollout.tensor_model_parallel_size`` (rollout TP) consecutive
+ranks, colocated on those ranks' devices (``cuda:<local rank>``; ``cpu`` on a CPU machine); the
+group's first rank starts it, and it spans the group's devices (SGLang's ``tp_size`` from a base
+device). Every rank belongs to exactly one engine, so every device generates — whatever the actor's
+layout (verl's rule: rollout DP = world / rollout TP, independent of the trainer's parallelism).
+Rollout TP must therefore divide the world size and the ranks per node (an engine's devices are on
+one node). A step's prompts are split over the engines in contiguous, nearly equal shares; each rank
+then trains on its DP rank's contiguous share of the samples, whichever engine made them. Sampling
+is seeded per prompt, so the samples do not depend on this split (the same rollouts at any layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.schema import MegatronConfig, RLConfig
+from hybridrl.hf_checkpoint import HFArch
+from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED
+
+AOR = "actor_rollout_ref"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
+
+
+def shares(total: int, parts: int) -> list[range]:
+    """``range(total)`` cut into ``parts`` contiguous shares whose sizes differ by at most one."""
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoleLayout:
+    """A Megatron role's parallel sizes. Megatron's default rank order is tp-cp-ep-dp-pp (tp fastest)."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int | None = None  # model chunks per PP rank (interleaved 1F1B); None: one
+
+    @classmethod
+    def of(cls, m: MegatronConfig, world_size: int) -> RoleLayout:
+        tp, pp, cp = (max(v, 1) for v in (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                           m.context_parallel_size))
+        return cls(tp=tp, pp=pp, cp=cp, dp=max(world_size // (tp * pp * cp), 1),
+                   vpp=m.virtual_pipeline_model_parallel_size)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def layers(self, pp_rank: int, num_layers: int) -> list[range]:
+        """The layers of each model chunk on ``pp_rank``: chunk v holds block ``v·PP + pp_rank`` of
+        ``PP·VPP`` equal blocks (Megatron's interleaved layer offsets)."""
+        chunks = self.vpp or 1
+        per = num_layers // (self.pp * chunks)
+        return [range((v * self.pp + pp_rank) * per, (v * self.pp + pp_rank + 1) * per) for v in range(chunks)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def __str__(self) -> str:
+        vpp = f" VPP={self.vpp}" if self.vpp else ""
+        return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}"
+
+
+class ParallelSizes(Protocol):
+    """A role's Megatron sizes: ``MegatronConfig`` (config) and ``ParallelConfig`` (runtime) both are."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    context_parallel_size: int
+    sequence_parallel: bool
+
+
+def layout_problems(m: ParallelSizes, *, world_size: int | None,
+                    transformer_engine: bool | None = None) -> list[tuple[str, object, str]]:
+    """Megatron's rules for one role's sizes, as ``(key under megatron, value, message)``; the runtime's
+    ``ParallelConfig`` raises from the same list. ``world_size=None``: skip the world-size rule;
+    ``transformer_engine=None``: skip the rule that needs to know whether TE is installed."""
+    out: list[tuple[str, object, str]] = []
+    sizes = {"tensor_model_parallel_size": m.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
+             "context_parallel_size": m.context_parallel_size}
+    out += [(k, v, "must be ≥ 1") for k, v in sizes.items() if v < 1]
+    tp, pp, cp = (max(v, 1) for v in sizes.values())
+    if world_size is not None and world_size % (tp * pp * cp):
+        valid = divisors(world_size // (pp * cp)) if world_size % (pp * cp) == 0 else []
+        out.append(("tensor_model_parallel_size", tp,
+                    f"TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp} must divide the world size {world_size} "
+                    f"(valid TP for PP={pp}, CP={cp}: {valid})"))
+    vpp = m.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp < 2:
+        out.append(("virtual_pipeline_model_parallel_size", vpp,
+                    "must be null (one model chunk per stage, plain 1F1B) or ≥ 2 chunks per stage"))
+    if vpp is not None and pp < 2:
+        out.append(("virtual_pipeline_model_parallel_size", vpp,
+                    f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
+                    "set null or raise PP"))
+    if m.sequence_parallel and tp == 1:
+        out.append(("sequence_parallel", True, "needs tensor_model_parallel_size > 1"))
+    if m.sequence_parallel and transformer_engine is False:
+        out.append(("sequence_parallel", True,
+                    "needs Transformer Engine (Megatron's torch-norm fallback does not support it); set false"))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroBatching:
+    """How one pass cuts a DP rank's samples: fixed-size micro-batches, or a token budget each."""
+
+    micro_batch_size: int  # samples per micro-batch (unused with a token budget)
+    max_tokens: int | None = None  # use_dynamic_bsz: padded tokens per micro-batch (rows × longest row)
+
+    def __str__(self) -> str:
+        return f"≤ {self.max_tokens} padded tokens" if self.max_tokens else f"{self.micro_batch_size} samples"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchPlan:
+    """A step's batch arithmetic (verl's units: prompts for batch sizes, samples per DP rank for micro)."""
+
+    n: int  # samples per prompt
+    prompts_per_step: int
+    dp: int
+    ppo_epochs: int
+    prompts_per_mini_batch: int
+    total_steps: int  # RL steps of the run
+    update: MicroBatching
+    old_log_prob: MicroBatching
+    ref_log_prob: MicroBatching
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.n
+
+    @property
+    def mini_batches_per_epoch(self) -> int:
+        return max(self.prompts_per_step // self.prompts_per_mini_batch, 1)
+
+    @property
+    def samples_per_mini_batch(self) -> int:
+        return self.prompts_per_mini_batch * self.n
+
+    @property
+    def mini_batch_samples_per_dp_rank(self) -> int:
+        return self.samples_per_mini_batch // self.dp
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches_per_epoch
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """What the LR schedule counts (warmup and decay are in optimizer steps)."""
+        return self.total_steps * self.optimizer_steps_per_rl_step
+
+    @property
+    def micro_batches_per_optimizer_step(self) -> int | None:
+        """Fixed micro-batches per optimizer step on one DP rank (None with a token budget: by length)."""
+        if self.update.max_tokens:
+            return None
+        return max(self.mini_batch_samples_per_dp_rank // self.update.micro_batch_size, 1)
+
+    def dp_prompts(self, dp_rank: int, num_prompts: int | None = None) -> range:
+        """DP rank ``dp_rank``'s contiguous share of a batch of ``num_prompts`` (default: a step's)."""
+        return shares(self.prompts_per_step if num_prompts is None else num_prompts, self.dp)[dp_rank]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnginePlacement:
+    index: int
+    ranks: tuple[int, ...]  # consecutive; the first (the leader) starts the engine
+    devices: tuple[str, ...]  # the ranks' devices, which the engine owns while it generates
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    def __str__(self) -> str:
+        return f"engine {self.index}: ranks {list(self.ranks)} devices [{', '.join(self.devices)}]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    world_size: int
+    ranks_per_node: int
+    device_type: str  # cpu | cuda
+    roles: dict[str, RoleLayout]  # actor, ref (when built)
+    rollout_tp: int
+    engines: tuple[EnginePlacement, ...]
+    batch: BatchPlan
+    model: HFArch | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: RLConfig, *, world_size: int, device_type: str, model: HFArch | None = None,
+              ranks_per_node: int | None = None) -> tuple[Plan, list[ConfigIssue]]:
+        """The plan and every problem with it (layouts it cannot place, batch sizes that do not split)."""
+        issues: list[ConfigIssue] = []
+        aor, world = cfg.actor_rollout_ref, max(world_size, 1)
+        per_node = ranks_per_node or max(world // max(cfg.trainer.nnodes, 1), 1)
+        roles = {"actor": RoleLayout.of(aor.actor.megatron, world)}
+        if ref_needed(cfg):
+            roles["ref"] = roles["actor"]  # one Megatron parallel_state per process: the actor's
+        rtp = max(aor.rollout.tensor_model_parallel_size, 1)
+        issues += _placement_problems(cfg, world=world, per_node=per_node, model=model)
+        engines = tuple(
+            EnginePlacement(index=e, ranks=tuple(ranks),
+                            devices=tuple(_device(device_type, r, per_node) for r in ranks))
+            for e, ranks in enumerate(shares(world, world // rtp)) if world % rtp == 0)
+        batch = _batch_plan(cfg, roles, issues)
+        plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
+                   rollout_tp=rtp, engines=engines, batch=batch, model=model)
+        return plan, issues
+
+    # ---- what the runtime reads ----
+    def device_of(self, rank: int) -> str:
+        return _device(self.device_type, rank, self.ranks_per_node)
+
+    def dp_rank_of(self, rank: int) -> int:
+        return self.roles["actor"].coords(rank)["dp"]
+
+    def engine_of(self, rank: int) -> EnginePlacement:
+        return self.engines[rank // self.rollout_tp]
+
+    def engine_prompts(self, engine: int, num_prompts: int) -> range:
+        """The positions of a batch of ``num_prompts`` prompts that engine ``engine`` generates."""
+        return shares(num_prompts, len(self.engines))[engine]
+
+    # ---- what is printed ----
+    def render(self) -> str:
+        b = self.batch
+        lines = [f"world_size: {self.world_size} ({self.ranks_per_node} per node, {self.device_type})"]
+        lines += [f"{role:<7} {lay}" for role, lay in self.roles.items()]
+        lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, colocated: each takes "
+                     f"{self.rollout_tp} consecutive rank(s) and their devices; its first rank starts it")
+        lines += [f"  {e}" for e in self.engines]
+        if self.model is not None:
+            m = self.model
+            lines.append(f"model   {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
+                         f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
+                         f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
+        micro = (f"{b.micro_batches_per_optimizer_step} micro-batch(es) of {b.update}"
+                 if b.micro_batches_per_optimizer_step else f"micro-batches of {b.update} (use_dynamic_bsz)")
+        lines += [
+            f"batch   {b.prompts_per_step} prompts → {b.samples_per_step} samples per step; "
+            f"{b.prompts_per_step // b.dp} prompts per DP rank; each engine generates "
+            f"{sorted({len(self.engine_prompts(e.index, b.prompts_per_step)) for e in self.engines})} prompts",
+            f"update  {b.mini_batches_per_epoch} mini-batch(es) of {b.samples_per_mini_batch} samples per PPO epoch "
+            f"× {b.ppo_epochs} epoch(s) = {b.optimizer_steps_per_rl_step} optimizer step(s) per RL step, "
+            f"{b.total_optimizer_steps} in the run; {micro} per optimizer step per DP rank",
+            f"logprob old: micro-batches of {b.old_log_prob}" + (
+                f"; ref: micro-batches of {b.ref_log_prob}" if "ref" in self.roles else ""),
+            "ranks:",
+        ]
+        for rank in range(self.world_size):
+            parts = []
+            for role, lay in self.roles.items():
+                c = lay.coords(rank)
+                layers = self._chunk_layers(lay, c["pp"])
+                parts.append(f"{role}(tp{c['tp']} pp{c['pp']} cp{c['cp']} dp{c['dp']}{layers})")
+            if self.engines:
+                e = self.engine_of(rank)
+                parts.append(f"rollout(engine {e.index}{', leader' if e.leader == rank else ''})")
+            lines.append(f"  rank {rank}: {self.device_of(rank)} " + " ".join(parts))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _chunk_layers(self, lay: RoleLayout, pp_rank: int) -> str:
+        """`` layers 0 + 2`` under VPP: where interleaving puts this stage's layers (one block per chunk)."""
+        if not lay.vpp or self.model is None:
+            return ""
+        blocks = lay.layers(pp_rank, self.model.num_layers)
+        return " layers " + " + ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in blocks)
+
+
+def ref_needed(cfg: RLConfig) -> bool:
+    """The reference model is built when asked for, or (``ref.enable=null``) when a KL term needs it."""
+    ref = cfg.actor_rollout_ref.ref
+    if ref.enable is not None:
+        return ref.enable
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def _device(device_type: str, rank: int, per_node: int) -> str:
+    return f"cuda:{rank % per_node}" if device_type == "cuda" else device_type
+
+
+def _placement_problems(cfg: RLConfig, *, world: int, per_node: int, model: HFArch | None) -> list[ConfigIssue]:
+    r, key = cfg.actor_rollout_ref.rollout, f"{AOR}.rollout.tensor_model_parallel_size"
+    rtp, out = r.tensor_model_parallel_size, []
+    if rtp < 1:
+        return [ConfigIssue(key=key, value=rtp, message="must be ≥ 1")]
+    if world % rtp:
+        out.append(ConfigIssue(key=key, value=rtp, message=(
+            f"must divide the world size {world}: each engine takes {rtp} consecutive ranks' devices "
+            f"(colocated); valid: {divisors(world)}")))
+    elif per_node % rtp:
+        out.append(ConfigIssue(key=key, value=rtp, message=(
+            f"must divide the {per_node} ranks per node (trainer.n_gpus_per_node): an engine's devices are on "
+            f"one node; valid: {divisors(per_node)}")))
+    if model is not None and model.num_attention_heads % rtp:
+        out.append(ConfigIssue(key=key, value=rtp, message=(
+            f"must divide the model's {model.num_attention_heads} attention heads "
+            f"(valid: {divisors(model.num_attention_heads)})")))
+    return out
+
+
+def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigIssue]) -> BatchPlan:
+    d, aor = cfg.data, cfg.actor_rollout_ref
+    a, n = aor.actor, max(aor.rollout.n, 1)
+
+    def add(key: str, value: object, message: str) -> None:
+        issues.append(ConfigIssue(key=key, value=value, message=message))
+
+    def positive(key: str, value: int) -> None:
+        if value < 1:
+            add(key, value, "must be ≥ 1")
+
+    positive("data.train_batch_size", d.train_batch_size)
+    positive(f"{AOR}.rollout.n", aor.rollout.n)
+    sections = [("actor", f"{AOR}.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
+                 a.use_dynamic_bsz)]  # a critic, once there is one, adds its own section
+    for role, key, mini, micro, epochs, dynamic in sections:
+        positive(f"{key}.ppo_mini_batch_size", mini)
+        positive(f"{key}.ppo_micro_batch_size_per_gpu", micro)
+        positive(f"{key}.ppo_epochs", epochs)
+        if min(mini, micro, d.train_batch_size) < 1:
+            continue
+        lay = roles[role]
+        if d.train_batch_size % mini:
+            add(f"{key}.ppo_mini_batch_size", mini, f"must divide data.train_batch_size={d.train_batch_size} (both "
+                f"count prompts; valid: {divisors(d.train_batch_size)})")
+        if dynamic:
+            if (mini * n) % lay.dp:
+                add(f"{key}.ppo_mini_batch_size", mini, f"a mini-batch of {mini} prompts × rollout.n={n} samples is "
+                    f"sharded over DP={lay.dp} ranks; {mini * n} must be a multiple of {lay.dp}")
+        elif (mini * n) % (micro * lay.dp):
+            valid = [v for v in divisors(mini * n) if (mini * n) % (v * lay.dp) == 0]
+            add(f"{key}.ppo_micro_batch_size_per_gpu", micro, f"a mini-batch of {mini} prompts × rollout.n={n} = "
+                f"{mini * n} samples must split into micro-batches of {micro} on each of DP={lay.dp} ranks; "
+                f"valid: {valid or 'none at this DP'}")
+        elif lay.vpp and lay.pp > 1 and (mini * n // (micro * lay.dp)) % lay.pp:
+            n_micro = mini * n // (micro * lay.dp)
+            valid = [v for v in divisors(mini * n) if (mini * n) % (v * lay.dp * lay.pp) == 0]
+            add(f"{key}.ppo_micro_batch_size_per_gpu", micro, interleaved_micro_batches_problem(lay.pp, lay.vpp)
+                + f"; {mini * n} samples over DP={lay.dp} in micro-batches of {micro} make {n_micro}; "
+                f"valid: {valid or 'none at this DP and PP'}")
+    dp = roles["actor"].dp
+    if d.train_batch_size >= 1 and d.train_batch_size % dp:
+        add("data.train_batch_size", d.train_batch_size,
+            f"prompts are sharded over the actor's DP={dp} ranks; must be a multiple of {dp}")
+    update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
+                           max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+    passes = {}
+    for role, sub in (("rollout", aor.rollout), ("ref", aor.ref)):
+        positive(f"{AOR}.{role}.log_prob_micro_batch_size_per_gpu", sub.log_prob_micro_batch_size_per_gpu)
+        dynamic = a.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None else sub.log_prob_use_dynamic_bsz
+        passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
+                                     max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
+                                     if dynamic else None)
+    _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
+    return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
+                     prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
+                     total_steps=max(cfg.trainer.total_training_steps, 1), update=update,
+                     old_log_prob=passes["rollout"], ref_log_prob=passes["ref"])
+
+
+def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:
+    """Megatron's interleaved schedule (0.16.1, ``forward_backward_pipelining_with_interleaving``) runs
+    micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default PP) and refuses a count
+    that is not a multiple of it. Log-prob passes are padded by the policy; optimizer steps can't be."""
+    return (f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) needs a multiple of "
+            f"PP={pp} micro-batches per optimizer step")
+
+
+def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, MicroBatching], add) -> None:  # type: ignore[no-untyped-def]
+    """Token budgets must hold the longest sample (prompt + response), or its micro-batch has no room."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    keys = {"actor": f"{AOR}.actor.ppo_max_token_len_per_gpu",
+            "rollout": f"{AOR}.rollout.log_prob_max_token_len_per_gpu",
+            "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu"}
+    dynamic = [role for role, p in passes.items() if p.max_tokens]
+    if actor.vpp is not None and dynamic:
+        add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", actor.vpp,
+            f"token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(dynamic)}) with the interleaved "
+            f"pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")
+    for role in dynamic:
+        budget = passes[role].max_tokens
+        if budget is not None and budget < longest:
+            add(keys[role], budget, f"the token budget per micro-batch must hold the longest sample: "
+                                    f"data.max_prompt_length + data.max_response_length = {longest} or more")

@@ -1,0 +1,85 @@
+"""Colocated rollout: the engines of a run placed as the plan says, and the samples routed to the trainers.
+
+Every rank runs this same code. The plan (:mod:`hybridrl.config.plan`) puts one engine on each group of
+``rollout.tensor_model_parallel_size`` consecutive ranks; the group's first rank builds it on the
+group's first device (it spans the group's devices). A batch of prompts — the same on every rank — is
+split over the engines in contiguous shares; each engine generates its share; the samples are
+gathered (a gloo group: plain Python objects, no device memory) and every rank keeps its DP rank's
+contiguous share, so model-parallel peers hold identical batches.
+
+Sampling is seeded per prompt from ``(seed, position in the batch)``: with an engine that honours
+per-sample seeds (``hf``), the samples of a prompt do not depend on how the batch is split over
+engines, i.e. on the parallel layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from hybridrl.batch import RolloutBatch
+from hybridrl.config.plan import Plan
+from hybridrl.data.collate import PromptBatch
+from hybridrl.interfaces import Generation, RolloutEngine, SamplingParams, WeightBucket
+from hybridrl.rollout.batching import rollout_batch_from_generations
+
+# builds this rank's engine: (device, tp_size) -> engine
+EngineFactory = Callable[..., RolloutEngine]
+
+
+class ColocatedRollout:
+    def __init__(self, plan: Plan, *, build_engine: EngineFactory, pad_token_id: int) -> None:
+        self.plan = plan
+        self.rank = dist.get_rank()
+        self.placement = plan.engine_of(self.rank)
+        self.dp_rank = plan.dp_rank_of(self.rank)
+        self.pad_token_id = pad_token_id
+        self.weight_version = 0
+        # the samples travel as Python objects: over gloo, whatever the trainer's backend
+        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.engine: RolloutEngine | None = None
+        if self.rank == self.placement.leader:
+            self.engine = build_engine(device=self.placement.devices[0], tp_size=plan.rollout_tp)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
+        """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
+        returns this rank's DP share of them."""
+        share = self.plan.engine_prompts(self.placement.index, len(prompts))
+        made: list[Generation] = []
+        if self.engine is not None and len(share):
+            self.engine.resume_memory()
+            gens = self.engine.generate(prompts.select(share).token_lists(), params,
+                                        seeds=[prompt_seed(seed, i) for i in share])
+            self.engine.release_memory()
+            made = [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, made, group=self._group)
+        mine = self.plan.batch.dp_prompts(self.dp_rank, len(prompts))
+        gens = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)  # engines in rank order:
+                for part in everyone for g in part if g.prompt_index in mine]  # prompt order, then sample order
+        return rollout_batch_from_generations(prompts.select(mine), gens, pad_token_id=self.pad_token_id)
+
+    def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
+        """Feed the weight stream to this rank's engine (if any) in place; every rank consumes the stream,
+        which is made of collectives."""
+        it = iter(stream)
+        if self.engine is not None:
+            self.engine.update_weights(it, version=version)
+        for _ in it:
+            pass
+        self.weight_version = version
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def prompt_seed(seed: int, position: int) -> int:
+    """The seed of the prompt at ``position`` of a batch sampled with ``seed`` (63-bit, well mixed)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % 2**64
+    x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 29)) >> 1
