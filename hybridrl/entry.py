@@ -6,6 +6,7 @@ import sys
 
 from omegaconf import DictConfig
 
+from hybridrl import dist_check
 from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import to_typed
 from hybridrl.config.errors import ConfigError
@@ -37,6 +38,8 @@ def run_rl(dcfg: DictConfig) -> dict[str, float]:
         return fit(c)
     finally:
         c.close()
+        if dist_check.enabled():
+            say(dist_check.report())
         destroy_parallel()
 
 

@@ -1,4 +1,7 @@
-"""Step metrics, reduced over data-parallel ranks (model-parallel peers hold identical batches)."""
+"""Step metrics, reduced over data-parallel ranks (model-parallel peers hold identical batches).
+
+Metrics are host-side numbers: they are reduced over Megatron's gloo data-parallel group, whatever the
+trainer's backend (an NCCL group takes only CUDA tensors)."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ class DPMeans:
         self._maxes[name] = max(self._maxes.get(name, float("-inf")), float(value))
 
     def reduce(self) -> dict[str, float]:
-        group = parallel_state.get_data_parallel_group()
+        group = parallel_state.get_data_parallel_group_gloo()  # host-side bookkeeping: gloo on any machine
         names = sorted(self._sums)
         sums = torch.tensor([v for n in names for v in self._sums[n]], dtype=torch.float64)
         dist.all_reduce(sums, group=group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,10 @@ EXPECTED_KEYS = {
 
 
 @pytest.mark.distributed
-def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Path]) -> None:
+def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     out = tiny["tmp"] / "run"
+    monkeypatch.setenv("HYBRIDRL_CHECK_COLLECTIVES", "1")  # every collective checks its tensors' device
     # a random model never solves arithmetic; a keyword reward gives it a learning signal
     keyword = ["reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any"]
     proc = torchrun([TRAIN, *overrides(tiny, out, *keyword)], nproc=1)
@@ -69,6 +72,8 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
     assert 0 <= rows[1]["actor/kl_ref"] < rows[3]["actor/kl_ref"]
     assert 0 < rows[1]["reward/mean"] < 1
     assert "step 3/3 (100%)" in proc.stdout and "ETA" in proc.stdout
+    checked = re.search(r"collective device check: (\d+) calls checked", proc.stdout)
+    assert checked and int(checked[1]) > 50, proc.stdout[-2000:]
 
 
 @pytest.mark.distributed

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.memory import BYTES, MemoryEstimate
+from hybridrl.config.memory import estimate as estimate_memory
 from hybridrl.config.schema import MegatronConfig, RLConfig
 from hybridrl.hf_checkpoint import HFArch
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED
@@ -219,6 +221,7 @@ class Plan:
     engines: tuple[EnginePlacement, ...]
     batch: BatchPlan
     model: HFArch | None = None
+    memory: MemoryEstimate | None = None  # the largest rank's device memory (needs the model)
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -239,7 +242,8 @@ class Plan:
             for e, ranks in enumerate(shares(world, world // rtp)) if world % rtp == 0)
         batch = _batch_plan(cfg, roles, issues)
         plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
-                   rollout_tp=rtp, engines=engines, batch=batch, model=model)
+                   rollout_tp=rtp, engines=engines, batch=batch, model=model,
+                   memory=_memory(cfg, roles, batch, model, rtp, len(engines)) if model is not None else None)
         return plan, issues
 
     # ---- what the runtime reads ----
@@ -269,6 +273,8 @@ class Plan:
             lines.append(f"model   {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
                          f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
                          f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
+        if self.memory is not None:
+            lines.append(f"memory  largest rank, estimated: {self.memory}")
         micro = (f"{b.micro_batches_per_optimizer_step} micro-batch(es) of {b.update}"
                  if b.micro_batches_per_optimizer_step else f"micro-batches of {b.update} (use_dynamic_bsz)")
         lines += [
@@ -301,6 +307,22 @@ class Plan:
             return ""
         blocks = lay.layers(pp_rank, self.model.num_layers)
         return " layers " + " + ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in blocks)
+
+
+def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model: HFArch, rollout_tp: int,
+            n_engines: int) -> MemoryEstimate:
+    a, d = cfg.actor_rollout_ref.actor, cfg.data
+    m, lay = a.megatron, roles["actor"]
+    seq = d.max_prompt_length + d.max_response_length
+    engine_prompts = -(-batch.prompts_per_step // max(n_engines, 1))
+    return estimate_memory(
+        model, tp=lay.tp, pp=lay.pp, dp=lay.dp, dtype=m.dtype if m.dtype in BYTES else "float32",
+        distributed_optimizer=m.use_distributed_optimizer, optimizer=a.optim.optimizer, ref="ref" in roles,
+        micro_tokens=batch.update.max_tokens or batch.update.micro_batch_size * seq,
+        recompute=m.override_transformer_config.get("recompute_granularity") == "full",
+        offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
+                 "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
+        rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq)
 
 
 def ref_needed(cfg: RLConfig) -> bool:

@@ -34,6 +34,16 @@ class MegatronConfig:
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # parameters and compute: float32 | bfloat16 | float16 (the last two keep fp32 main weights and grads in
+    # the optimizer; float16 adds dynamic loss scaling); the ref runs in the actor's dtype
+    dtype: str = "float32"
+    # memory phases (colocated rollout): move this state to host memory while the engine generates
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    # Megatron TransformerConfig fields set verbatim, e.g. recompute_granularity: full, recompute_method:
+    # uniform, recompute_num_layers: 1 (activation recompute); unknown keys are an error
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,11 +97,14 @@ class RefMegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int | None = None
     sequence_parallel: bool | None = None
+    param_offload: bool = False  # the ref's own: its weights wait in host memory outside its log-prob pass
 
     def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
         """``(key, ref value, actor value)`` for every explicit size that differs from the actor's."""
         out = []
         for f in fields(self):
+            if f.name == "param_offload":
+                continue
             mine, theirs = getattr(self, f.name), getattr(actor, f.name)
             if mine is not None and mine != theirs:
                 out.append((f.name, mine, theirs))
@@ -185,6 +198,8 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     nnodes: int = 1
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
+    # memory of one GPU for the plan's memory check; null: the visible GPU's (80 when planning without one)
+    device_memory_gb: float | None = None
     test_freq: int = 10  # held-out evaluation every N steps (0 = never); also at start
     val_before_train: bool = True
     save_every: int = 0  # checkpoint every N steps and at the end (0 = never)

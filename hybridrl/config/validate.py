@@ -18,6 +18,7 @@ from hybridrl import bootstrap
 from hybridrl.algorithms.kl import KL_KINDS
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.memory import GB
 from hybridrl.config.plan import AOR, Plan, RoleLayout, interleaved_micro_batches_problem, layout_problems
 from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLConfig, TrainerConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
@@ -97,9 +98,37 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         _check_data(issues, "data", cfg.data.train_files, cfg.data.val_files, cfg.data.build_if_missing,
                     before_bootstrap=before_bootstrap)
     _check_trainer(cfg, issues, planning=planning)
+    _check_memory(cfg, plan, issues)
     if issues:
         raise ConfigError(list(issues))
     return plan
+
+
+def _check_memory(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
+    """The plan's peak per-rank memory must fit the device (GPU plans only), naming what would shrink it."""
+    t, mem = cfg.trainer, plan.memory
+    if mem is None or plan.device_type != "cuda":
+        return
+    capacity = t.device_memory_gb
+    if capacity is None:
+        import torch
+
+        capacity = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 80.0
+    if mem.peak <= capacity * GB:
+        return
+    m, a, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    keys = [f"{AOR}.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size (raise)"]
+    keys += [f"{AOR}.actor.megatron.{k}=true" for k in ("use_distributed_optimizer", "param_offload", "grad_offload",
+                                                       "optimizer_offload") if not getattr(m, k)]
+    if m.dtype == "float32":
+        keys.append(f"{AOR}.actor.megatron.dtype=bfloat16")
+    if m.override_transformer_config.get("recompute_granularity") != "full":
+        keys.append(f"+{AOR}.actor.megatron.override_transformer_config.recompute_granularity=full")
+    keys.append(f"{AOR}.actor.{'ppo_max_token_len_per_gpu' if a.use_dynamic_bsz else 'ppo_micro_batch_size_per_gpu'}"
+                " (lower)")
+    keys.append(f"{AOR}.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} (raise: engine weights, KV)")
+    issues.add("trainer.device_memory_gb", capacity,
+               f"the largest rank needs ~{mem.peak / GB:.1f} GB ({mem}); to fit, change: {'; '.join(keys)}")
 
 
 def _check_model(key: str, m: ModelConfig, issues: _Issues, *, before_bootstrap: bool) -> HFArch | None:

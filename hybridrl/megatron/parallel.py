@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from hybridrl import dist_check
 from hybridrl.config.plan import layout_problems
 from hybridrl.megatron.cpu import apply_cpu_adaptations, cuda_available
 from hybridrl.megatron.fallbacks import say_fallbacks
@@ -63,6 +64,8 @@ def _raise(problems: list[tuple[str, object, str]]) -> None:
 def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None:
     """Start torch.distributed (if not yet) and Megatron's model-parallel groups for ``parallel``."""
     apply_cpu_adaptations()
+    if dist_check.enabled():
+        dist_check.install()
     if not dist.is_initialized():
         say_fallbacks()
         backend = "nccl" if cuda_available() else "gloo"

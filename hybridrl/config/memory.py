@@ -1,0 +1,106 @@
+"""Per-rank device memory of a run, estimated from the config before anything is built.
+
+The largest rank of a layout (the first pipeline stage with the embedding, or the last with the
+output layer) holds, in bytes:
+
+    params      = P_rank · b_dtype                 P_rank: the rank's share of the parameters (TP, PP split)
+    grads       = P_rank · 4                       Megatron's DDP grad buffer (fp32 accumulation)
+    optimizer   = P_rank · (m + 8) / D             Adam moments (fp32) + fp32 main weights (m = 4 unless the
+                                                   params are fp32 already); D = DP with the distributed optimizer
+    ref         = P_rank · b_dtype                 when a KL term needs the reference model
+    activations = L_rank · t · h · 34 / TP + t · V / TP · 12
+                                                   t: tokens per micro-batch; 34 bytes per token and hidden unit
+                                                   per layer without recompute (Korthikanti et al. 2022,
+                                                   "Reducing Activation Recomputation", attention scores left out:
+                                                   flash/fused attention); with full recompute only each layer's
+                                                   input (2 bytes) plus one layer; the fp32 logits with the
+                                                   log-softmax temporaries (3 × 4 bytes)
+    engine      = P · 2 / rollout TP + KV          the engine's bf16 weights + the KV cache its share of a step's
+                                                   prompts needs (2 · layers · KV heads · head_dim · 2 bytes per
+                                                   token, over its TP ranks)
+
+Generation holds the engine and whatever is not offloaded (``param_offload``, ``grad_offload``,
+``optimizer_offload``, ``ref.megatron.param_offload``); training holds the actor state, the ref, the
+activations and the engine's weights (its KV cache is taken as given back: SGLang with
+``enable_memory_saver``, the ``hf`` engine's cache lives only while it generates). The peak of the two
+is checked against the device (``trainer.device_memory_gb``). It is the need, not SGLang's reservation
+(``mem_fraction_static`` of the device, sized at start: keep it below what the need leaves free), and
+the allocator's fragmentation and CUDA/NCCL workspaces (a few GB) come on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.hf_checkpoint import HFArch
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEstimate:
+    params: float  # bytes, per rank
+    grads: float
+    optimizer: float
+    ref: float
+    activations: float
+    engine_weights: float
+    engine_kv: float
+    offloaded: float  # moved to host while the engine generates
+
+    @property
+    def generate(self) -> float:
+        resident = self.params + self.grads + self.optimizer + self.ref - self.offloaded
+        return resident + self.engine_weights + self.engine_kv
+
+    @property
+    def train(self) -> float:
+        return self.params + self.grads + self.optimizer + self.ref + self.activations + self.engine_weights
+
+    @property
+    def peak(self) -> float:
+        return max(self.generate, self.train)
+
+    def __str__(self) -> str:
+        parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ref": self.ref,
+                 "activations": self.activations, "engine weights": self.engine_weights, "engine KV": self.engine_kv}
+        shown = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
+        return (f"{shown} GB → generate {self.generate / GB:.1f} GB, train {self.train / GB:.1f} GB "
+                f"(offloaded while generating {self.offloaded / GB:.1f} GB)")
+
+
+def parameter_count(m: HFArch) -> tuple[int, int, int]:
+    """``(per layer, embedding, output layer)`` parameter counts (output 0 when tied to the embedding)."""
+    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + ((q + 2 * kv) if m.qkv_bias else 0)
+    attention += 2 * m.head_dim if m.qk_layernorm else 0
+    layer = attention + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size
+    embedding = m.vocab_size * m.hidden_size
+    return layer, embedding, 0 if m.tie_word_embeddings else embedding
+
+
+def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_optimizer: bool, optimizer: str,
+             ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
+             engine_tokens: int) -> MemoryEstimate:
+    layer, embedding, output = parameter_count(m)
+    layers = m.num_layers // pp
+    # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
+    # same size (a tied one is a copy there)
+    edge = embedding + output if pp == 1 else embedding
+    p_rank = (layers * layer + edge + m.hidden_size) / tp
+    b = BYTES[dtype]
+    moments = 8 if optimizer == "adam" else 0
+    optim = p_rank * ((0 if dtype == "float32" else 4) + moments) / (dp if distributed_optimizer else 1)
+    per_layer_act = 2 if recompute else 34 / tp
+    activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
+    activations += micro_tokens * m.vocab_size / tp * 12
+    total_params = m.num_layers * layer + embedding + output + m.hidden_size
+    kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
+    engine_weights = total_params * 2 / rollout_tp
+    params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
+    offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
+                 + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False))
+    return MemoryEstimate(params=params, grads=grads, optimizer=optim, ref=ref_bytes, activations=activations,
+                          engine_weights=engine_weights, engine_kv=engine_tokens * kv_per_token,
+                          offloaded=offloaded)

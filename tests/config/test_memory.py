@@ -1,0 +1,62 @@
+"""The plan's per-rank memory estimate: parameter counts exact, the 7B recipe fits, a layout that can't is
+rejected naming the keys that would shrink it (``hybridrl validate``, no weights loaded, no GPU needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from hybridrl.config.memory import GB, estimate, parameter_count
+from hybridrl.hf_checkpoint import HFArch
+from hybridrl.models.tiny import make_tiny_model
+
+QWEN7B = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
+AOR = "actor_rollout_ref"
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("qwen2", True), ("qwen3", False), ("llama", False)])
+def test_parameter_count_is_the_models(tmp_path: Path, arch: str, tie: bool) -> None:
+    path = make_tiny_model(tmp_path / arch, arch=arch, hidden=64, layers=3, heads=4, kv_heads=2, tie=tie)
+    layer, embedding, output = parameter_count(HFArch.from_hf(path))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert 3 * layer + embedding + output + 64 == sum(p.numel() for p in model.parameters())
+
+
+def test_offload_and_the_distributed_optimizer_shrink_what_they_should() -> None:
+    m = HFArch.from_hf(QWEN7B)
+    kw = dict(tp=4, pp=1, dp=2, dtype="bfloat16", optimizer="adam", ref=True, micro_tokens=4096, recompute=False,
+              rollout_tp=2, engine_tokens=100_000)
+    base = estimate(m, distributed_optimizer=False, offload={}, **kw)
+    assert base.params == pytest.approx(7.6e9 / 4 * 2, rel=0.01) and base.grads == 2 * base.params
+    assert base.optimizer == 3 * base.grads  # fp32 main weights + two Adam moments
+    assert estimate(m, distributed_optimizer=True, offload={}, **kw).optimizer == base.optimizer / 2
+    off = estimate(m, distributed_optimizer=False, offload={"param": True, "grad": True, "optimizer": True,
+                                                             "ref_param": True}, **kw)
+    assert off.generate == pytest.approx(off.engine_weights + off.engine_kv) and off.train == base.train
+    recompute = estimate(m, distributed_optimizer=False, offload={}, **{**kw, "recompute": True})
+    assert recompute.activations < 0.6 * base.activations  # the fp32 logits stay: only the layers shrink
+
+
+def validate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", "recipe=grpo_qwen7b", "--model-config",
+                           str(QWEN7B), *args], capture_output=True, text=True)
+
+
+def test_grpo_qwen7b_fits_and_a_layout_that_does_not_is_rejected_naming_the_keys() -> None:
+    ok = validate()
+    assert ok.returncode == 0, ok.stderr
+    line = next(x for x in ok.stdout.splitlines() if x.startswith("memory "))
+    assert "params 3.8, grads 7.6, optimizer 11.4, ref 3.8" in line and "engine KV" in line  # TP=4, bf16, DP=2
+    peak = max(float(v) for v in (line.split("generate ")[1].split(" GB")[0], line.split("train ")[1].split(" GB")[0]))
+    assert peak * GB < 80 * GB
+    tp1 = f"{AOR}.actor.megatron.tensor_model_parallel_size=1"
+    bad = validate(tp1)  # the whole 7B model on every GPU: ~112 GB
+    assert bad.returncode == 2 and "trainer.device_memory_gb=80.0: the largest rank needs ~1" in bad.stderr
+    for key in ("tensor_model_parallel_size", "param_offload=true", "recompute_granularity=full",
+                "ppo_micro_batch_size_per_gpu (lower)"):
+        assert key in bad.stderr, key
+    assert validate(tp1, "trainer.device_memory_gb=141").returncode == 0  # an H200 holds it
