@@ -18,6 +18,7 @@ from hybridrl.data.collate import PromptBatch
 from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
+from hybridrl.guards import require_finite
 from hybridrl.hybrid import ActorRolloutRef
 from hybridrl.interfaces import AdvantageEstimator, RewardManager
 from hybridrl.megatron.parallel import init_parallel, seed_everything
@@ -57,6 +58,7 @@ class Components:
             yield collate_prompts([self.val_dataset[i] for i in idx], idx, pad_token_id=self.loader.pad_token_id)
 
     def save(self, step: int) -> None:
+        require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
                                weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
                                model_dir=self.model_path)
@@ -69,7 +71,7 @@ class Components:
 
 def build_components(cfg: RLConfig, plan: Plan) -> Components:
     aor = cfg.actor_rollout_ref
-    init_parallel(parallel_config(aor.actor.megatron))
+    init_parallel(parallel_config(aor.actor.megatron), timeout_s=cfg.trainer.dist_timeout_s)
     seed_everything(cfg.trainer.seed)
     model_path = aor.model.path
     say(f"world {dist.get_world_size()}: actor {plan.roles['actor']}; loading {model_path}")

@@ -23,6 +23,7 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import ActorRolloutRefConfig
 from hybridrl.data.collate import PromptBatch
+from hybridrl.guards import require_finite
 from hybridrl.interfaces import SamplingParams, WeightBucket
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.registry import Registry
@@ -82,6 +83,7 @@ class ActorRolloutRef:
     def sync_weights(self, *, version: int | None = None) -> float:
         """Stream the actor's weights into the engines in place, as ``version`` (default: the next one);
         return the MB streamed."""
+        require_finite(self.actor.parameters(), what="the actor's weights")  # never ship NaN weights
         bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
         sent = 0
 

@@ -10,15 +10,18 @@ import torch
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.batch import RolloutBatch
 from hybridrl.components import Components
-from hybridrl.interfaces import SamplingParams
+from hybridrl.guards import SkipCounter, agree, check_reward_scores, non_finite
+from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
+from hybridrl.rewards.execution import call_with_timeout
+from hybridrl.tracking import say
 
 
 def fit(c: Components) -> dict[str, float]:
     hybrid, t = c.hybrid, c.cfg.trainer
     if t.val_before_train and c.val_dataset is not None and c.resume_step == 0:
         c.tracker.log(evaluate(c), step=0)
-    prompts, metrics = c.prompts(), {}
+    prompts, metrics, skips = c.prompts(), {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
         with timer("step"):
@@ -33,11 +36,19 @@ def fit(c: Components) -> dict[str, float]:
                     hybrid.compute_ref_log_probs(batch)
             with timer("adv"):
                 compute_advantages(c, batch)
+            if (cause := skip_cause(c, batch)) is not None:  # decided on every rank together: no update, no sync
+                skips.record(cause)
+                say(f"step {step} skipped: {cause}")
+                c.tracker.log({"training/skipped_steps": skips.total}, step=step)
+                continue
             with timer("update_actor"):
                 updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
+            skips.record("an update's loss or gradient norm was not finite" if any(
+                u["update_skipped"] for u in updates) else None)
             with timer("sync_weights"):
                 sync_mb = hybrid.sync_weights()
         metrics = rollout_metrics(batch, scores_B, entropy_BT).reduce() | actor_metrics(updates) | timer.times
+        metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
                     "perf/weight_sync_mb": sync_mb}
         if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
@@ -55,13 +66,31 @@ def sampling_params(c: Components) -> SamplingParams:
 
 
 def score(c: Components, batch: RolloutBatch) -> torch.Tensor:
-    """Sequence scores from the reward manager, placed on each response's last token."""
-    out = c.reward(batch)
+    """Sequence scores from the reward manager (checked: one float per sample), on each response's last token."""
+    scores_B = reward(c, batch).scores_B
     last_B = (batch.response_mask.sum(-1) - 1).clamp(min=0)
     scores_BT = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-    scores_BT[torch.arange(len(batch)), last_B] = out.scores_B.float()
+    scores_BT[torch.arange(len(batch)), last_B] = scores_B
     batch.token_level_scores = scores_BT * batch.response_mask
-    return out.scores_B.float()
+    return scores_B
+
+
+def reward(c: Components, batch: RolloutBatch) -> RewardOutput:
+    """The reward manager's output, within ``reward.timeout_s``, its scores checked (one float per sample)."""
+    r = c.cfg.reward
+    out = call_with_timeout(c.reward, batch, timeout_s=r.timeout_s, what=f"reward.name={r.name!r}")
+    out.scores_B = check_reward_scores(out.scores_B, batch_size=len(batch), reward=r.name)
+    return out
+
+
+def skip_cause(c: Components, batch: RolloutBatch) -> str | None:
+    """Why this step must not update the actor (a non-finite score or advantage on any rank), or None."""
+    assert batch.token_level_scores is not None and batch.advantages is not None
+    rows = batch.group_index.tolist()
+    cause = (non_finite(f"scores from reward.name={c.cfg.reward.name!r}", batch.token_level_scores.sum(-1),
+                        sample_ids=rows)
+             or non_finite(f"advantages ({c.cfg.algorithm.adv_estimator})", batch.advantages, sample_ids=rows))
+    return agree(cause)
 
 
 def compute_advantages(c: Components, batch: RolloutBatch) -> None:
@@ -93,7 +122,7 @@ def evaluate(c: Components) -> dict[str, float]:
     m = DPMeans()
     for k, prompts in enumerate(c.val_batches()):
         batch = c.hybrid.generate(prompts, params, seed=c.cfg.trainer.seed * 1_000_003 - k - 1)
-        out = c.reward(batch)
+        out = reward(c, batch)
         correct_B = out.correct_B if out.correct_B is not None else out.scores_B > 0
         m.add("eval/accuracy", correct_B.sum(), len(batch))
         m.add("eval/reward_mean", out.scores_B.sum(), len(batch))

@@ -156,6 +156,7 @@ class ActorRolloutRefConfig:
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
+    timeout_s: float | None = 600.0  # scoring one batch on one rank; longer fails the run naming the plugin
     kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
 
 
@@ -200,6 +201,11 @@ class TrainerConfig:
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
     # memory of one GPU for the plan's memory check; null: the visible GPU's (80 when planning without one)
     device_memory_gb: float | None = None
+    # every process group's timeout: a rank waiting longer in a collective fails (the world then stops);
+    # must exceed the rollout engine's and the reward's own timeouts (validation checks)
+    dist_timeout_s: float = 3600.0
+    # a step with a non-finite reward/advantage/loss/grad norm is skipped; this many in a row stop the run
+    max_consecutive_skipped_steps: int = 3
     test_freq: int = 10  # held-out evaluation every N steps (0 = never); also at start
     val_before_train: bool = True
     save_every: int = 0  # checkpoint every N steps and at the end (0 = never)

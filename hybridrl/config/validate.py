@@ -10,6 +10,7 @@ import torch, never Megatron or an engine).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -98,10 +99,38 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         _check_data(issues, "data", cfg.data.train_files, cfg.data.val_files, cfg.data.build_if_missing,
                     before_bootstrap=before_bootstrap)
     _check_trainer(cfg, issues, planning=planning)
+    _check_timeouts(cfg, issues)
     _check_memory(cfg, plan, issues)
     if issues:
         raise ConfigError(list(issues))
     return plan
+
+
+def _check_timeouts(cfg: RLConfig, issues: _Issues) -> None:
+    """Every wait below the collectives' timeout: a rank waiting in a collective while its engine generates or
+    its reward scores must not time out before the engine's or the reward's own, clearer, error."""
+    limit, r = cfg.trainer.dist_timeout_s, cfg.actor_rollout_ref.rollout
+    if limit <= 0:
+        issues.add("trainer.dist_timeout_s", limit, "must be > 0")
+        return
+    if cfg.trainer.max_consecutive_skipped_steps < 0:
+        issues.add("trainer.max_consecutive_skipped_steps", cfg.trainer.max_consecutive_skipped_steps,
+                   "must be ≥ 0 (0: never stop)")
+    waits = [("reward.timeout_s", cfg.reward.timeout_s)]
+    for group, name, key, kwargs in (("rollout_engines", r.name, f"{AOR}.rollout.engine_kwargs", r.engine_kwargs),
+                                     ("reward_managers", cfg.reward.name, "reward.kwargs", cfg.reward.kwargs)):
+        try:
+            plugin_cfg = Registry(group).make_config(name, kwargs, key=key)
+        except PluginError:
+            continue  # reported by _check_plugins
+        waits += [(f"{key}.{f.name}", getattr(plugin_cfg, f.name)) for f in dataclasses.fields(plugin_cfg)
+                  if f.name.endswith("_timeout_s")]
+    for key, value in waits:
+        if value is not None and value <= 0:
+            issues.add(key, value, "must be > 0 (or null: no limit)")
+        elif value is None or value >= limit:
+            issues.add(key, value, f"must be below trainer.dist_timeout_s={limit} (a rank waits in a collective "
+                                   f"meanwhile); lower it or raise trainer.dist_timeout_s")
 
 
 def _check_memory(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:

@@ -7,6 +7,7 @@ Megatron still needs for ``initialize_model_parallel``.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from hybridrl import dist_check
+from hybridrl import dist_check, host_group
 from hybridrl.config.plan import layout_problems
 from hybridrl.megatron.cpu import apply_cpu_adaptations, cuda_available
 from hybridrl.megatron.fallbacks import say_fallbacks
@@ -61,8 +62,9 @@ def _raise(problems: list[tuple[str, object, str]]) -> None:
         raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
 
 
-def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None:
-    """Start torch.distributed (if not yet) and Megatron's model-parallel groups for ``parallel``."""
+def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 1800.0) -> None:
+    """Start torch.distributed (if not yet) and Megatron's model-parallel groups for ``parallel``; every
+    group gets the same ``timeout_s`` (``trainer.dist_timeout_s``)."""
     apply_cpu_adaptations()
     if dist_check.enabled():
         dist_check.install()
@@ -82,7 +84,9 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0) -> None
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
+    host_group.create(timeout_s=timeout_s)
 
 
 def seed_everything(seed: int) -> None:
@@ -99,5 +103,6 @@ def seed_everything(seed: int) -> None:
 def destroy_parallel() -> None:
     """Tear down Megatron's groups and the default process group (safe to call twice)."""
     parallel_state.destroy_model_parallel()
+    host_group.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

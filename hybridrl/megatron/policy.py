@@ -266,6 +266,11 @@ class MegatronPolicy:
                            group=parallel_state.get_pipeline_model_parallel_group())
 
     # ---- weights ----
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """This rank's parameters (its TP/PP shards), every model chunk."""
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
     def export_weights(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
         """HF-named full tensors in buckets, the same stream on every rank (TP-gathered, PP-broadcast)."""
         return export_hf_weights(self.chunks, self.arch, bucket_bytes=bucket_bytes)

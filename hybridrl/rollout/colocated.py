@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hybridrl import host_group
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
 from hybridrl.data.collate import PromptBatch
@@ -38,8 +39,6 @@ class ColocatedRollout:
         self.dp_rank = plan.dp_rank_of(self.rank)
         self.pad_token_id = pad_token_id
         self.weight_version = 0
-        # the samples travel as Python objects: over gloo, whatever the trainer's backend
-        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: RolloutEngine | None = None
         if self.rank == self.placement.leader:
             self.engine = build_engine(device=self.placement.devices[0], tp_size=plan.rollout_tp)
@@ -56,7 +55,7 @@ class ColocatedRollout:
             self.engine.release_memory()
             made = [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, made, group=self._group)
+        dist.all_gather_object(everyone, made, group=host_group.get())  # host objects: over gloo
         mine = self.plan.batch.dp_prompts(self.dp_rank, len(prompts))
         gens = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)  # engines in rank order:
                 for part in everyone for g in part if g.prompt_index in mine]  # prompt order, then sample order

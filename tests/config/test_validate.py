@@ -283,3 +283,15 @@ def test_scale_recipes_plan_on_a_cpu_machine(recipe: str, world: int, layout: st
                           str(qwen7b), f"{AOR}.actor.megatron.tensor_model_parallel_size=8"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "must divide the model's 4 KV heads" in bad.stderr
+
+
+def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
+    """A rank waits in a collective while its engine generates or its reward scores: those limits must fire
+    first, with their own clear errors, not the process group's."""
+    found = issues(base, "trainer.dist_timeout_s=100", f"{AOR}.rollout.name=sglang")
+    assert sorted(m.split("=")[0] for m in found) == [f"{AOR}.rollout.engine_kwargs.request_timeout_s",
+                                                     f"{AOR}.rollout.engine_kwargs.start_timeout_s",
+                                                     "reward.timeout_s"], found
+    assert all("must be below trainer.dist_timeout_s=100.0" in m for m in found)
+    assert issues(base, "trainer.dist_timeout_s=100", "reward.timeout_s=30") == []
+    assert only(base, "reward.timeout_s=null").startswith("reward.timeout_s: must be below")  # no limit: too long
