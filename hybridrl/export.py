@@ -4,6 +4,9 @@ tokenizer) that transformers loads and ``verify-model`` accepts.
 The Megatron shards are loaded into one process at TP=1, PP=1 (``dist_checkpointing`` reshards from
 whatever layout saved them) and written through the same bucketed HF stream as weight sync.
 Memory: the whole model in fp32 on this machine's CPU.
+
+OUT must be new or empty, or hold an earlier export to the same path (replaced atomically); anything
+else needs ``--overwrite``, and OUT may never be, lie inside or contain CKPT.
 """
 
 from __future__ import annotations
@@ -14,32 +17,44 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
-from hybridrl.hf_checkpoint import HFArch, save_hf_checkpoint
-from hybridrl.megatron.model import build_model_chunks
+from hybridrl.hf_checkpoint import HFArch, output_problem, save_hf_checkpoint
+from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.megatron.weights import export_hf_weights
 
+KEY = "export-hf OUT"
 
-def export_hf(ckpt: Path, out: Path) -> None:
+
+def export_hf(ckpt: Path, out: Path, *, overwrite: bool = False) -> None:
     if not (ckpt / "megatron").is_dir() or not (ckpt / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a hybridrl checkpoint (expected megatron/ and hf/config.json; "
                                 f"checkpoints live in <trainer.output_dir>/checkpoints/step_<k>)")
+    if (problem := output_problem(out, key=KEY, overwrite=overwrite, overwrite_option="--overwrite",
+                                  protect=[ckpt])) is not None:
+        raise FileExistsError(problem)  # before loading anything
     parallel = ParallelConfig()
     init_parallel(parallel)
     try:
         arch = HFArch.from_hf(ckpt / "hf")
-        (model,) = build_model_chunks(arch, parallel)  # TP=1, PP=1: one chunk
+        (model,) = build_model_chunks(arch, parallel, dtype=saved_dtype(ckpt / "megatron"))  # TP=1, PP=1: one chunk
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt / "megatron"))
         model.load_state_dict(loaded["model"])
-        save_hf_checkpoint(export_hf_weights([model], arch, bucket_bytes=512 << 20), out, source_dir=ckpt / "hf")
+        save_hf_checkpoint(export_hf_weights([model], arch, bucket_bytes=512 << 20), out, source_dir=ckpt / "hf",
+                           key=KEY, overwrite=overwrite, overwrite_option="--overwrite", protect=[ckpt])
     finally:
         destroy_parallel()
 
 
+def saved_dtype(megatron_dir: Path) -> str:
+    """The ``megatron.dtype`` whose parameters the checkpoint holds (its embedding's dtype)."""
+    saved = dist_checkpointing.load_tensors_metadata(str(megatron_dir))["embedding.word_embeddings.weight"].dtype
+    return next(name for name, dtype in TORCH_DTYPES.items() if dtype == saved)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        export_hf(Path(args.ckpt), Path(args.out))
-    except FileNotFoundError as e:
+        export_hf(Path(args.ckpt), Path(args.out), overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError) as e:
         print(f"hybridrl export-hf: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")

@@ -25,7 +25,9 @@ from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLC
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
 from hybridrl.data.rows import SUFFIXES as DATA_SUFFIXES
 from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
+from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
+from hybridrl.run_lock import output_dir_problem
 from hybridrl.tracking import LOGGERS
 
 OPTIMIZERS = ("adam", "sgd")  # Megatron's OptimizerConfig.optimizer
@@ -83,6 +85,10 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                                    else "cpu")
     issues += plan_issues
     _check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, world, model, issues)
+    for key, value, message in megatron_config_problems(aor.actor.megatron.dtype,
+                                                        aor.actor.megatron.override_transformer_config,
+                                                        key=f"{AOR}.actor.megatron"):
+        issues.add(key, value, message)
     if "ref" in plan.roles:  # one Megatron parallel_state per process: the ref runs on the actor's layout
         for size, ref_value, actor_value in aor.ref.megatron.mismatches(aor.actor.megatron):
             issues.add(f"{AOR}.ref.megatron.{size}", ref_value,
@@ -307,6 +313,8 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     issues.positive("trainer.nnodes", t.nnodes)
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
     _check_tracking(t, issues)
+    if not planning and (problem := output_dir_problem(t.output_dir)) is not None:
+        issues.add("trainer.output_dir", t.output_dir, problem)
     if t.save_every < 0:
         issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
     if t.max_checkpoints_to_keep < 0:
@@ -334,6 +342,9 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     model = _check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
     _check_layout("megatron", cfg.megatron, world, model, issues)
+    for key, value, message in megatron_config_problems(cfg.megatron.dtype, cfg.megatron.override_transformer_config,
+                                                        key="megatron"):
+        issues.add(key, value, message)
     layout = RoleLayout.of(cfg.megatron, world)
     _check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps)
     d = cfg.data

@@ -9,9 +9,9 @@ function's docstring names the upstream file and behaviour it works around;
 ``tests/megatron/test_cpu_adaptations.py`` runs each upstream behaviour without its adaptation and fails
 once upstream no longer needs it.
 
-Not adapted (not used yet; they fail loudly if reached): the fp16/bf16 (non-distributed) optimizer's
-``param.type() == 'torch.cuda.FloatTensor'`` checks, ``torch.cuda.Event`` in the inference controller.
-(The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the distributed
+Not adapted (not used yet; it fails loudly if reached): ``torch.cuda.Event`` in the inference controller.
+(The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the bf16/fp16 optimizer
+and fp16's loss scaler: :func:`use_cpu_in_float16_optimizer`, :func:`use_cpu_in_grad_scaler`; the distributed
 optimizer: :func:`use_cpu_in_distributed_optimizer`,
 :func:`cpu_distributed_optimizer_checkpoint_metadata`, :func:`init_distributed_optimizer_state` and
 :func:`load_torch_adam_step_in_distributed_optimizer`; the CP RoPE slice: :func:`use_cpu_in_cp_rope`.)
@@ -44,6 +44,8 @@ def apply_cpu_adaptations() -> None:
     use_cpu_in_pipeline_schedules()
     use_cpu_in_tied_embedding_setup()
     use_cpu_in_optimizer()
+    use_cpu_in_float16_optimizer()
+    use_cpu_in_grad_scaler()
     use_cpu_in_distributed_optimizer()
     load_torch_adam_step_in_distributed_optimizer()
     use_cpu_in_cp_rope()
@@ -342,6 +344,59 @@ def use_cpu_in_distributed_optimizer() -> None:
 
     setattr(__init__, _MARK, True)
     DistributedOptimizer.__init__ = __init__  # type: ignore[method-assign]
+
+
+def use_cpu_in_float16_optimizer() -> None:
+    """Let Megatron's bf16/fp16 optimizer (fp32 main weights) wrap CPU parameters.
+
+    ``optimizer/optimizer.py``: ``Float16OptimizerWithFloat16Params.__init__`` sorts the parameters by
+    their type name against CUDA names only (``param.type() in ['torch.cuda.HalfTensor',
+    'torch.cuda.BFloat16Tensor']``, else ``== 'torch.cuda.FloatTensor'``) → ``TypeError: Wrapped parameters
+    must be one of torch.cuda.FloatTensor,  torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor. Received
+    torch.BFloat16Tensor`` when ``get_megatron_optimizer`` builds it (``bf16``/``fp16`` without the
+    distributed optimizer). As for the distributed optimizer, the constructor is wrapped so that, during
+    that call only, ``Tensor.type()`` names a CPU tensor's type as its CUDA twin. (Its other CUDA
+    literals, ``found_inf`` and ``_scale_one``, are the optimizer module's: :func:`use_cpu_in_optimizer`.)
+    """
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    init = Float16OptimizerWithFloat16Params.__init__
+    if getattr(init, _MARK, False):
+        return
+
+    def __init__(self: Float16OptimizerWithFloat16Params, *args: Any, **kwargs: Any) -> None:
+        with _cpu_tensors_named_as_cuda():
+            init(self, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    Float16OptimizerWithFloat16Params.__init__ = __init__  # type: ignore[method-assign]
+
+
+def use_cpu_in_grad_scaler() -> None:
+    """Keep fp16's loss scale on CPU.
+
+    ``optimizer/grad_scaler.py``: ``MegatronGradScaler.__init__`` allocates the scale with
+    ``device='cuda'`` (and ``DynamicGradScaler`` its min scale and growth/backoff factors) → ``AssertionError:
+    Torch not compiled with CUDA enabled`` when ``get_megatron_optimizer`` builds an fp16 optimizer;
+    ``DynamicGradScaler.load_state_dict`` moves the loaded scale with ``.cuda(torch.cuda.current_device())``
+    → ``RuntimeError: Invalid device, must be cuda device`` on resume (the current device being the CPU,
+    :func:`use_cpu_as_current_device`). The module's ``torch`` becomes the CPU-factory proxy, and
+    ``load_state_dict`` runs with ``Tensor.cuda`` the identity (the scale stays where it was saved: CPU).
+    """
+    from megatron.core.optimizer import grad_scaler
+
+    if not isinstance(grad_scaler.torch, _TorchWithCpuFactories):
+        grad_scaler.torch = _TorchWithCpuFactories()  # type: ignore[assignment]
+    load = grad_scaler.DynamicGradScaler.load_state_dict
+    if getattr(load, _MARK, False):
+        return
+
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        with _tensor_cuda_is_identity():
+            load(self, state_dict)
+
+    setattr(load_state_dict, _MARK, True)
+    grad_scaler.DynamicGradScaler.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
 def load_torch_adam_step_in_distributed_optimizer() -> None:

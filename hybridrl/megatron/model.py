@@ -3,7 +3,7 @@
 Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
 [gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling), QKV bias (Qwen2), per-head
 QK RMSNorm (Qwen3), tied or untied embeddings. Transformer Engine's layer spec is used when
-``transformer_engine`` imports (GPU), Megatron's local spec otherwise (fp32 on CPU), whose core
+``transformer_engine`` imports (GPU), Megatron's local spec otherwise (CPU), whose core
 attention is :class:`~hybridrl.megatron.context_parallel.ContextParallelAttention` when CP > 1.
 
 The vocabulary is padded to a multiple of ``vocab_multiple × TP`` (VocabParallelEmbedding needs equal
@@ -17,6 +17,13 @@ Under the interleaved pipeline schedule (VPP) a rank holds ``VPP`` model chunks,
 stage and the output layer in the last chunk of the last stage. All chunks share one TransformerConfig,
 which the schedule reads from chunk 0.
 
+Precision (``megatron.dtype``, :data:`~hybridrl.megatron.transformer_overrides.DTYPES`) is Megatron's own, as
+Megatron-LM's ``get_model`` does it: with bfloat16/float16 the TransformerConfig says ``bf16``/``fp16`` and
+``params_dtype``, the parameters are created in that dtype and each chunk is wrapped in ``Float16Module``
+(casts float inputs on the first stage). The optimizer keeps fp32 main weights and grads
+(:mod:`hybridrl.megatron.policy`). ``megatron.override_transformer_config`` sets TransformerConfig fields
+verbatim (activation recompute); its rules live in :mod:`~hybridrl.megatron.transformer_overrides`.
+
 The model is built without initialising weights (``perform_initialization=False``): call
 :func:`hybridrl.megatron.weights.load_hf_weights` next.
 """
@@ -24,6 +31,7 @@ The model is built without initialising weights (``perform_initialization=False`
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,6 +48,7 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,8 +56,10 @@ from hybridrl.hf_checkpoint import HFArch
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
 from hybridrl.megatron.parallel import ParallelConfig
+from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
 
 __all__ = [
+    "TORCH_DTYPES",
     "ParallelConfig",
     "build_model_chunks",
     "gather_vocab_logits",
@@ -57,6 +68,9 @@ __all__ = [
     "unwrap_model",
     "use_transformer_engine",
 ]
+
+
+TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 @functools.cache
@@ -85,11 +99,16 @@ def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
                 "Engine here); use sequence_parallel=False")
 
 
-def transformer_config(
-    arch: HFArch, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
-) -> TransformerConfig:
-    """Megatron's TransformerConfig for ``arch`` under ``parallel`` (``overrides`` win, e.g. recompute)."""
+def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "float32",
+                       overrides: Mapping[str, Any] | None = None) -> TransformerConfig:
+    """Megatron's TransformerConfig for ``arch`` under ``parallel`` in ``dtype`` (a name of
+    :data:`~hybridrl.megatron.transformer_overrides.DTYPES`); ``overrides`` (``override_transformer_config``)
+    are set verbatim once :func:`~hybridrl.megatron.transformer_overrides.megatron_config_problems` accepts them."""
     _check_supported(arch, parallel)
+    overrides = dict(overrides or {})
+    if problems := megatron_config_problems(dtype, overrides, key="megatron"):
+        raise ValueError("; ".join(f"{key}={value!r}: {message}" for key, value, message in problems))
+    params_dtype = TORCH_DTYPES[dtype]
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -112,7 +131,7 @@ def transformer_config(
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # the activations sent between stages
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         perform_initialization=False,  # weights come from the HF checkpoint
@@ -136,17 +155,21 @@ def build_model_chunks(
     arch: HFArch,
     parallel: ParallelConfig,
     *,
-    params_dtype: torch.dtype = torch.float32,
+    dtype: str = "float32",
+    overrides: Mapping[str, Any] | None = None,
     vocab_multiple: int = 128,
-    **config_overrides: Any,
-) -> list[GPTModel]:
+) -> list[MegatronModule]:
     """This rank's model chunks in ``vp_stage`` order (one without VPP), sharing one TransformerConfig;
-    uninitialised weights; needs :func:`init_parallel` first."""
-    config = transformer_config(arch, parallel, params_dtype=params_dtype, **config_overrides)
+    each a ``GPTModel``, wrapped in Megatron's ``Float16Module`` when ``dtype`` is bfloat16/float16
+    (:func:`unwrap_model` reaches the GPTModel); uninitialised weights; needs :func:`init_parallel` first."""
+    config = transformer_config(arch, parallel, dtype=dtype, overrides=overrides)
     vpp = parallel.virtual_pipeline_model_parallel_size
     stages: list[int | None] = list(range(vpp)) if vpp else [None]
     vocab = padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size, multiple=vocab_multiple)
-    return [_gpt_chunk(arch, parallel, config, vocab_size=vocab, vp_stage=v) for v in stages]
+    chunks: list[MegatronModule] = [_gpt_chunk(arch, parallel, config, vocab_size=vocab, vp_stage=v) for v in stages]
+    if config.bf16 or config.fp16:
+        return [Float16Module(config, chunk) for chunk in chunks]
+    return chunks
 
 
 def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig, *, vocab_size: int,

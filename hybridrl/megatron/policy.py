@@ -21,6 +21,16 @@ Megatron's DDP averages gradients over DP. ``train_step`` computes the *global* 
 normaliser of the loss aggregation mode (:mod:`hybridrl.algorithms.loss_agg`) and hands it to the
 ``LossFn``, which returns its micro-batch loss divided by it; the scaling is undone here
 (× num_microbatches × DP), so the accumulated gradient is exactly that of the mini-batch loss.
+
+Precision (``megatron.dtype``): with bfloat16/float16 the chunks are Megatron's ``Float16Module``s
+(:func:`~hybridrl.megatron.model.build_model_chunks`) and the optimizer is Megatron's mixed-precision one
+(``Float16OptimizerWithFloat16Params``, or the distributed optimizer with fp32 main-parameter shards): fp32
+main weights, gradients accumulated and reduced in fp32 (``grad_reduce_in_fp32``), the update computed in
+fp32 and copied back into the 16-bit parameters. float16 adds Megatron's dynamic loss scaling (the schedule
+multiplies each loss by ``optimizer.scale_loss``; a step whose gradients overflow is skipped,
+``update_skipped`` = 1, and the scale halves). The logits leave the model in its dtype (``fp32_output=False``)
+and log-probs/entropies are computed from them in fp32 (:mod:`vocab_parallel`). The ref runs in the actor's
+dtype. Exports (weight sync, HF saving) carry the model parameters as they are, i.e. in the run's dtype.
 """
 
 from __future__ import annotations
@@ -44,12 +54,13 @@ from hybridrl.algorithms.loss_agg import local_normalizer
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import MicroBatching, interleaved_micro_batches_problem
 from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.guards import agree
 from hybridrl.hf_checkpoint import HFArch
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
-from hybridrl.megatron.model import build_model_chunks
+from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
@@ -77,6 +88,19 @@ class _Micro:
     index: torch.Tensor  # [b] long: each row's position in the batch it came from; -1 for a filler row
 
 
+# float16's first loss scale: torch.amp.GradScaler's default. Megatron's (2**32) overflows fp16 gradients at
+# once and skips the first ~17 steps while it halves; 2**16 is enough headroom for the losses of RL (≈ 1).
+FP16_INITIAL_LOSS_SCALE = 2.0**16
+
+
+def _mixed_precision_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    """Megatron ``OptimizerConfig`` fields for ``dtype``: fp32 main params/grads and Adam state (Megatron's
+    defaults) under bf16/fp16; fp16 with dynamic loss scaling (``loss_scale=None``)."""
+    return dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                initial_loss_scale=FP16_INITIAL_LOSS_SCALE)
+
+
 class MegatronPolicy:
     """A causal LM on Megatron; trainable when ``optim`` is given (actor), frozen otherwise (ref)."""
 
@@ -85,8 +109,10 @@ class MegatronPolicy:
         self.arch = HFArch.from_hf(model_dir)
         self.parallel = parallel_config(megatron)
         self.pad_token_id = pad_token_id
-        chunks = build_model_chunks(self.arch, self.parallel)
-        load_hf_weights(chunks, self.arch, model_dir)
+        self.dtype = TORCH_DTYPES[megatron.dtype]
+        chunks = build_model_chunks(self.arch, self.parallel, dtype=megatron.dtype,
+                                    overrides=megatron.override_transformer_config)
+        load_hf_weights(chunks, self.arch, model_dir)  # cast into the model's dtype
         self.config = chunks[0].config  # shared by all chunks
         self.optimizer = None
         self.scheduler: OptimizerParamScheduler | None = None
@@ -105,10 +131,11 @@ class MegatronPolicy:
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                                clip_grad=optim.clip_grad, params_dtype=torch.float32,
-                                use_distributed_optimizer=megatron.use_distributed_optimizer),
+                                clip_grad=optim.clip_grad, use_distributed_optimizer=megatron.use_distributed_optimizer,
+                                **_mixed_precision_kwargs(self.dtype)),
                 self.chunks,
             )
+            self.config.grad_scale_func = self.optimizer.scale_loss  # × the loss scale (1 unless float16)
             self.scheduler = OptimizerParamScheduler(
                 self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=0.0,
                 lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=max(total_steps, 1),
@@ -124,13 +151,15 @@ class MegatronPolicy:
         scale = len(micros) * parallel_state.get_data_parallel_world_size()
         # token-budget micro-batches differ in shape: the pipeline then sends each activation's shape first
         self.config.variable_seq_lengths = len(shapes) > 1
+        # Float16Module: logits stay in the model's dtype; vocab_parallel computes in fp32 from them
+        fp16_kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
 
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             tokens_BS = mb.rows.tokens_BS
             position_ids_BS = torch.arange(mb.rows.seq_len)[None].expand_as(tokens_BS)
             output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
-                           attention_mask=masks[mb.rows.seq_len])
+                           attention_mask=masks[mb.rows.seq_len], **fp16_kwargs)
             return output, partial(self._loss, mb, loss_fn, temperature, scale)
 
         self._check_interleaving(len(micros))
@@ -231,12 +260,20 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         micros = self._micro_batches(batch, batching)
         outputs = self._run(micros, loss, temperature=temperature, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        if self._grads_finite():
+            ok, grad_norm, _ = self.optimizer.step()  # fp16: False when the loss scaler found an overflow
+        else:  # a non-finite loss or gradient never reaches the weights (guards.py); fp32 Adam would step on it
+            ok, grad_norm = False, float("nan")
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()  # type: ignore[operator]
+        if ok:  # as Megatron-LM: a skipped update does not advance the LR schedule
+            self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)
+        if self.config.fp16:
+            metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
         return metrics
 
     def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]], tokens: list[float]) -> dict[str, float]:
@@ -264,6 +301,12 @@ class MegatronPolicy:
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(t, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
+
+    def _grads_finite(self) -> bool:
+        """Every rank's accumulated gradients are finite (one flag all-reduce over the host group)."""
+        local = all(bool(torch.isfinite(p.main_grad).all()) for p in self.parameters()
+                    if getattr(p, "main_grad", None) is not None)
+        return agree(None if local else "non-finite gradients") is None
 
     # ---- weights ----
     def parameters(self) -> Iterator[torch.Tensor]:

@@ -8,6 +8,9 @@ Gradients (per row, local columns only — no full-vocab tensor is ever gathered
     ∂ log p(y)/∂z_j = 1[j = y] - p_j,        ∂H/∂z_j = -p_j (log p_j + H)
 Columns at or past ``vocab_size`` are Megatron's vocab padding: they are masked to -inf so the
 distribution is exactly the HF model's. At TP=1 this is an ordinary fused log-softmax + gather.
+
+Precision: whatever the logits' dtype (bf16/fp16 under mixed precision), everything above is computed in
+fp32 (the logits are upcast once); the gradient goes back to the logits in their own dtype.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logp_N = both[0] - log_Z_N
         entropy_N = log_Z_N - both[1]
         ctx.save_for_backward(p_Nv, idx_N, local, entropy_N, log_Z_N, z_Nv)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.logits_dtype = temperature, logits_Nv.dtype
         return logp_N, entropy_N
 
     @staticmethod
@@ -60,7 +63,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         if g_ent_N is not None and bool((g_ent_N != 0).any()):
             logp_Nv = (z_Nv - log_Z_N[:, None]).nan_to_num(neginf=0.0)
             grad_Nv -= g_ent_N[:, None] * p_Nv * (logp_Nv + entropy_N[:, None])
-        return grad_Nv / ctx.temperature, None, None, None
+        return (grad_Nv / ctx.temperature).to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_logprob_entropy(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int,

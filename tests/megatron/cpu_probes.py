@@ -27,7 +27,7 @@ from megatron.core.distributed import (  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer, grad_scaler  # noqa: E402
 from megatron.core.pipeline_parallel import schedules  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
@@ -136,6 +136,51 @@ def optimizer_step() -> dict[str, Any]:
     finalize_model_grads([ddp])
     ok, grad_norm, _ = opt.step()
     return {"ok": ok, "grad_norm": grad_norm, "w": ddp.module.w.tolist()}
+
+
+def bf16_optimizer_step() -> dict[str, Any]:
+    """SGD(lr=1e-3) through Megatron DDP + its bf16 optimizer on loss = sum(w), bf16 w = 1: the update
+    (−1e-3) is below bf16's resolution at 1 (2⁻⁸ just below 1), so the bf16 parameter stays 1.0 while the
+    optimizer's fp32 main weight becomes 0.999."""
+    model = Weights().bfloat16()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1e-3, weight_decay=0.0, clip_grad=0.0, bf16=True,
+                                                 params_dtype=torch.bfloat16), [ddp])
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp.module.w.sum().backward()
+    finalize_model_grads([ddp])
+    ok, _, _ = opt.step()
+    w = ddp.module.w
+    return {"ok": ok, "dtype": str(w.dtype), "w": w.float().tolist(), "main": w.main_param.tolist()}
+
+
+def fp16_loss_scaling() -> dict[str, Any]:
+    """SGD(lr=0.1) through Megatron DDP + its fp16 optimizer on loss = sum(3·w), fp16 w = 1, dynamic loss
+    scale from 2¹⁶ (hysteresis 1): the scaled fp16 grads 3·2¹⁶ and 3·2¹⁵ overflow (fp16's max is 65504), so
+    both steps are skipped and the scale halves each time; at 2¹⁴ (grads 49152) the step runs on the
+    unscaled grads: w = 1 − 0.1·3 = 0.7. Then a fresh scaler loads the scaler's state."""
+    model = Weights().half()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0, fp16=True,
+                                                 params_dtype=torch.float16, initial_loss_scale=2.0**16,
+                                                 hysteresis=1), [ddp])
+    oks, scales = [], []
+    for _ in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        opt.scale_loss((ddp.module.w * 3).sum()).backward()
+        finalize_model_grads([ddp])
+        oks.append(opt.step()[0])
+        scales.append(float(opt.get_loss_scale()))
+    fresh = dynamic_grad_scaler()
+    fresh.load_state_dict(opt.chained_optimizers[0].grad_scaler.state_dict())
+    return {"ok": oks, "scales": scales, "main": ddp.module.w.main_param.tolist(), "loaded_scale": float(fresh.scale)}
+
+
+def dynamic_grad_scaler() -> grad_scaler.DynamicGradScaler:
+    return grad_scaler.DynamicGradScaler(initial_scale=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                         growth_interval=1000, hysteresis=1)
 
 
 class TwoWeights(MegatronModule):
@@ -353,6 +398,15 @@ def main(out_dir: Path) -> None:
     results["optimizer_without"] = error_of(optimizer_step)
     cpu.use_cpu_in_optimizer()
     record("optimizer_with", optimizer_step)
+    results["bf16_optimizer_without"] = error_of(bf16_optimizer_step)
+    cpu.use_cpu_in_float16_optimizer()
+    record("bf16_optimizer_with", bf16_optimizer_step)
+    results["grad_scaler_without"] = error_of(dynamic_grad_scaler)
+    upstream_scaler_load = grad_scaler.DynamicGradScaler.load_state_dict
+    cpu.use_cpu_in_grad_scaler()
+    scaler = dynamic_grad_scaler()
+    results["grad_scaler_load_without"] = error_of(lambda: upstream_scaler_load(scaler, scaler.state_dict()))
+    record("fp16_optimizer_with", fp16_loss_scaling)
     results["distopt_without"] = error_of(distributed_optimizer)
     cpu.use_cpu_in_distributed_optimizer()
     ddp, opt = distributed_optimizer()

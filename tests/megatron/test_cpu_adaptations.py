@@ -99,6 +99,30 @@ def test_optimizer_cuda_literals_and_grad_type_assert_still_fail(probes: list[di
         assert rank["optimizer_with"]["w"] == pytest.approx([0.975] * 4)
 
 
+def test_float16_optimizer_grad_type_check_still_fails(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["bf16_optimizer_without"] == (  # Float16OptimizerWithFloat16Params.__init__
+            "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor,  torch.cuda.HalfTensor, or "
+            "torch.cuda.BFloat16Tensor. Received torch.BFloat16Tensor")
+        # SGD(lr=1e-3) on sum(w), w = 1 in bf16: the bf16 parameter can't move, the fp32 main weight does
+        assert rank["bf16_optimizer_with"] == {"ok": True, "dtype": "torch.bfloat16", "w": [1.0] * 4,
+                                               "main": [pytest.approx(0.999, abs=1e-7)] * 4}
+
+
+def test_grad_scaler_cuda_literals_still_fail(probes: list[dict[str, Any]]) -> None:
+    for rank in probes:
+        assert rank["grad_scaler_without"] == NO_CUDA  # MegatronGradScaler._scale = torch.tensor(..., device='cuda')
+        # DynamicGradScaler.load_state_dict: .cuda(torch.cuda.current_device()), the CPU device once adapted
+        assert rank["grad_scaler_load_without"] == "RuntimeError: Invalid device, must be cuda device"
+        # fp16 SGD(lr=0.1) on sum(3·w): scaled grads 3·2¹⁶, 3·2¹⁵ overflow fp16 (skipped, scale halves),
+        # 3·2¹⁴ does not: w = 1 − 0.3 in the fp32 main weight; the scale survives a state-dict round trip
+        got = rank["fp16_optimizer_with"]
+        assert got["ok"] == [False, False, True]
+        assert got["scales"] == [2.0**15, 2.0**14, 2.0**14]
+        assert got["main"] == [pytest.approx(0.7)] * 4
+        assert got["loaded_scale"] == 2.0**14
+
+
 # The distributed optimizer probes: Adam (lr 0.1, clip 0.5) over w (1500) and v (500), loss
 # sum((rank + 1)·(w + v)) on DP=2: the DP-mean grad is 1.5 per entry, norm 1.5·√2000, clipped to 0.5.
 DISTOPT_NORM = 1.5 * 2000**0.5

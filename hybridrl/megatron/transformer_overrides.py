@@ -1,0 +1,97 @@
+"""What a run may set of Megatron's ``TransformerConfig`` from config, checked without torch or Megatron.
+
+Two keys of ``MegatronConfig`` reach the TransformerConfig:
+
+- ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
+  (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
+- ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
+  :data:`OVERRIDES` are accepted (activation recompute); hybridrl itself sets the layout, the dtype and the
+  architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
+
+:func:`megatron_config_problems` states every rule once: static validation collects its problems and the
+model builder (:func:`hybridrl.megatron.model.transformer_config`) raises them, so a config that passes
+validation builds. The rules are Megatron 0.16.1's (``TransformerConfig.__post_init__``), plus errors for
+settings Megatron would silently ignore (a recompute method or module list without the granularity it
+belongs to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+Problem = tuple[str, object, str]  # (config key, value, what is wrong and what would be valid)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+# selective recompute of a dense model. Megatron also knows MoE/MLA modules, which these models lack, and
+# "layernorm", left out: with Transformer Engine's spec the norms are fused into the linears (nothing to
+# recompute); without TE, 0.16.1's CheckpointWithoutOutput takes fp8=False for "fp8 on" and fails with
+# NameError: name 'FP8GlobalStateManager' is not defined (tensor_parallel/random.py).
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+OVERRIDES = {
+    "recompute_granularity": f"null | {' | '.join(RECOMPUTE_GRANULARITIES)}: full recomputes whole layers in the "
+                             "backward pass, selective only the modules of recompute_modules",
+    "recompute_method": f"null | {' | '.join(RECOMPUTE_METHODS)} (with granularity full): uniform recomputes "
+                        "every block of recompute_num_layers layers, block the first recompute_num_layers "
+                        "layers of each pipeline stage",
+    "recompute_num_layers": "an integer ≥ 1 (with granularity full)",
+    "recompute_modules": f"a list of {', '.join(RECOMPUTE_MODULES)} (with granularity selective; Megatron's "
+                         "default: [core_attn])",
+}
+
+# TransformerConfig fields hybridrl sets itself, and the key that sets each
+OWNED_ELSEWHERE = {
+    **{k: f"megatron.{k}" for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                    "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                                    "sequence_parallel")},
+    **{k: "megatron.dtype" for k in ("bf16", "fp16", "params_dtype", "pipeline_dtype")},
+    **{k: "the model's config.json" for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                              "num_attention_heads", "num_query_groups", "kv_channels")},
+}
+
+
+def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: str) -> list[Problem]:
+    """Problems of ``<key>.dtype`` and ``<key>.override_transformer_config`` (``key``: the MegatronConfig's
+    config path, e.g. ``actor_rollout_ref.actor.megatron``); empty when both are valid."""
+    problems: list[Problem] = []
+    if dtype not in DTYPES:
+        problems.append((f"{key}.dtype", dtype, f"valid: {', '.join(DTYPES)}"))
+    okey = f"{key}.override_transformer_config"
+    for name, value in overrides.items():
+        if name in OWNED_ELSEWHERE:
+            problems.append((f"{okey}.{name}", value, f"set by {OWNED_ELSEWHERE[name]}, not here"))
+        elif name not in OVERRIDES:
+            problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)}"))
+    granularity = overrides.get("recompute_granularity")
+    method = overrides.get("recompute_method")
+    num_layers = overrides.get("recompute_num_layers")
+    modules = overrides.get("recompute_modules")
+    if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
+        problems.append((f"{okey}.recompute_granularity", granularity,
+                         f"valid: null, {', '.join(RECOMPUTE_GRANULARITIES)}"))
+    if method is not None and method not in RECOMPUTE_METHODS:
+        problems.append((f"{okey}.recompute_method", method, f"valid: null, {', '.join(RECOMPUTE_METHODS)}"))
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        problems.append((f"{okey}.recompute_num_layers", num_layers, "must be an integer ≥ 1 (or null)"))
+    if modules is not None and (not isinstance(modules, (list, tuple)) or not set(modules) <= set(RECOMPUTE_MODULES)):
+        problems.append((f"{okey}.recompute_modules", modules, f"must be a list of {', '.join(RECOMPUTE_MODULES)}"))
+    if granularity == "full":
+        if method is None:
+            problems.append((f"{okey}.recompute_method", method,
+                             f"recompute_granularity=full needs one of {', '.join(RECOMPUTE_METHODS)}"))
+        if num_layers is None:
+            problems.append((f"{okey}.recompute_num_layers", num_layers,
+                             "recompute_granularity=full needs an integer ≥ 1"))
+    else:  # Megatron would ignore these (or, for selective + num_layers, refuse them)
+        for name, value in (("recompute_method", method), ("recompute_num_layers", num_layers)):
+            if value is not None:
+                problems.append((f"{okey}.{name}", value, "only with recompute_granularity=full "
+                                                          f"(got recompute_granularity={granularity}); remove it"))
+    if modules is not None and granularity != "selective":
+        problems.append((f"{okey}.recompute_modules", modules, "only with recompute_granularity=selective "
+                                                             f"(got recompute_granularity={granularity}); remove it"))
+    return problems
