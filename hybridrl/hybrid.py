@@ -5,7 +5,9 @@ Who does what (every rank runs this same code):
   the actor's process groups).
 - The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
   rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples.
-- Phases: an engine resumes its memory to generate and releases it before training.
+- Phases: an engine resumes its memory to generate and releases it before training; while it
+  generates, the actor's params/grads/optimizer state and the ref's params wait in host memory as the
+  ``*_offload`` keys say (:mod:`hybridrl.megatron.offload`), each back on the device before it is used.
 - Weight sync: the actor's bucketed HF-named stream (TP-gathered, PP-broadcast, identical on every
   rank) is copied into each engine's parameters in place, with the weight version it carries.
 """
@@ -25,6 +27,7 @@ from hybridrl.config.schema import ActorRolloutRefConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.guards import require_finite
 from hybridrl.interfaces import SamplingParams, WeightBucket
+from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.registry import Registry
 from hybridrl.rollout.colocated import ColocatedRollout
@@ -40,6 +43,11 @@ class ActorRolloutRef:
         self.ref = (MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=None, total_steps=0,
                                    pad_token_id=pad_token_id) if "ref" in plan.roles else None)
         _check_plan_matches_megatron(plan)
+        m = a.megatron
+        self.actor_offload = PolicyOffload(self.actor, params=m.param_offload, grads=m.grad_offload,
+                                           optimizer=m.optimizer_offload)
+        self.ref_offload = (PolicyOffload(self.ref, params=config.ref.megatron.param_offload)
+                            if self.ref is not None else None)
         r = config.rollout
         self.rollout = ColocatedRollout(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
             "rollout_engines").build(r.name, r.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
@@ -53,23 +61,30 @@ class ActorRolloutRef:
     # ---- generate phase ----
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """Samples of the whole batch ``prompts``; this rank gets its DP rank's share."""
+        self.actor_offload.offload()
+        if self.ref_offload is not None:
+            self.ref_offload.offload()
         return self.rollout.generate(prompts, params, seed=seed)
 
     # ---- train phase ----
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
         """Fill ``batch.old_logprobs`` (actor, before the update); return the entropy ``[B, T]``."""
+        self.actor_offload.reload("params")
         batch.old_logprobs, entropy_BT = self.actor.compute_log_probs(
             batch, batching=self.plan.batch.old_log_prob, temperature=self.logprob_temperature)
         return entropy_BT
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
-        assert self.ref is not None
+        assert self.ref is not None and self.ref_offload is not None
+        self.ref_offload.reload()
         batch.ref_logprobs, _ = self.ref.compute_log_probs(
             batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
+        self.ref_offload.offload()  # not needed again before the next step's
 
     def update_actor(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """PPO epochs over mini-batches of this DP rank's samples; one metrics dict per optimizer step."""
         a, b = self.config.actor, self.plan.batch
+        self.actor_offload.reload()
         gen = torch.Generator().manual_seed(seed)
         steps = []
         for _ in range(b.ppo_epochs):
@@ -83,6 +98,7 @@ class ActorRolloutRef:
     def sync_weights(self, *, version: int | None = None) -> float:
         """Stream the actor's weights into the engines in place, as ``version`` (default: the next one);
         return the MB streamed."""
+        self.actor_offload.reload("params")
         require_finite(self.actor.parameters(), what="the actor's weights")  # never ship NaN weights
         bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
         sent = 0
