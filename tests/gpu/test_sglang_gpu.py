@@ -6,14 +6,14 @@
 - the time of one in-place swap per GB (bf16, 512 MB buckets, CUDA IPC);
 - per-sample seeds (``enable_deterministic_inference``, which the CPU engine lacks): a prompt's samples
   depend on its seed alone, not on where it sits in the call or on the other prompts.
-Each test appends a JSON line to ``$HYBRIDRL_GPU_REPORT`` (the script prints them as its summary).
+Each test reports one record (``gpu_checks.report``: its line in ``run_all.sh --full``'s table). The
+trainer-level checks with the sglang engine (Transformer Engine's spec, offload, a real-size model) are
+the ``sglang`` cases of ``test_grpo_tiny_gpu.py`` and ``test_qwen2_1p5b_gpu.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_checks import report  # tests/gpu is on sys.path under pytest
 from rollout.sglang_probes import SERVER_ARGS, parameter_storage  # tests/ is on sys.path (tests/conftest.py)
 from safetensors.torch import load_file
 
@@ -39,13 +40,6 @@ pytestmark = [
 ]
 KEY = "actor_rollout_ref.rollout.engine_kwargs"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-
-
-def report(**record: Any) -> None:
-    print("GPU-REPORT", json.dumps(record))
-    if path := os.environ.get("HYBRIDRL_GPU_REPORT"):
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def build(path: Path, **kw: Any) -> Any:
@@ -92,7 +86,7 @@ def test_colocated_swap_with_memory_saver(small: tuple[Path, Path]) -> None:
         swap_s = time.perf_counter() - t0
         eng.resume_memory()
         after = eng.generate(PROMPTS, params)
-        assert parameter_storage(eng) == storage  # the memory saver keeps virtual addresses: in place
+        parameter_storage_kept = parameter_storage(eng) == storage  # the memory saver keeps virtual addresses
     finally:
         eng.shutdown()
     fresh = build(b, dtype="float32")
@@ -101,9 +95,14 @@ def test_colocated_swap_with_memory_saver(small: tuple[Path, Path]) -> None:
     finally:
         fresh.shutdown()
     freed_gb = (free_1 - free_0) / 2**30
-    report(test="colocated_swap_memory_saver", freed_gb=round(freed_gb, 3), swap_s=round(swap_s, 4),
-           max_logprob_diff_vs_fresh=max(abs(x - y) for g, w in zip(after, want, strict=True)
-                                         for x, y in zip(g.logprobs, w.logprobs, strict=False)))
+    diff = max(abs(x - y) for g, w in zip(after, want, strict=True)
+               for x, y in zip(g.logprobs, w.logprobs, strict=False))
+    report(check="sglang_swap_memory_saver",
+           figure=f"release_memory freed {freed_gb:.2f} GiB; swap {swap_s:.3f} s, "
+                  f"{'in place' if parameter_storage_kept else 'NOT in place'}; max |Δ logprob| vs a fresh engine "
+                  f"{diff:.1e}; weight_version {sorted({g.weight_version for g in after})}",
+           freed_gb=round(freed_gb, 3), swap_s=round(swap_s, 4), max_logprob_diff_vs_fresh=diff)
+    assert parameter_storage_kept, "the swap reallocated the engine's parameters (data_ptr changed)"
     assert freed_gb > 0.1, "release_memory freed (almost) nothing with enable_memory_saver"
     assert [g.token_ids for g in after] == [g.token_ids for g in want]
     assert all(abs(x - y) <= 1e-4 for g, w in zip(after, want, strict=True)
@@ -132,8 +131,11 @@ def test_swap_time_per_gb(tmp_path: Path) -> None:
     finally:
         eng.shutdown()
     median = statistics.median(times[1:])  # the first includes warm-up
-    report(test="swap_time_per_gb", gb=round(gb, 3), seconds=[round(t, 4) for t in times],
-           seconds_per_gb=round(median / gb, 4), engine_start_s=round(start_s, 1))
+    report(check="sglang_swap_time_per_gb",
+           figure=f"{median / gb:.3f} s per GiB ({gb:.2f} GiB bf16 in {median:.3f} s, median of swaps 2-4); "
+                  f"engine start {start_s:.0f} s",
+           gb=round(gb, 3), seconds=[round(t, 4) for t in times], seconds_per_gb=round(median / gb, 4),
+           engine_start_s=round(start_s, 1))
     assert {g.weight_version for g in out} == {4}
 
 
@@ -147,8 +149,10 @@ def test_per_sample_seeds_fix_each_prompts_samples(small: tuple[Path, Path]) -> 
         other = [g.token_ids for g in eng.generate(PROMPTS, params, seeds=[21, 22, 23])]
     finally:
         eng.shutdown()
-    report(test="per_sample_seeds", same_when_moved=moved == first[4:] + first[2:4] + first[:2],
-           same_with_fewer_prompts=fewer == first[2:])
+    same_moved, same_fewer = moved == first[4:] + first[2:4] + first[:2], fewer == first[2:]
+    report(check="sglang_per_sample_seeds",
+           figure=f"same samples when a prompt moves: {same_moved}; with fewer prompts: {same_fewer}",
+           same_when_moved=same_moved, same_with_fewer_prompts=same_fewer)
     assert moved == first[4:] + first[2:4] + first[:2]  # prompt-major, n=2 per prompt
     assert fewer == first[2:]
     assert first[0] != first[1]  # the samples of one prompt differ
