@@ -1,30 +1,54 @@
-"""Save and resume an RL run: atomic, reshardable checkpoints.
+"""Save and resume an RL run: atomic, reshardable checkpoints that a crash never leaves half-trusted.
 
-Layout of ``<trainer.output_dir>/checkpoints/step_<k>/``:
-- ``megatron/``: actor model + optimizer in Megatron's ``dist_checkpointing`` format (every rank
+Layout of ``<trainer.output_dir>/checkpoints/``:
+- ``step_<k>/megatron/``: actor model + optimizer in Megatron's ``dist_checkpointing`` format (every rank
   writes its shards in parallel; loading at another TP/PP/VPP/DP layout reshards; the vocab rows are
   saved with Megatron's ``allow_shape_mismatch`` so a TP-dependent vocab padding does not matter). The
   distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: per parameter, in
   model space, like the plain optimizer's, so it loads at any DP size;
-- ``trainer_state.pt``: step, weight version, LR scheduler, data-sampler position;
-- ``rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
-- ``hf/``: config.json, generation config and tokenizer of the model (``export-hf`` needs nothing else),
-  plus the actor's full weights as safetensors when ``trainer.save_hf_weights`` (a ready HF checkpoint);
-- ``config.yaml``: the resolved run config.
+- ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler position, data-sampler position;
+- ``step_<k>/rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
+- ``step_<k>/hf/``: config.json, generation config and tokenizer of the model (``export-hf`` needs nothing
+  else), plus the actor's full weights as safetensors when ``trainer.save_hf_weights``;
+- ``step_<k>/config.yaml``: the resolved run config (resume compares its optimizer settings);
+- ``step_<k>/manifest.json``: every file's size (and SHA-256 of the small ones), written last;
+- ``latest``: the name of the newest committed checkpoint, written after it is in place;
+- ``abandoned-<time>/``: checkpoints that are not this run's history, moved aside (see below).
 
-Atomicity: everything is written to ``.tmp_step_<k>`` and renamed to ``step_<k>`` by rank 0 only after
-every rank has finished, so a crash (even SIGKILL) mid-save leaves the previous checkpoints intact
-and ``resume=auto`` (which only looks at ``step_*``) never picks a partial one. Stale ``.tmp_*`` dirs
-are removed at the next save.
+Commit protocol (rank 0, after every rank has written): manifest → fsync of every file and directory →
+rename ``.tmp_step_<k>`` to ``step_<k>`` (a re-saved step: the old one is renamed aside first and removed
+only after the new one is in) → fsync of ``checkpoints/`` → ``latest`` (written to a temporary file,
+fsynced, renamed) → retention. A SIGKILL at any moment leaves the previous committed checkpoint intact.
+
+``resume=auto`` takes the checkpoint ``latest`` names (without ``latest``: the newest ``step_*``); if its
+manifest does not match its files it warns and falls back to the next older complete one. A ``step_*``
+newer than ``latest`` was never committed and is not used. Only complete checkpoints are trusted;
+loading reads pickles (``torch.load(weights_only=True)`` here, Megatron's own metadata upstream), so a
+checkpoint directory is trusted input.
+
+History: at start, checkpoints that are not the resumed run's history — those newer than the resumed
+step, or all of them with ``resume=never`` or a resume from another directory — are moved (never
+deleted) into ``checkpoints/abandoned-<time>/``, so ``resume=auto`` afterwards follows the new line.
+Retention (``trainer.max_checkpoints_to_keep``) deletes only complete checkpoints older than the one
+just committed.
+
+Changed settings on resume: the optimizer and LR-schedule settings always come from this run's config
+(Megatron's ``override_opt_param_scheduler``): a changed ``actor_rollout_ref.actor.optim.*`` value or
+``trainer.total_training_steps`` (the LR decay length) is applied from the saved step and logged; a
+changed ``optim.optimizer`` (and ``megatron.use_distributed_optimizer``), whose saved state the other
+optimizer can't take, is an error naming the key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
-from dataclasses import asdict
+import time
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +58,21 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from hybridrl.config.schema import RLConfig
+from hybridrl import host_group
+from hybridrl.config.schema import OptimConfig, RLConfig
 from hybridrl.hf_checkpoint import copy_side_files, save_hf_checkpoint
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.model import unwrap_model
 from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.tracking import say
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_HASHED_BYTES = 8 << 20  # files up to this size get a SHA-256 in the manifest (state, RNG, config, metadata)
+_SCRATCH = (".tmp_step_*", ".old_step_*", ".deleting_step_*")  # left by a crash; removed at the next save
 
 
 def checkpoint_root(cfg: RLConfig) -> Path:
@@ -50,26 +80,150 @@ def checkpoint_root(cfg: RLConfig) -> Path:
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """The ``step_<k>`` directories under ``root`` (complete or not: see :func:`checkpoint_problem`), oldest first."""
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(found)
 
 
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# --- completeness -------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (None: it is): no manifest, or a file missing, of another
+    size or (small files) another SHA-256 than the manifest says."""
+    if not path.is_dir():
+        return "no such directory"
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        entries = [(rel, int(e["bytes"]), e.get("sha256")) for rel, e in files.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST}: its save did not finish, or a hybridrl without manifests wrote it"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for rel, size, sha in entries:
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {MANIFEST} says {size}"
+        if sha is not None and _sha256(f) != sha:
+            return f"{rel} does not match its SHA-256 in {MANIFEST}"
+    return None
+
+
+def _read_latest(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    return name if _STEP_DIR.match(name) else None
+
+
+def latest_complete(root: Path) -> Path | None:
+    """The checkpoint ``resume=auto`` takes: the committed one (``latest``; without it the newest), or the
+    next older complete one, with a warning for each skipped."""
+    dirs = step_dirs(root)
+    pointer = _read_latest(root)
+    if pointer is not None:
+        committed = int(pointer.removeprefix("step_"))
+        uncommitted = [p.name for s, p in dirs if s > committed]
+        if uncommitted:
+            say(f"warning: {root}: {', '.join(uncommitted)} newer than {LATEST} ({pointer}) were never committed; "
+                "not resuming from them")
+        if not (root / pointer).is_dir():
+            say(f"warning: {root / LATEST} names {pointer}, which is missing; falling back to an older checkpoint")
+        dirs = [(s, p) for s, p in dirs if s <= committed]
+    for _, path in reversed(dirs):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        say(f"warning: not resuming from {path}: {problem}; falling back to the previous complete checkpoint")
+    return None
+
+
 def resolve_resume(cfg: RLConfig) -> Path | None:
-    """``trainer.resume``: ``never`` → None; ``auto`` → newest complete checkpoint (or None); else a path."""
+    """``trainer.resume``: ``never`` → None; ``auto`` → :func:`latest_complete` (or None); else a path,
+    which must be a complete checkpoint."""
     mode = cfg.trainer.resume
     if mode == "never":
         return None
     if mode == "auto":
-        dirs = step_dirs(checkpoint_root(cfg))
-        return dirs[-1][1] if dirs else None
+        return latest_complete(checkpoint_root(cfg))
     path = Path(mode)
-    if not (path / "trainer_state.pt").is_file():
+    if (problem := checkpoint_problem(path)) is not None:
         raise FileNotFoundError(f"trainer.resume={mode!r}: {path} is not a complete hybridrl checkpoint "
-                                f"(no trainer_state.pt); valid: auto, never, or a checkpoints/step_<k> dir")
+                                f"({problem}); valid: auto, never, or a checkpoints/step_<k> dir")
     return path
+
+
+def resume_point(cfg: RLConfig) -> Path | None:
+    """Collective, at start: ``trainer.resume`` resolved once (rank 0), and the checkpoints in
+    ``trainer.output_dir`` that are not this run's history moved aside (:func:`set_aside_other_histories`)."""
+    box: list[Any] = [None, None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            path = resolve_resume(cfg)
+            set_aside_other_histories(checkpoint_root(cfg), resumed=path)
+            box = [None if path is None else str(path), None]
+        except (OSError, ValueError) as e:
+            error, box = e, [None, str(e)]
+    dist.broadcast_object_list(box, src=0, group=host_group.get())
+    if error is not None:
+        raise error
+    if box[1] is not None:
+        raise RuntimeError(f"rank 0: {box[1]}")
+    return None if box[0] is None else Path(box[0])
+
+
+def set_aside_other_histories(root: Path, *, resumed: Path | None) -> Path | None:
+    """Move every ``step_*`` under ``root`` that is not ``resumed``'s history — newer than ``resumed`` when it
+    lies in ``root``, else all — into ``root/abandoned-<time>/`` (returned; None if nothing moved), and point
+    ``latest`` at ``resumed`` (removed when it lies elsewhere or is None)."""
+    ours = resumed is not None and resumed.resolve().parent == root.resolve() and bool(_STEP_DIR.match(resumed.name))
+    upto = int(resumed.name.removeprefix("step_")) if ours and resumed is not None else -1
+    stray = [p for s, p in step_dirs(root) if s > upto]
+    dest = None
+    if stray:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = root / f"abandoned-{stamp}"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = root / f"abandoned-{stamp}-{n}"
+        dest.mkdir()
+        for p in stray:
+            os.rename(p, dest / p.name)
+        _fsync_dir(dest)
+        _fsync_dir(root)
+        why = (f"newer than the resumed {resumed.name}" if ours and resumed is not None
+               else "not the history of this run (trainer.resume=never)" if resumed is None
+               else f"not the history of this run (it resumes {resumed})")
+        say(f"moved {', '.join(p.name for p in stray)} ({why}) aside to {dest}; resume=auto follows this run "
+            "from now on (delete that directory when it is no longer needed)")
+    if ours and resumed is not None:
+        if _read_latest(root) != resumed.name:
+            _write_latest(root, resumed.name)
+    else:
+        (root / LATEST).unlink(missing_ok=True)
+    return dest
+
+
+# --- saving -------------------------------------------------------------------------------------
 
 
 def _model_state(policy: MegatronPolicy) -> dict[str, Any]:
@@ -104,8 +258,12 @@ def _model_and_optimizer_state(policy: MegatronPolicy, *, loading: bool) -> dict
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
+    """Tensors and plain Python values only, so it loads with ``torch.load(weights_only=True)``."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state = {"python": random.getstate(),
+             "numpy": {"kind": kind, "key": torch.from_numpy(np.asarray(key, dtype=np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -113,7 +271,9 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
@@ -123,11 +283,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_version: int,
                     sampler_state: dict[str, int], model_dir: str) -> Path:
     root = checkpoint_root(cfg)
-    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    final, tmp = root / _step_name(step), root / f".tmp_{_step_name(step)}"
     rank = dist.get_rank()
     if rank == 0:
-        for stale in root.glob(".tmp_step_*") if root.is_dir() else []:
-            shutil.rmtree(stale)
+        remove_scratch(root)
         (tmp / "rng").mkdir(parents=True)
         (tmp / "megatron").mkdir()
     dist.barrier()
@@ -139,25 +298,96 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
                     "sampler": sampler_state, "world_size": dist.get_world_size()}, tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
     if cfg.trainer.save_hf_weights:  # collective: every rank streams, rank 0 writes
-        save_hf_checkpoint(policy.export_weights(bucket_bytes=512 << 20), tmp / "hf", source_dir=model_dir)
+        save_hf_checkpoint(policy.export_weights(bucket_bytes=512 << 20), tmp / "hf", source_dir=model_dir,
+                           key="trainer.save_hf_weights")
     elif rank == 0:
         (tmp / "hf").mkdir()
         copy_side_files(model_dir, tmp / "hf")
-    dist.barrier()
+    dist.barrier()  # every rank's files are closed: rank 0 commits
     if rank == 0:
-        if final.exists():  # a re-run of the same step: replace only now that the new one is whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _prune(root, keep=cfg.trainer.max_checkpoints_to_keep)
+        commit(tmp, final, step=step, keep=cfg.trainer.max_checkpoints_to_keep)
     dist.barrier()
     return final
 
 
-def _prune(root: Path, *, keep: int) -> None:
+def remove_scratch(root: Path) -> None:
+    """Delete what an interrupted save or commit left (``.tmp_step_*``, ``.old_step_*``, ``.deleting_step_*``)."""
+    for pattern in _SCRATCH:
+        for stale in root.glob(pattern) if root.is_dir() else []:
+            shutil.rmtree(stale)
+
+
+def commit(tmp: Path, final: Path, *, step: int, keep: int) -> None:
+    """Make the fully written ``tmp`` the checkpoint ``final`` (see the module docstring), then apply
+    retention. Every step leaves a state that :func:`latest_complete` resolves to a complete checkpoint."""
+    root = final.parent
+    _write_manifest(tmp, step=step)
+    old = root / f".old_{final.name}"
+    if final.exists():  # a re-saved step: the old one goes only once the new one is in place
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_latest(root, final.name)
+    if old.exists():
+        shutil.rmtree(old)
+    _prune(root, newest=step, keep=keep)
+
+
+def _write_manifest(d: Path, *, step: int) -> None:
+    """Record every file under ``d`` (size; SHA-256 up to ``_HASHED_BYTES``), fsyncing files and directories.
+
+    Rank 0 fsyncs every rank's files: on one node that flushes them all; on a shared file system each
+    writer's data is already on the server when it closes the file (NFS close-to-open, Lustre, GPFS)."""
+    files: dict[str, dict[str, Any]] = {}
+    for dirpath, _, names in os.walk(d):
+        for name in sorted(names):
+            path = Path(dirpath) / name
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+            entry: dict[str, Any] = {"bytes": size}
+            if size <= _HASHED_BYTES:
+                entry["sha256"] = _sha256(path)
+            files[path.relative_to(d).as_posix()] = entry
+        _fsync_dir(Path(dirpath))
+    with (d / MANIFEST).open("w") as f:
+        json.dump({"format": 1, "step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(d)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    with tmp.open("w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, *, newest: int, keep: int) -> None:
+    """Keep ``keep`` checkpoints counting ``newest``: delete complete ones older than it beyond that; never a
+    newer or an incomplete one (``keep`` 0 keeps all)."""
     if keep <= 0:
         return
-    for _, path in step_dirs(root)[:-keep]:
-        shutil.rmtree(path)
+    older = [p for s, p in step_dirs(root) if s < newest and checkpoint_problem(p) is None]
+    for path in older[:max(len(older) - (keep - 1), 0)]:
+        doomed = root / f".deleting_{path.name}"
+        os.rename(path, doomed)  # never a half-deleted step_* on disk
+        shutil.rmtree(doomed)
+
+
+# --- loading ------------------------------------------------------------------------------------
 
 
 def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
@@ -173,17 +403,52 @@ def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
                          f"optimizer can't load; resume with {key}={was}")
 
 
-def load_checkpoint(path: Path, *, policy: MegatronPolicy) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+_OPTIM = "actor_rollout_ref.actor.optim"
+# the settings resume compares; every one is applied from the saved step except those in _FIXED
+RESUME_SETTINGS = (*(f"{_OPTIM}.{f.name}" for f in fields(OptimConfig)), "trainer.total_training_steps")
+_FIXED = {f"{_OPTIM}.optimizer": "its saved state (e.g. Adam's moments) does not fit another optimizer"}
+
+
+def changed_settings(saved: DictConfig, cfg: RLConfig, *, path: Path) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, this run's value)`` for each of :data:`RESUME_SETTINGS` that differs between the
+    checkpoint's config and ``cfg``; raises ``ValueError`` naming a key that can't change on resume."""
+    now = OmegaConf.create(asdict(cfg))
+    changes = [(k, OmegaConf.select(saved, k), OmegaConf.select(now, k)) for k in RESUME_SETTINGS]
+    changes = [(k, old, new) for k, old, new in changes if old != new]
+    for key, old, new in changes:
+        if key in _FIXED:
+            raise ValueError(f"{key}={new}: {path} was saved with {key}={old} and {_FIXED[key]}; resume with "
+                             f"{key}={old}, or start a new run (trainer.resume=never)")
+    return changes
+
+
+def load_checkpoint(path: Path, *, cfg: RLConfig, policy: MegatronPolicy) -> dict[str, Any]:
+    """Restore model, optimizer state, the scheduler's position and this rank's RNG; return the trainer state.
+
+    Optimizer and LR-schedule *settings* are this run's (``cfg``), applied from the saved step: the
+    checkpoint's param groups (lr, betas, eps, …) and schedule are replaced by the configured ones."""
     _check_optimizer_kind(path, policy)
+    changes = changed_settings(OmegaConf.load(path / "config.yaml"), cfg, path=path)  # type: ignore[arg-type]
+    assert policy.optimizer is not None and policy.scheduler is not None
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
     sharded = _model_and_optimizer_state(policy, loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "megatron"))
     _load_model_state(policy, loaded["model"])
-    assert policy.optimizer is not None and policy.scheduler is not None
     policy.optimizer.load_state_dict(loaded["optimizer"])
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    policy.scheduler.load_state_dict(state["scheduler"])
+    for group, settings in zip(policy.optimizer.param_groups, configured, strict=True):
+        group.update(settings)  # the loaded groups carry the saved max_lr, betas, eps, …: this run's win
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    scheduler = policy.scheduler
+    saved_decay = state["scheduler"]["lr_decay_steps"]
+    # Megatron's semantics: the schedule's shape from the config, only its position from the checkpoint
+    scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+    scheduler.load_state_dict(state["scheduler"])
+    if changes or saved_decay != scheduler.lr_decay_steps:
+        shown = "; ".join(f"{k}: {old} → {new}" for k, old, new in changes)
+        say(f"resume from {path}: changed settings applied from optimizer step {scheduler.num_steps}: {shown}"
+            f"{'; ' if shown else ''}LR decay over {scheduler.lr_decay_steps} optimizer steps (saved: {saved_decay}); "
+            f"the learning rate is now {policy.optimizer.param_groups[0]['lr']:.4g}")
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if state["world_size"] == dist.get_world_size() and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     return state

@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("export-hf", help="write a training checkpoint's actor as an HF checkpoint")
     sp.add_argument("ckpt", help="<trainer.output_dir>/checkpoints/step_<k>")
-    sp.add_argument("out", help="output directory (written atomically)")
+    sp.add_argument("out", help="output directory (written atomically); must be new, empty, or an earlier export "
+                                "to the same path, and outside CKPT")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace OUT even if it holds other files (they are deleted once the export is in place)")
     sp.set_defaults(fn=_export_hf)
     return p
 

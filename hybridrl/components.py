@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hybridrl.algorithms.actor_objective import ActorObjective
-from hybridrl.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from hybridrl.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.collate import PromptBatch
@@ -24,6 +24,7 @@ from hybridrl.interfaces import AdvantageEstimator, RewardManager
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
+from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
 
@@ -58,6 +59,7 @@ class Components:
             yield collate_prompts([self.val_dataset[i] for i in idx], idx, pad_token_id=self.loader.pad_token_id)
 
     def save(self, step: int) -> None:
+        self.hybrid.actor_offload.reload()  # the checkpoint reads every state kind (an eval may have offloaded)
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
                                weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
@@ -72,6 +74,8 @@ class Components:
 def build_components(cfg: RLConfig, plan: Plan) -> Components:
     aor = cfg.actor_rollout_ref
     init_parallel(parallel_config(aor.actor.megatron), timeout_s=cfg.trainer.dist_timeout_s)
+    hold_output_dir(cfg.trainer.output_dir)  # before anything is written: a second run on it fails here
+    resume_from = resume_point(cfg)  # checkpoints that are not this run's history are moved aside
     seed_everything(cfg.trainer.seed)
     model_path = aor.model.path
     say(f"world {dist.get_world_size()}: actor {plan.roles['actor']}; loading {model_path}")
@@ -89,10 +93,9 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     resume_step = 0
-    resume_from = resolve_resume(cfg)
     if resume_from is not None:
         say(f"resuming from {resume_from}")
-        state = load_checkpoint(resume_from, policy=hybrid.actor)
+        state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor)
         loader.load_state_dict(state["sampler"])
         hybrid.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
         resume_step = state["step"]

@@ -107,7 +107,9 @@ def fit_sft(cfg: SFTConfig) -> dict[str, float]:
                                                   max_response_length=d.max_response_length)
         tracker.log(metrics, step=step)
     say(f"SFT: saving the HF checkpoint to {t.save_path}")
-    save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path)
+    save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
+                       key="trainer.save_path", overwrite=t.overwrite_save_path,
+                       overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path])
     tracker.close()
     return metrics
 

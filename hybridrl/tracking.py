@@ -1,7 +1,8 @@
 """Metrics to console / jsonl / wandb / tensorboard, and a progress line with rate and ETA.
 
 Only rank 0 logs. ``metrics.jsonl`` gets one JSON object per step with ``step``; on resume, lines of
-steps after the resume point are dropped first, so the file always describes one consistent run.
+steps after the resume point are dropped first, so the file always describes one consistent run; a
+fresh run moves an earlier run's file aside (``metrics.<time>.jsonl``) instead of emptying it.
 wandb honours ``WANDB_MODE``; with neither ``WANDB_MODE`` nor an API key it runs offline (files under
 ``<output_dir>/wandb``) rather than failing on a machine without network.
 """
@@ -28,11 +29,23 @@ class _Backend(Protocol):
 
 
 class JsonlBackend:
+    """``metrics.jsonl``: one JSON object per line. A fresh run (``resume_step`` 0) moves an existing file
+    aside to ``metrics.<time>.jsonl``; a resumed one keeps the lines up to ``resume_step``, dropping a torn
+    last line (a crash mid-write) with a warning. Any other unreadable line is an error naming it."""
+
     def __init__(self, path: Path, *, resume_step: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # keep the lines up to the resume point only
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        if resume_step == 0 and path.exists() and path.stat().st_size:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+            old = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+            n = 1
+            while old.exists():
+                n += 1
+                old = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+            os.replace(path, old)
+            say(f"{path} is from an earlier run: moved to {old}")
+        elif path.exists():  # keep the lines up to the resume point only
+            kept = [line for line, row in _read_rows(path) if row.get("step", 0) <= resume_step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -44,6 +57,29 @@ class JsonlBackend:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, object)`` for each non-blank line; a torn last line is dropped with a warning."""
+    lines = path.read_bytes().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for i, raw in enumerate(lines[:last + 1]):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON object expected, got {type(row).__name__}")
+        except (UnicodeDecodeError, ValueError) as e:
+            if i == last:  # the write a crash interrupted
+                say(f"warning: {path}:{i + 1}: dropping the torn last line ({type(e).__name__}: {e})")
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON object per line ({type(e).__name__}: {e}); "
+                             "fix or move the file to resume") from None
+        rows.append((line, row))
+    return rows
 
 
 class WandbBackend:

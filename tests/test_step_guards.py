@@ -168,3 +168,40 @@ def test_non_finite_weights_stop_before_a_sync_or_save() -> None:
             require_finite([torch.ones(3), torch.tensor([1.0, float("inf")])], what="the actor's weights")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step(tmp_path: Path) -> None:
+    """fp32 Adam would step on NaN gradients; the policy skips the step, keeps the weights and the LR schedule."""
+    from hybridrl.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=64)
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent / "parallel" / "workers")!r})
+from rl_step import fixed_batch
+from transformers import AutoConfig
+from hybridrl.config.plan import MicroBatching
+from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
+from hybridrl.megatron.policy import MegatronPolicy
+init_parallel(ParallelConfig())
+seed_everything(1)
+hf = AutoConfig.from_pretrained({str(model)!r})
+batch = fixed_batch(hf.vocab_size, hf.pad_token_id)
+policy = MegatronPolicy(model_dir={str(model)!r}, megatron=MegatronConfig(), optim=OptimConfig(lr=1e-2),
+                        total_steps=4, pad_token_id=hf.pad_token_id)
+before = [p.detach().clone() for p in policy.parameters()]
+def nan_loss(logp, ent, mb, *, normalizer):
+    return (logp * float("nan")).sum() / normalizer, {{}}
+m = policy.train_step(batch, nan_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
+assert m["update_skipped"] == 1.0, m
+assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters())), "weights changed"
+def ok_loss(logp, ent, mb, *, normalizer):
+    return -(logp * mb.response_mask).sum() / normalizer, {{}}
+m = policy.train_step(batch, ok_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
+assert m["update_skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+print("OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

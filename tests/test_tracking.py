@@ -58,3 +58,35 @@ def test_wandb_offline_without_network(tmp_path: Path, monkeypatch: pytest.Monke
     t.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_resume_drops_a_torn_last_line_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 11: a crash mid-write left half a line and the resume died (JSONDecodeError) after loading
+    the models and the engine."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.2}\n{"step": 3, "rew')
+    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    Tracker(cfg, config={}, rank=0, resume_step=2).close()
+    assert f"warning: {path}:3: dropping the torn last line" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [b'{"step": 2, "rew\n', b'{"step": 2, "note": "\xff"}\n'])
+def test_an_unreadable_line_in_the_middle_is_an_error_naming_file_and_line(tmp_path: Path, bad: bytes) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n' + bad + b'{"step": 3}\n')
+    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    with pytest.raises(ValueError, match=f"{path}:2: not a JSON object per line"):
+        Tracker(cfg, config={}, rank=0, resume_step=3)
+
+
+def test_a_fresh_run_moves_the_earlier_runs_metrics_aside(tmp_path: Path) -> None:
+    """Issue 11: a fresh run (no resume) in a reused output dir emptied the previous run's metrics."""
+    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    for run in range(2):
+        t = Tracker(cfg, config={}, rank=0)
+        t.log({"reward/mean": float(run)}, step=1)
+        t.close()
+    [old] = tmp_path.glob("metrics.*.jsonl")
+    assert json.loads(old.read_text())["reward/mean"] == 0.0
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward/mean"] == 1.0

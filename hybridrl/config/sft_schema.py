@@ -34,6 +34,9 @@ class SFTTrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
     save_path: str = "outputs/sft/hf"  # the HF checkpoint written at the end
+    # replace whatever is at save_path (default: refuse a non-empty directory that is not an earlier
+    # hybridrl snapshot written to this same path)
+    overwrite_save_path: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
