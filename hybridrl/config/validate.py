@@ -314,7 +314,7 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
     _check_tracking(t, issues)
     if not planning and (problem := output_dir_problem(t.output_dir)) is not None:
-        issues.add("trainer.output_dir", t.output_dir, problem)
+        issues.add("trainer.output_dir", t.output_dir, problem.removeprefix(f"trainer.output_dir={t.output_dir!r} "))
     if t.save_every < 0:
         issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
     if t.max_checkpoints_to_keep < 0:
