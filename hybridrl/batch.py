@@ -135,6 +135,14 @@ class RolloutBatch:
         meta = [m for b in batches for m in b.meta]
         return cls(**tensors, meta=meta, pad_token_id=first.pad_token_id)  # type: ignore[arg-type]
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """This batch with every tensor on ``device`` (``self`` when they already are there)."""
+        device = torch.device(device)
+        tensors = {n: v for n, v in self._tensors().items() if v is not None}
+        if all(v.device == device for v in tensors.values()):
+            return self
+        return dataclasses.replace(self, **{n: v.to(device) for n, v in tensors.items()})
+
     def _tensors(self) -> dict[str, torch.Tensor | None]:
         return {n: getattr(self, n) for n in (*self.PROMPT_FIELDS, *self.RESPONSE_FIELDS, *self.SAMPLE_FIELDS)}
 

@@ -85,10 +85,12 @@ class ActorRolloutRef:
         """PPO epochs over mini-batches of this DP rank's samples; one metrics dict per optimizer step."""
         a, b = self.config.actor, self.plan.batch
         self.actor_offload.reload()
+        batch = batch.to(self.actor.device)  # once for all epochs and mini-batches
         gen = torch.Generator().manual_seed(seed)
         steps = []
         for _ in range(b.ppo_epochs):
             order = torch.randperm(len(batch), generator=gen) if a.shuffle else torch.arange(len(batch))
+            order = order.to(batch.prompt_ids.device)
             for mini in batch.index(order).split(b.mini_batch_samples_per_dp_rank):
                 steps.append(self.actor.train_step(mini, self.objective, batching=b.update,
                                                    loss_agg_mode=a.loss_agg_mode,

@@ -129,3 +129,16 @@ def test_mismatched_sizes_name_the_field() -> None:
     with pytest.raises(ValueError, match="meta has 1 entries, expected B=2"):
         dataclasses.replace(batch, meta=batch.meta[:1])
 
+
+
+def test_to_moves_every_present_tensor_once_and_keeps_the_rest() -> None:
+    batch = make_batch([2, 3, 1], [2, 3, 3], with_scores=True)
+    assert batch.to("cpu") is batch  # already there: no copy (train_step calls it on a moved batch)
+    moved = batch.to("meta")  # a second device on a CPU-only machine
+    for name, value in moved._tensors().items():
+        original = getattr(batch, name)
+        assert (value is None) == (original is None), name
+        if value is not None:
+            assert value.device.type == "meta" and value.shape == original.shape and value.dtype == original.dtype
+    assert moved.meta == batch.meta and moved.pad_token_id == batch.pad_token_id
+    assert batch.prompt_ids.device.type == "cpu"  # the original is untouched

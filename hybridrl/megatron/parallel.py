@@ -89,6 +89,13 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 1800.0) -> Non
     host_group.create(timeout_s=timeout_s)
 
 
+def rank_device() -> torch.device:
+    """This rank's one device, decided once by :func:`init_parallel`: ``cuda:LOCAL_RANK`` on GPU machines
+    (NCCL groups), the CPU otherwise (gloo groups). Model weights and every tensor a policy hands to a
+    Megatron group live there; host-side bookkeeping uses the gloo groups with CPU tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, torch and Megatron's tracked RNG states.
 

@@ -61,7 +61,7 @@ from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
 from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
-from hybridrl.megatron.parallel import ParallelConfig
+from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
@@ -110,6 +110,7 @@ class MegatronPolicy:
         self.parallel = parallel_config(megatron)
         self.pad_token_id = pad_token_id
         self.dtype = TORCH_DTYPES[megatron.dtype]
+        self.device = rank_device()
         chunks = build_model_chunks(self.arch, self.parallel, dtype=megatron.dtype,
                                     overrides=megatron.override_transformer_config)
         load_hf_weights(chunks, self.arch, model_dir)  # cast into the model's dtype
@@ -147,7 +148,7 @@ class MegatronPolicy:
     def _run(self, micros: list[_Micro], loss_fn: Any, *, temperature: float,
              forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
-        masks = {s: causal_attention_mask(s) for _, s in shapes}
+        masks = {s: causal_attention_mask(s, self.device) for _, s in shapes}
         scale = len(micros) * parallel_state.get_data_parallel_world_size()
         # token-budget micro-batches differ in shape: the pipeline then sends each activation's shape first
         self.config.variable_seq_lengths = len(shapes) > 1
@@ -157,7 +158,7 @@ class MegatronPolicy:
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             tokens_BS = mb.rows.tokens_BS
-            position_ids_BS = torch.arange(mb.rows.seq_len)[None].expand_as(tokens_BS)
+            position_ids_BS = torch.arange(mb.rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
             output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
                            attention_mask=masks[mb.rows.seq_len], **fp16_kwargs)
             return output, partial(self._loss, mb, loss_fn, temperature, scale)
@@ -205,13 +206,14 @@ class MegatronPolicy:
         micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
         multiple = math.lcm(8, 2 * self.parallel.context_parallel_size)
         if max_tokens is None:
-            parts = list(torch.arange(len(batch)).split(micro_batch_size))
+            parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
         else:
             if self.parallel.num_model_chunks > 1:  # config validation says so first, naming the keys
                 raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
                                  f"{VPP_DYNAMIC_UNSUPPORTED}")
             lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
-            parts = [torch.tensor(p) for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
+            parts = [torch.tensor(p, device=batch.prompt_ids.device)
+                     for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
         seq_len = padded_seq_len(batch, multiple=multiple)
         out = []
         for index in parts:
@@ -227,30 +229,34 @@ class MegatronPolicy:
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, *, batching: MicroBatching,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group."""
+        """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group, on the host (as
+        the loop's batches are); ``batch`` moves to this rank's device once, here."""
         for chunk in self.chunks:
             chunk.eval()
+        batch = batch.to(self.device)
         micros = self._pad_for_interleaving(self._micro_batches(batch, batching))
         outputs = self._run(micros, None, temperature=temperature, forward_only=True)
         B, T = batch.response_ids.shape
-        both = torch.zeros(2, B, T)
+        both = torch.zeros(2, B, T, device=self.device)
         if parallel_state.is_pipeline_last_stage():
             for mb, out in zip(micros, outputs, strict=True):
                 real = mb.index >= 0
                 both[0, mb.index[real]] = out["logprobs"][real]
                 both[1, mb.index[real]] = out["entropy"][real]
         self._broadcast_from_last_stage(both)
-        mask = batch.response_mask.float()
-        return both[0] * mask, both[1] * mask
+        both = (both * batch.response_mask.float()).cpu()
+        return both[0], both[1]
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, batching: MicroBatching, loss_agg_mode: str,
                    temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over ``batch`` (this DP rank's share of a mini-batch); the loss is aggregated
-        as ``loss_agg_mode`` says over the whole mini-batch (all DP ranks)."""
+        as ``loss_agg_mode`` says over the whole mini-batch (all DP ranks). ``batch`` moves to this rank's
+        device unless it is there already (``ActorRolloutRef.update_actor`` moves the whole batch once)."""
         assert self.optimizer is not None and self.scheduler is not None, "train_step on a frozen model"
         if batching.max_tokens is None and len(batch) % batching.micro_batch_size:
             raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
                              f"micro-batch size {batching.micro_batch_size}")
+        batch = batch.to(self.device)
         normalizer = local_normalizer(batch.response_mask, loss_agg_mode).double()
         dist.all_reduce(normalizer, group=parallel_state.get_data_parallel_group())
         loss = partial(loss_fn, normalizer=normalizer.clamp_min(1).float())
@@ -260,9 +266,13 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         micros = self._micro_batches(batch, batching)
         outputs = self._run(micros, loss, temperature=temperature, forward_only=False)
-        if self._grads_finite():
+        # float16: Megatron's loss scaler finds inf/NaN gradients itself, skips the update and halves the scale
+        # (an overflow is routine there); else a non-finite loss or gradient never reaches the weights
+        # (guards.py): fp32/bf16 Adam would step on it
+        grads_nonfinite = not self.config.fp16 and not self._grads_finite()
+        if not grads_nonfinite:
             ok, grad_norm, _ = self.optimizer.step()  # fp16: False when the loss scaler found an overflow
-        else:  # a non-finite loss or gradient never reaches the weights (guards.py); fp32 Adam would step on it
+        else:
             ok, grad_norm = False, float("nan")
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()  # type: ignore[operator]
@@ -271,7 +281,8 @@ class MegatronPolicy:
         metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["update_skipped"] = float(not ok)
+        metrics["update_skipped"] = float(not ok)  # for any reason, fp16 overflows included
+        metrics["grad_nonfinite"] = float(grads_nonfinite)  # skipped by the non-finite guard (not fp16)
         if self.config.fp16:
             metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
         return metrics
@@ -290,14 +301,14 @@ class MegatronPolicy:
             dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                        group=parallel_state.get_pipeline_model_parallel_group())
         keys = sorted(box[0])
-        vals = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64)
+        vals = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64, device=self.device)
         dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
         total = max(float(vals[-1]), 1.0)
         return {k.removesuffix("_sum"): float(v) / (1.0 if k.endswith("_sum") else total)
                 for k, v in zip(keys, vals[:-1], strict=True)}
 
     @staticmethod
-    def _broadcast_from_last_stage(t: torch.Tensor) -> None:
+    def _broadcast_from_last_stage(t: torch.Tensor) -> None:  # t on the device: the PP group is NCCL on GPUs
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(t, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())

@@ -31,24 +31,27 @@ class PackedRows:
     def response_index_BT(self) -> torch.Tensor:
         """Index into the S-1 next-token predictions of each row for each response token."""
         T = self.response_mask_BT.shape[1]
-        idx_BT = self.prompt_len_B[:, None] - 1 + torch.arange(T)[None, :]
+        idx_BT = self.prompt_len_B[:, None] - 1 + torch.arange(T, device=self.prompt_len_B.device)[None, :]
         return idx_BT.clamp(max=self.seq_len - 2)
 
 
 def pack_rows(batch: RolloutBatch, *, seq_len: int, pad_token_id: int) -> PackedRows:
-    """Left-align ``batch``'s rows into ``[B, seq_len]`` (``seq_len`` ≥ longest prompt + response)."""
+    """Left-align ``batch``'s rows into ``[B, seq_len]`` (``seq_len`` ≥ longest prompt + response), on the
+    batch's device."""
     B, T = batch.response_ids.shape
     prompt_len_B = batch.prompt_mask.sum(-1).long()
     response_len_B = batch.response_mask.sum(-1).long()
     longest = int((prompt_len_B + response_len_B).max()) if B else 0
     if seq_len < max(longest, 2):
         raise ValueError(f"seq_len={seq_len} is shorter than the longest prompt + response ({longest})")
-    tokens_BS = torch.full((B, seq_len), pad_token_id, dtype=torch.long)
+    # row b's real tokens sit at [P - p_b, P + r_b) of prompt ‖ response: shift them to position 0 (one
+    # gather, no per-row loop: no host syncs on a GPU)
     P = batch.prompt_ids.shape[1]
-    for b in range(B):
-        p, r = int(prompt_len_B[b]), int(response_len_B[b])
-        tokens_BS[b, :p] = batch.prompt_ids[b, P - p:]
-        tokens_BS[b, p:p + r] = batch.response_ids[b, :r]
+    both_BL = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    pos_BS = torch.arange(seq_len, device=both_BL.device)[None, :].expand(B, seq_len)
+    src_BS = (pos_BS + (P - prompt_len_B)[:, None]).clamp(max=both_BL.shape[1] - 1)
+    real_BS = pos_BS < (prompt_len_B + response_len_B)[:, None]
+    tokens_BS = torch.where(real_BS, both_BL.gather(1, src_BS), pad_token_id)
     return PackedRows(tokens_BS=tokens_BS, prompt_len_B=prompt_len_B, response_mask_BT=batch.response_mask)
 
 

@@ -236,6 +236,7 @@ def run(checks: list[Check], *, work: Path) -> int:
     report_path.unlink(missing_ok=True)
     env = {**os.environ, WORK_ENV: str(work), REPORT_ENV: str(report_path), "PYTHONUNBUFFERED": "1"}
     env.setdefault("HYBRIDRL_CACHE_DIR", str(work / "cache"))  # grpo_tiny builds its SFT start here once
+    env.setdefault("HYBRIDRL_CHECK_COLLECTIVES", "1")  # every collective: CUDA tensors on NCCL, CPU ones on gloo
     print(f"== GPU checks on {torch.cuda.get_device_name(0)}: torch {torch.__version__}, "
           f"{_versions('megatron-core', 'transformers', 'transformer-engine', 'sglang')}; work dir {work}", flush=True)
 
