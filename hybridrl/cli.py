@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)
+    sp.add_argument("--timeout-s", type=float, default=900.0,
+                    help="stop the verification ranks (all of them) after this many seconds (default 900)")
     sp.add_argument("--bucket-bytes", type=int, default=32 << 20,
                     help="size bound of the weight-export buckets checked by the round trip")
     sp.set_defaults(fn=_verify_model)

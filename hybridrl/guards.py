@@ -77,6 +77,17 @@ def require_finite(tensors: Iterable[torch.Tensor], *, what: str) -> None:
         raise NonFiniteError(f"{cause}; stopping before it reaches the rollout engines or a checkpoint")
 
 
+def update_skip_cause(updates: list[dict[str, float]]) -> str | None:
+    """Why an RL step's actor update counts as skipped, or None: a non-finite loss or gradient caught by the
+    guard in any optimizer step (fp32/bf16), or no optimizer step applied at all (fp16: the loss scaler
+    skipped every one; a single overflow that the scale absorbs is routine and does not count)."""
+    if any(u["grad_nonfinite"] for u in updates):
+        return "an update's loss or gradient norm was not finite"
+    if all(u["update_skipped"] for u in updates):
+        return f"the fp16 loss scaler skipped all {len(updates)} optimizer step(s) (gradient overflow)"
+    return None
+
+
 class SkipCounter:
     """Consecutive and total skipped steps; too many in a row stop the run with the last cause."""
 

@@ -25,6 +25,7 @@ from hybridrl.hf_checkpoint import save_hf_checkpoint
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy, parallel_config
 from hybridrl.metrics import DPMeans
+from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
 
@@ -76,8 +77,9 @@ def validation_loss(policy: MegatronPolicy, val: PromptDataset, tokenizer: PreTr
 
 def fit_sft(cfg: SFTConfig) -> dict[str, float]:
     init_parallel(parallel_config(cfg.megatron))
-    seed_everything(cfg.trainer.seed)
     d, t = cfg.data, cfg.trainer
+    hold_output_dir(t.output_dir)  # before anything is written: a second run on it fails here
+    seed_everything(t.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     dataset = PromptDataset(d.train_files, tokenizer=tokenizer, config=PromptDatasetConfig(
         prompt_key=d.prompt_key, ground_truth_key=d.response_key, apply_chat_template=d.apply_chat_template,

@@ -10,7 +10,7 @@ import torch
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.batch import RolloutBatch
 from hybridrl.components import Components
-from hybridrl.guards import SkipCounter, agree, check_reward_scores, non_finite
+from hybridrl.guards import SkipCounter, agree, check_reward_scores, non_finite, update_skip_cause
 from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
 from hybridrl.rewards.execution import call_with_timeout
@@ -43,8 +43,7 @@ def fit(c: Components) -> dict[str, float]:
                 continue
             with timer("update_actor"):
                 updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
-            skips.record("an update's loss or gradient norm was not finite" if any(
-                u["update_skipped"] for u in updates) else None)
+            skips.record(update_skip_cause(updates))
             with timer("sync_weights"):
                 sync_mb = hybrid.sync_weights()
         metrics = rollout_metrics(batch, scores_B, entropy_BT).reduce() | actor_metrics(updates) | timer.times

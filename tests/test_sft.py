@@ -32,6 +32,28 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"out": out, "saved": saved, "random": tmp / "random", "stdout": Path(proc.stdout)}
 
 
+def test_a_second_run_on_the_same_output_dir_fails_before_writing(sft_run: dict[str, Path]) -> None:
+    """Reproduces: SFT took no lock, so a second run on the output dir rotated the first one's metrics."""
+    from test_run_lock import HOLD
+
+    out, metrics = sft_run["out"], (sft_run["out"] / "metrics.jsonl").read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        proc = subprocess.run([sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_tiny",
+                               f"model.path={sft_run['random']}", f"data.train_files=[{out.parent / 'train.parquet'}]",
+                               f"data.val_files=[{out.parent / 'test.parquet'}]", f"trainer.output_dir={out}",
+                               f"trainer.save_path={out.parent / 'saved_again'}"],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "HYBRIDRL_CACHE_DIR": str(out.parent)})
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    assert f"trainer.output_dir={str(out)!r} is in use by another hybridrl run (pid {holder.pid}" in proc.stderr
+    assert (out / "metrics.jsonl").read_bytes() == metrics and not (out.parent / "saved_again").exists()
+
+
 def test_sft_loss_drops(sft_run: dict[str, Path]) -> None:
     rows = [json.loads(line) for line in (sft_run["out"] / "metrics.jsonl").read_text().splitlines()]
     losses = [r["sft/loss"] for r in rows]

@@ -20,7 +20,14 @@ import pytest
 from test_registry import _pip_install, _write_dist
 from test_train_e2e import TRAIN, base_overrides, tiny  # noqa: F401  (tiny is a fixture)
 
-from hybridrl.guards import NonFiniteError, RewardContractError, SkipCounter, check_reward_scores, non_finite
+from hybridrl.guards import (
+    NonFiniteError,
+    RewardContractError,
+    SkipCounter,
+    check_reward_scores,
+    non_finite,
+    update_skip_cause,
+)
 
 FAULT_REWARD = """
 import os, time
@@ -170,8 +177,19 @@ def test_non_finite_weights_stop_before_a_sync_or_save() -> None:
         dist.destroy_process_group()
 
 
+def test_update_skip_cause_counts_fp16_overflow_only_when_nothing_was_applied() -> None:
+    ok, overflow = {"update_skipped": 0.0, "grad_nonfinite": 0.0}, {"update_skipped": 1.0, "grad_nonfinite": 0.0}
+    guarded = {"update_skipped": 1.0, "grad_nonfinite": 1.0}
+    assert update_skip_cause([ok, ok]) is None
+    assert update_skip_cause([overflow, ok]) is None  # the scale halved, the next step applied: routine
+    assert update_skip_cause([overflow, overflow]) == ("the fp16 loss scaler skipped all 2 optimizer step(s) "
+                                                       "(gradient overflow)")
+    assert update_skip_cause([ok, guarded]) == "an update's loss or gradient norm was not finite"
+
+
 def test_a_non_finite_gradient_skips_the_optimizer_step(tmp_path: Path) -> None:
-    """fp32 Adam would step on NaN gradients; the policy skips the step, keeps the weights and the LR schedule."""
+    """fp32 Adam would step on NaN gradients; the policy skips the step, keeps the weights and the LR schedule.
+    Under float16 Megatron's loss scaler skips it instead (and halves the scale); the guard stays out of its way."""
     from hybridrl.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=64)
@@ -194,12 +212,25 @@ before = [p.detach().clone() for p in policy.parameters()]
 def nan_loss(logp, ent, mb, *, normalizer):
     return (logp * float("nan")).sum() / normalizer, {{}}
 m = policy.train_step(batch, nan_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
-assert m["update_skipped"] == 1.0, m
+assert m["update_skipped"] == 1.0 and m["grad_nonfinite"] == 1.0, m
 assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters())), "weights changed"
 def ok_loss(logp, ent, mb, *, normalizer):
     return -(logp * mb.response_mask).sum() / normalizer, {{}}
 m = policy.train_step(batch, ok_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
 assert m["update_skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+# float16: the loss scaler, not the guard, handles it: the update is skipped and the scale drops
+fp16 = MegatronPolicy(model_dir={str(model)!r}, megatron=MegatronConfig(dtype="float16"), optim=OptimConfig(lr=1e-2),
+                      total_steps=4, pad_token_id=hf.pad_token_id)
+before = [p.detach().clone() for p in fp16.parameters()]
+scales = []
+for _ in range(2):  # Megatron's hysteresis (2): the second overflow in a row halves the scale
+    m = fp16.train_step(batch, nan_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
+    assert m["update_skipped"] == 1.0 and m["grad_nonfinite"] == 0.0, m
+    scales.append(m["loss_scale"])
+assert scales == [2.0**16, 2.0**15], scales
+assert all(torch.equal(a, b) for a, b in zip(before, fp16.parameters())), "weights changed"
+m = fp16.train_step(batch, ok_loss, batching=MicroBatching(micro_batch_size=8), loss_agg_mode="token-mean")
+assert m["update_skipped"] == 0.0 and m["loss_scale"] == 2.0**15, m
 print("OK")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,

@@ -12,9 +12,11 @@ given).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,12 +85,38 @@ def run_verification(
             *[str(d) for d in model_dirs],
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, check=False)
-        if proc.returncode != 0 or not report.is_file():
-            raise VerifyError(f"the {tp * pp} verification rank(s) failed (exit code {proc.returncode}); "
+        returncode = _run_process_group(cmd, env=env, timeout_s=timeout_s)
+        if returncode is None:
+            raise VerifyError(f"the {tp * pp} verification rank(s) did not finish within --timeout-s {timeout_s:g}; "
+                              "they were stopped (raise --timeout-s for a large checkpoint)")
+        if returncode != 0 or not report.is_file():
+            raise VerifyError(f"the {tp * pp} verification rank(s) failed (exit code {returncode}); "
                               "see their output above")
         reports = json.loads(report.read_text())
         return [ModelReport(**{**r, "buckets": [tuple(b) for b in r["buckets"]]}) for r in reports]
+
+
+def _run_process_group(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> int | None:
+    """Run ``cmd`` (torchrun) as the leader of its own process group; its exit code, or None after
+    ``timeout_s`` — then the whole group (torchrun *and* the ranks it spawned) gets SIGTERM, and SIGKILL
+    5 s later. Killing only torchrun, as ``subprocess.run(timeout=)`` does, leaves the ranks running."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            if grace is not None:
+                time.sleep(grace)
+        proc.wait()
+        return None
+    except BaseException:  # Ctrl-C here: the ranks go too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def main(args: argparse.Namespace) -> int:
@@ -99,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"verify-model: {len(model_dirs)} checkpoint(s) on {args.tp * args.pp} rank(s) "
               f"(tp={args.tp}, pp={args.pp}{vpp}), {args.batch}×{args.seq_len} tokens", flush=True)
         reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, vpp=args.vpp, seq_len=args.seq_len,
-                                   batch=args.batch, bucket_bytes=args.bucket_bytes)
+                                   batch=args.batch, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout_s)
     except (VerifyError, ValueError) as e:
         print(f"verify-model: error: {e}", file=sys.stderr)
         return 2

@@ -103,6 +103,33 @@ def test_cli_prints_the_verdict_last(checkpoints: dict[str, Path]) -> None:
     assert match and float(match[1]) <= 1e-5 and match[2] == "exact", lines[-1]
 
 
+def _verify_workers() -> list[str]:
+    """Command lines of the live verify-model ranks on this machine."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"hybridrl.megatron.verify" in argv and b"--worker" in argv:
+            found.append(" ".join(a.decode(errors="replace") for a in argv))
+    return found
+
+
+@pytest.mark.distributed
+def test_timeout_stops_every_rank(checkpoints: dict[str, Path]) -> None:
+    """Reproduces: ``subprocess.run(timeout=)`` killed torchrun only and its 2 ranks kept running."""
+    assert _verify_workers() == []
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridrl.cli", "verify-model", str(checkpoints["qwen3"]), "--tp", "2",
+         "--timeout-s", "4"],  # the ranks are still importing Megatron (~10 s)
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "did not finish within --timeout-s 4; they were stopped" in proc.stderr
+    assert _verify_workers() == []  # the CLI returned after the whole process group was gone
+
+
 def _run_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     return int(args.fn(args))
