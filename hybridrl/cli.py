@@ -39,6 +39,12 @@ def _export_hf(args: argparse.Namespace) -> int:
     return export(args)
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from hybridrl.data.prepare import main as prepare
+
+    return prepare(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridrl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,6 +107,42 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true",
                     help="replace OUT even if it holds other files (they are deleted once the export is in place)")
     sp.set_defaults(fn=_export_hf)
+
+    sp = sub.add_parser(
+        "prepare",
+        help="write a task's data as OUT_DIR/train.parquet and test.parquet in the row layout data.train_files "
+        "reads (prompt, ground_truth, data_source, the source's other columns)",
+    )
+    sp.add_argument("task", choices=["gsm8k", "math", "jsonl"],
+                    help="gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}, or "
+                         "MATH-500's answer column), jsonl (your rows: --question-key, --answer-key)")
+    sp.add_argument("out_dir", help="output directory; must be new or empty unless --overwrite")
+    sp.add_argument("--from", dest="sources", action="append", metavar="[train=|test=]SOURCE",
+                    help="a .jsonl/.parquet file in the dataset's own format or hf://NAME[:CONFIG][:SPLIT]; repeat to "
+                         "concatenate; no prefix: train. Without --from: the task's public dataset (needs network)")
+    sp.add_argument("--test-size", default=None, metavar="N|FRACTION",
+                    help="no test source: split this many train rows (or this fraction) off as the test split")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the --test-size split")
+    template = sp.add_mutually_exclusive_group()
+    template.add_argument("--template", default=None,
+                          help="instruction with a {question} placeholder (default: verl's for gsm8k and math, none "
+                               "for jsonl)")
+    template.add_argument("--no-template", action="store_true", help="the prompt is the raw question")
+    sp.add_argument("--prompt-format", choices=["chat", "text"], default="chat",
+                    help="chat: [{role: user, content: ...}] (default); text: a plain string")
+    sp.add_argument("--question-key", default=None, help="question column (default: question; math: problem)")
+    sp.add_argument("--answer-key", default=None, help="answer column (default: answer; math: solution)")
+    sp.add_argument("--data-source", default=None,
+                    help="the rows' data_source (default: the task name; jsonl: the first source's stem)")
+    sp.add_argument("--hf-name", default=None,
+                    help="dataset loaded without --from (default: openai/gsm8k, DigitalLearningGmbH/MATH-lighteval); "
+                         "a hub id or a local dataset directory")
+    sp.add_argument("--hf-config", default=None, help="its config (default: main for openai/gsm8k)")
+    sp.add_argument("--skip-bad", action="store_true",
+                    help="skip rows whose final answer cannot be extracted (counted in a warning) instead of failing")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty OUT_DIR (replaces train.parquet and test.parquet)")
+    sp.set_defaults(fn=_prepare)
     return p
 
 

@@ -1,12 +1,14 @@
-"""Prompt datasets: rows from parquet/jsonl files → tokenized prompts with their ground truth.
+"""Prompt datasets: rows from parquet/jsonl files or HF datasets → tokenized prompts with their ground truth.
 
 A row's prompt is a string or a list of chat messages (``[{"role": ..., "content": ...}]``, verl's
 layout). With ``apply_chat_template`` and a tokenizer that has a chat template, a string becomes one
 user message and the template is applied with the generation prompt (no extra special tokens are
 added: the template has them). Otherwise a string prompt is tokenized as is, with the tokenizer's
 usual special tokens (e.g. BOS). Keys may be dotted paths into nested columns
-(``reward_model.ground_truth``). Everything is read and tokenized once, at construction; prompts
-longer than ``max_prompt_length`` tokens are dropped with one counted warning.
+(``reward_model.ground_truth``). A row's ``data_source`` column (default: the file's stem) and its other
+columns go to :class:`SampleMeta` (``data_source``, ``extra``). Entries are files or ``hf://`` names (see
+:mod:`hybridrl.data.sources`). Everything is read and tokenized once, at construction; prompts longer
+than ``max_prompt_length`` tokens are dropped with one counted warning.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import SampleMeta
-from hybridrl.data.rows import Row, read_rows
+from hybridrl.data.rows import Row
+from hybridrl.data.sources import read_source, source_stem
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +63,11 @@ class PromptDataset:
         self.use_chat_template = config.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.items: list[PromptItem] = []
         total = 0
-        for path in map(Path, files):
-            for row_no, row in read_rows(path):
+        for source in map(str, files):
+            stem = source_stem(source)
+            for row_no, row in read_source(source):
                 total += 1
-                item = self._item(path, row_no, row)
+                item = self._item(f"{source} row {row_no}", stem, row)
                 if len(item.prompt_ids) <= config.max_prompt_length:
                     self.items.append(item)
         dropped = total - len(self.items)
@@ -83,21 +86,20 @@ class PromptDataset:
     def __getitem__(self, index: int) -> PromptItem:
         return self.items[index]
 
-    def _item(self, path: Path, row_no: int, row: Row) -> PromptItem:
+    def _item(self, where: str, stem: str, row: Row) -> PromptItem:
         cfg = self.config
-        prompt = _lookup(row, cfg.prompt_key, where=f"{path} row {row_no}", config_key="data.prompt_key")
+        prompt = _lookup(row, cfg.prompt_key, where=where, config_key="data.prompt_key")
         ground_truth = None
         if cfg.ground_truth_key is not None:
-            value = _lookup(row, cfg.ground_truth_key, where=f"{path} row {row_no}",
-                            config_key="data.ground_truth_key")
+            value = _lookup(row, cfg.ground_truth_key, where=where, config_key="data.ground_truth_key")
             ground_truth = value if isinstance(value, str) else str(value)
         used = {cfg.prompt_key.split(".")[0], (cfg.ground_truth_key or "").split(".")[0], "data_source"}
         meta = SampleMeta(
             ground_truth=ground_truth,
-            data_source=str(row.get("data_source") or path.stem),
+            data_source=str(row.get("data_source") or stem),
             extra={k: v for k, v in row.items() if k not in used},
         )
-        return PromptItem(prompt_ids=self._tokenize(prompt, where=f"{path} row {row_no}"), meta=meta)
+        return PromptItem(prompt_ids=self._tokenize(prompt, where=where), meta=meta)
 
     def _tokenize(self, prompt: Any, *, where: str) -> list[int]:
         key = self.config.prompt_key
