@@ -20,10 +20,11 @@ from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
 from hybridrl.guards import require_finite
 from hybridrl.hybrid import ActorRolloutRef
-from hybridrl.interfaces import AdvantageEstimator, RewardManager
-from hybridrl.megatron.parallel import init_parallel, seed_everything
+from hybridrl.interfaces import AdvantageEstimator
+from hybridrl.megatron.parallel import init_parallel, rank_device, seed_everything
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
+from hybridrl.rewards.execution import RewardRunner
 from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
@@ -36,7 +37,7 @@ class Components:
     loader: PromptLoader
     val_dataset: PromptDataset | None
     hybrid: ActorRolloutRef
-    reward: RewardManager
+    reward: RewardRunner  # the reward manager, run as reward.* says (thread or workers, time limit, on_error)
     estimator: AdvantageEstimator
     tracker: Tracker
     model_path: str
@@ -67,6 +68,7 @@ class Components:
         say(f"saved checkpoint {path}")
 
     def close(self) -> None:
+        self.reward.close()
         self.hybrid.shutdown()
         self.tracker.close()
 
@@ -79,7 +81,8 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     seed_everything(cfg.trainer.seed)
     model_path = aor.model.path
     say(f"world {dist.get_world_size()}: actor {plan.roles['actor']}; loading {model_path}")
-    tokenizer = AutoTokenizer.from_pretrained(aor.model.tokenizer_path or model_path)
+    tokenizer_path = aor.model.tokenizer_path or model_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     d = cfg.data
     ds_cfg = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.ground_truth_key,
                                  apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length)
@@ -88,8 +91,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id)
-    reward = Registry("reward_managers").build(cfg.reward.name, cfg.reward.kwargs, key="reward.kwargs",
-                                               tokenizer=tokenizer)
+    reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     resume_step = 0

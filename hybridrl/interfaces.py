@@ -87,9 +87,13 @@ class RewardOutput:
 
 @runtime_checkable
 class RewardManager(Protocol):
-    """Scores a batch of decoded responses. Built with ctx: ``tokenizer``.
+    """Scores a batch of decoded responses. Built with ctx: ``tokenizer`` (the policy's) and ``device`` (this
+    rank's: where a reward model runs); a reward takes ``**ctx`` so that later context keys do not break it.
 
-    A reward that can tell a right answer from a wrong one also returns ``correct_B``.
+    A reward that can tell a right answer from a wrong one also returns ``correct_B``. An exception with a
+    ``sample_index`` attribute lets the runner name the sample (:mod:`hybridrl.rewards.execution`). Optional
+    class flag ``overlaps_compute: ClassVar[bool]`` (absent: False): True lets the trainer score while the
+    log-prob passes run — only for rewards that use neither the GPU nor ``torch.distributed``.
     """
 
     Config: ClassVar[type]

@@ -36,6 +36,14 @@ class DPMeans:
 
     def reduce(self) -> dict[str, float]:
         group = parallel_state.get_data_parallel_group_gloo()  # host-side bookkeeping: gloo on any machine
+        # ranks may hold different names (e.g. a data source only in some ranks' shares): reduce the union
+        names_by_rank: list[tuple[list[str], list[str]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names_by_rank, (sorted(self._sums), sorted(self._maxes)), group=group)
+        for sums, maxes in filter(None, names_by_rank):
+            for n in sums:
+                self._sums.setdefault(n, (0.0, 0.0))
+            for n in maxes:
+                self._maxes.setdefault(n, float("-inf"))
         names = sorted(self._sums)
         sums = torch.tensor([v for n in names for v in self._sums[n]], dtype=torch.float64)
         dist.all_reduce(sums, group=group)

@@ -10,10 +10,11 @@ import torch
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.batch import RolloutBatch
 from hybridrl.components import Components
-from hybridrl.guards import SkipCounter, agree, check_reward_scores, non_finite, update_skip_cause
+from hybridrl.eval_metrics import add_sampled_accuracy
+from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
 from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
-from hybridrl.rewards.execution import call_with_timeout
+from hybridrl.rewards.execution import PendingReward
 from hybridrl.tracking import say
 
 
@@ -28,12 +29,14 @@ def fit(c: Components) -> dict[str, float]:
             with timer("gen"):
                 batch = hybrid.generate(next(prompts), sampling_params(c), seed=t.seed * 1_000_003 + step)
             with timer("reward"):
-                scores_B = score(c, batch)
+                pending = c.reward.submit(batch)  # scores during the log-prob passes where the reward allows it
             with timer("old_log_prob"):
                 entropy_BT = hybrid.compute_log_probs(batch)
             if hybrid.ref is not None:
                 with timer("ref"):
                     hybrid.compute_ref_log_probs(batch)
+            with timer("reward"):
+                scores_B, reward_errors = score(batch, pending)
             with timer("adv"):
                 compute_advantages(c, batch)
             if (cause := skip_cause(c, batch)) is not None:  # decided on every rank together: no update, no sync
@@ -46,7 +49,9 @@ def fit(c: Components) -> dict[str, float]:
             skips.record(update_skip_cause(updates))
             with timer("sync_weights"):
                 sync_mb = hybrid.sync_weights()
-        metrics = rollout_metrics(batch, scores_B, entropy_BT).reduce() | actor_metrics(updates) | timer.times
+        m = rollout_metrics(batch, scores_B, entropy_BT)
+        m.total("reward/errors", reward_errors)
+        metrics = m.reduce() | actor_metrics(updates) | timer.times
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
                     "perf/weight_sync_mb": sync_mb}
@@ -64,22 +69,21 @@ def sampling_params(c: Components) -> SamplingParams:
                           max_new_tokens=c.cfg.data.max_response_length)
 
 
-def score(c: Components, batch: RolloutBatch) -> torch.Tensor:
-    """Sequence scores from the reward manager (checked: one float per sample), on each response's last token."""
-    scores_B = reward(c, batch).scores_B
+def score(batch: RolloutBatch, pending: PendingReward) -> tuple[torch.Tensor, int]:
+    """The batch's sequence scores (checked: one float per sample), also put on each response's last token; and how
+    many samples failed to score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
+    scored = pending.result()
+    scores_B = scored.output.scores_B
     last_B = (batch.response_mask.sum(-1) - 1).clamp(min=0)
     scores_BT = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     scores_BT[torch.arange(len(batch)), last_B] = scores_B
     batch.token_level_scores = scores_BT * batch.response_mask
-    return scores_B
+    return scores_B, scored.errors
 
 
 def reward(c: Components, batch: RolloutBatch) -> RewardOutput:
-    """The reward manager's output, within ``reward.timeout_s``, its scores checked (one float per sample)."""
-    r = c.cfg.reward
-    out = call_with_timeout(c.reward, batch, timeout_s=r.timeout_s, what=f"reward.name={r.name!r}")
-    out.scores_B = check_reward_scores(out.scores_B, batch_size=len(batch), reward=r.name)
-    return out
+    """The reward manager's output, run as ``reward.*`` says (time limit, on_error, workers), scores checked."""
+    return c.reward.score(batch).output
 
 
 def skip_cause(c: Components, batch: RolloutBatch) -> str | None:
@@ -114,7 +118,8 @@ def actor_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
 
 
 def evaluate(c: Components) -> dict[str, float]:
-    """Greedy (``rollout.val_kwargs``) accuracy over the whole validation split."""
+    """Accuracy over the whole validation split, sampled as ``rollout.val_kwargs`` says (greedy by default):
+    overall, and mean@n / pass@k per data source (:mod:`hybridrl.eval_metrics`)."""
     v = c.cfg.actor_rollout_ref.rollout.val_kwargs
     params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
                             max_new_tokens=c.cfg.data.max_response_length)
@@ -126,4 +131,5 @@ def evaluate(c: Components) -> dict[str, float]:
         m.add("eval/accuracy", correct_B.sum(), len(batch))
         m.add("eval/reward_mean", out.scores_B.sum(), len(batch))
         m.add("eval/response_length_mean", batch.response_mask.sum(), len(batch))
+        add_sampled_accuracy(m, batch, correct_B, n=v.n)
     return m.reduce()

@@ -156,7 +156,16 @@ class ActorRolloutRefConfig:
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
     name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
-    timeout_s: float | None = 600.0  # scoring one batch on one rank; longer fails the run naming the plugin
+    # one scoring pass over a rank's batch (null: no limit); past it a worker is killed, a thread abandoned and the
+    # run stopped (see hybridrl/rewards/execution.py)
+    timeout_s: float | None = 600.0
+    # a reward call that raises, times out in a worker or crashes it: raise = stop the run naming the plugin, the
+    # sample and the traceback; zero = re-score that part one sample at a time, failing samples score 0.0 and are
+    # counted in reward/errors
+    on_error: str = "raise"
+    # 0: score in a thread of the trainer process; N > 0: in N spawned worker processes (killable; the plugin is
+    # rebuilt in each from reward.name, reward.kwargs and the tokenizer path)
+    num_workers: int = 0
     kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
 
 

@@ -23,10 +23,12 @@ from hybridrl.config.memory import GB
 from hybridrl.config.plan import AOR, Plan, RoleLayout, interleaved_micro_batches_problem, layout_problems
 from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLConfig, TrainerConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
-from hybridrl.data.rows import SUFFIXES as DATA_SUFFIXES
+from hybridrl.data.sources import VALID as VALID_DATA
+from hybridrl.data.sources import is_hf, source_problem
 from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
 from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
+from hybridrl.rewards.execution import config_problems as reward_config_problems
 from hybridrl.run_lock import output_dir_problem
 from hybridrl.tracking import LOGGERS
 
@@ -106,6 +108,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                     before_bootstrap=before_bootstrap)
     _check_trainer(cfg, issues, planning=planning)
     _check_timeouts(cfg, issues)
+    _check_reward(cfg, issues)
     _check_memory(cfg, plan, issues)
     if issues:
         raise ConfigError(list(issues))
@@ -137,6 +140,12 @@ def _check_timeouts(cfg: RLConfig, issues: _Issues) -> None:
         elif value is None or value >= limit:
             issues.add(key, value, f"must be below trainer.dist_timeout_s={limit} (a rank waits in a collective "
                                    f"meanwhile); lower it or raise trainer.dist_timeout_s")
+
+
+def _check_reward(cfg: RLConfig, issues: _Issues) -> None:
+    """``reward.on_error``, ``reward.num_workers``, the overlap flag and the worst-case wait: the runner's rules."""
+    for key, value, message in reward_config_problems(cfg.reward, dist_timeout_s=cfg.trainer.dist_timeout_s):
+        issues.add(key, value, message)
 
 
 def _check_memory(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
@@ -205,6 +214,9 @@ def _check_sampling(cfg: RLConfig, issues: _Issues) -> None:
         if k == 0 or k < -1:
             issues.add(f"{key}{sub}.top_k", k, "must be -1 (off) or ≥ 1")
     issues.positive(f"{key}.val_kwargs.n", r.val_kwargs.n)
+    if r.val_kwargs.n > 1 and r.val_kwargs.temperature == 0:
+        issues.add(f"{key}.val_kwargs.n", r.val_kwargs.n, "several greedy samples of a prompt are identical: set "
+                   f"{key}.val_kwargs.temperature > 0 (e.g. 0.6 or 1.0) for mean@k/pass@k, or n=1")
 
 
 def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues, *, optimizer_steps: int) -> None:
@@ -293,14 +305,19 @@ def _check_data(issues: _Issues, prefix: str, train_files: list[str], val_files:
     if (problem := bootstrap.kind_problem(build, model=False)) is not None:
         issues.add(f"{prefix}.build_if_missing", build, problem)
     if not train_files:
-        issues.add(f"{prefix}.train_files", list(train_files), "needs at least one parquet or jsonl file")
+        issues.add(f"{prefix}.train_files", list(train_files), f"needs at least one entry: {VALID_DATA}")
     built = [train_files[0]] if train_files else []
     built += [val_files[0]] if val_files else []
-    for key, files in ((f"{prefix}.train_files", train_files), (f"{prefix}.val_files", val_files)):
-        for f in files:
+    for name, files in ((f"{prefix}.train_files", train_files), (f"{prefix}.val_files", val_files)):
+        for i, f in enumerate(files):
+            key = f"{name}[{i}]"
             pending = before_bootstrap and f in built and bootstrap.will_build(build, f, model=False)
-            if Path(f).suffix not in DATA_SUFFIXES:
-                issues.add(key, f, f"unsupported file type; valid: {', '.join(DATA_SUFFIXES)}")
+            if (problem := source_problem(f)) is not None:
+                issues.add(key, f, problem)
+            elif is_hf(f):
+                if f in built and build is not None:
+                    issues.add(key, f, f"a HF dataset is read, never built: set {prefix}.build_if_missing=null "
+                                       f"(it is {build!r}) or name a file for it to write")
             elif f in built and (problem := bootstrap.outside_cache_problem(build, f)) is not None:
                 issues.add(key, f, problem)
             elif not Path(f).is_file() and not pending:

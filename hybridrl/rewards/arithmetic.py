@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -28,6 +28,8 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 class ArithmeticReward:
+    overlaps_compute: ClassVar[bool] = True  # pure Python on decoded text: may run beside the log-prob passes
+
     @dataclass(slots=True, kw_only=True)
     class Config:
         correct_score: float = 1.0
@@ -40,7 +42,7 @@ class ArithmeticReward:
             if self.extract not in EXTRACTORS:
                 raise ValueError(f"extract={self.extract!r} is not valid; valid: {list(EXTRACTORS)}")
 
-    def __init__(self, config: Config, *, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, config: Config, *, tokenizer: PreTrainedTokenizerBase, **ctx: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.end_ids = frozenset(tokenizer.all_special_ids)

@@ -12,7 +12,7 @@ The result is multiplied by ``scale``. ``correct_B``: every keyword occurs; per-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +25,8 @@ MODES = ("fraction", "any", "all")
 
 
 class KeywordReward:
+    overlaps_compute: ClassVar[bool] = True  # pure Python on decoded text: may run beside the log-prob passes
+
     @dataclass(slots=True, kw_only=True)
     class Config:
         keywords: list[str]  # at least one non-empty string
@@ -38,7 +40,7 @@ class KeywordReward:
             if self.mode not in MODES:
                 raise ValueError(f"mode={self.mode!r} is not valid; valid: {list(MODES)}")
 
-    def __init__(self, config: Config, *, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, config: Config, *, tokenizer: PreTrainedTokenizerBase, **ctx: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._keywords = [self._fold(k) for k in config.keywords]

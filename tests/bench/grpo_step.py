@@ -52,9 +52,9 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
             timer = Timer()
             with timer("step"):
                 with timer("gen"):
-                    batch = c.hybrid.generate(next(prompts), sampling_params(c, step))
+                    batch = c.hybrid.generate(next(prompts), sampling_params(c), seed=step)
                 with timer("reward"):
-                    score(c, batch)
+                    score(batch, c.reward.submit(batch))
                 with timer("old_log_prob"):
                     c.hybrid.compute_log_probs(batch)
                 with timer("adv"):
