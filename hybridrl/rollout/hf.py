@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from hybridrl.hf_checkpoint import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,8 +52,9 @@ class HFRolloutEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype])
         self.model.to(self.device).eval()
         gen = GenerationConfig.from_model_config(self.model.config)
-        eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
-        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        # generation_config.json's stop ids (a list: e.g. <|im_end|> and <|endoftext|>), as SGLang reads them;
+        # config.json's single eos_token_id let a tiny model run on past <|endoftext|>
+        self.eos_ids: list[int] = eos_token_ids(model_path)
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id: int = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.params = dict(self.model.named_parameters(remove_duplicate=False))

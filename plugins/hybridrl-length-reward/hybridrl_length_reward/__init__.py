@@ -10,7 +10,7 @@ third-party package plugs into hybridrl (see pyproject.toml's entry point).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 
 class LengthReward:
+    overlaps_compute: ClassVar[bool] = True  # no GPU, no collectives: may score while the log-prob passes run
+
     @dataclass(kw_only=True, slots=True)
     class Config:
         target_length: int = 16  # tokens
