@@ -1,11 +1,15 @@
 """Build what a recipe needs but nobody has yet: synthetic data and start models (no model hub here).
 
 ``data.build_if_missing: arithmetic`` writes the arithmetic task's splits to ``data.train_files[0]``
-(and ``data.val_files[0]``); ``model.build_if_missing: tiny`` writes a random tiny model (the
-architecture below) and ``sft:<recipe>`` runs that SFT recipe with ``trainer.save_path`` set to the
-model path. It builds only inside the hybridrl cache (``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``),
-where the tiny recipes point: a path elsewhere that does not exist is the user's (a typo, a model not
-downloaded yet) and is reported as a config error naming its key, never filled with a toy model.
+(and ``data.val_files[0]``); ``gsm8k_tiny`` writes synthetic word problems in GSM8K's own format
+(:mod:`hybridrl.data.synthetic_gsm8k`) and prepares them as ``hybridrl prepare gsm8k --from`` does.
+``model.build_if_missing: tiny`` writes a random tiny model (the architecture below) with a char
+tokenizer, ``tiny_bpe`` the same with a byte-level BPE tokenizer trained here on the synthetic GSM8K
+text (:mod:`hybridrl.models.bpe_tokenizer`), and ``sft:<recipe>`` runs that SFT recipe with
+``trainer.save_path`` set to the model path. It builds only inside the hybridrl cache
+(``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``), where the tiny recipes point: a path elsewhere
+that does not exist is the user's (a typo, a model not downloaded yet) and is reported as a config error
+naming its key, never filled with a toy model.
 Results are cached: a path that exists is used as is, except a model this module built
 from an SFT recipe that has changed since (``hybridrl_build.json`` records a hash of the recipe and
 of the tiny-model/task settings below): that one is rebuilt, so a cached warm start never silently
@@ -34,6 +38,8 @@ from hybridrl.tracking import say
 
 TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_positions=256, tie=True, seed=0)
 ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
+GSM8K_TINY = dict(num_train=2000, num_test=64, seed=0)
+TINY_BPE = dict(vocab_size=512, corpus_rows=2000, seed=0)  # BPE trained on this many synthetic GSM8K rows
 BUILD_INFO = "hybridrl_build.json"  # in a model folder this module built: what it was built from
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
@@ -41,15 +47,15 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
-DATA_KINDS = ("arithmetic",)
-MODEL_KINDS = ("tiny", "sft:<recipe>")
+DATA_KINDS = ("arithmetic", "gsm8k_tiny")
+MODEL_KINDS = ("tiny", "tiny_bpe", "sft:<recipe>")
 
 
 def kind_problem(kind: str | None, *, model: bool) -> str | None:
     """Why ``build_if_missing=kind`` is not a known build (None: it is, or nothing is to be built)."""
     if kind is None:
         return None
-    known = (kind == "tiny" or kind.startswith("sft:")) if model else kind in DATA_KINDS
+    known = (kind in ("tiny", "tiny_bpe") or kind.startswith("sft:")) if model else kind in DATA_KINDS
     return None if known else f"valid: {', '.join(MODEL_KINDS if model else DATA_KINDS)} (or null)"
 
 
@@ -72,12 +78,13 @@ def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) 
     if (problem := kind_problem(kind, model=False)) is not None:
         raise ValueError(f"data.build_if_missing={kind!r}: {problem}")
     if not train_files:
-        raise ValueError("data.build_if_missing=arithmetic needs data.train_files to name the file to write")
+        raise ValueError(f"data.build_if_missing={kind} needs data.train_files to name the file to write")
     targets = [Path(train_files[0])] + ([Path(val_files[0])] if val_files else [])
     for key, path in zip(("data.train_files", "data.val_files"), targets, strict=False):
         if (problem := outside_cache_problem(kind, str(path))) is not None:
             raise ValueError(f"{key}: {path}: {problem}")
-    _once(targets, lambda: write_arithmetic_task(*targets))
+    write = write_arithmetic_task if kind == "arithmetic" else write_gsm8k_tiny_task
+    _once(targets, lambda: write(*targets))
 
 
 def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
@@ -93,6 +100,42 @@ def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
         tmp.rename(path)
 
 
+def write_gsm8k_tiny_task(train: Path, test: Path | None = None) -> None:
+    """``GSM8K_TINY`` synthetic rows in GSM8K's format, prepared (chat prompts with GSM8K's instruction,
+    ``ground_truth``, ``data_source=gsm8k``, the worked solution kept as ``answer``) into ``train``/``test``."""
+    from hybridrl.data.prepare import PrepareConfig, prepare
+    from hybridrl.data.rows import write_rows
+    from hybridrl.data.synthetic_gsm8k import gsm8k_like_rows
+
+    say(f"writing the synthetic GSM8K-format task ({GSM8K_TINY}) to {train}" + (f", {test}" if test else ""))
+    n_train = int(GSM8K_TINY["num_train"])
+    rows = gsm8k_like_rows(n_train + int(GSM8K_TINY["num_test"]), seed=int(GSM8K_TINY["seed"]))
+    work = train.with_name(f".gsm8k-tiny.tmp-{os.getpid()}")
+    try:
+        sources = {"train": [str(write_rows(rows[:n_train], work / "source" / "train.jsonl"))],
+                   "test": [str(write_rows(rows[n_train:], work / "source" / "test.jsonl"))]}
+        prepare(work / "prepared", PrepareConfig(task="gsm8k", sources=sources))
+        if test is not None:
+            (work / "prepared" / "test.parquet").rename(test)
+        (work / "prepared" / "train.parquet").rename(train)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def make_tiny_bpe_model(out: Path) -> None:
+    """``TINY_MODEL`` with a BPE tokenizer (``TINY_BPE``) trained on synthetic GSM8K text."""
+    from hybridrl.data.synthetic_gsm8k import gsm8k_like_rows
+    from hybridrl.models.bpe_tokenizer import train_bpe_tokenizer
+    from hybridrl.models.tiny import make_tiny_model
+
+    rows = gsm8k_like_rows(int(TINY_BPE["corpus_rows"]), seed=int(TINY_BPE["seed"]) + 1)  # not the data's rows
+    corpus = [f"{r['question']} Let's think step by step and output the final answer after \"####\".\n"
+              f"{r['answer']}" for r in rows]
+    tokenizer = train_bpe_tokenizer(corpus, vocab_size=int(TINY_BPE["vocab_size"]),
+                                    model_max_length=int(TINY_MODEL["max_positions"]))
+    make_tiny_model(out, tokenizer=tokenizer, **TINY_MODEL)  # type: ignore[arg-type]
+
+
 def ensure_model(kind: str | None, path: str) -> None:
     if kind is None:
         return
@@ -101,13 +144,17 @@ def ensure_model(kind: str | None, path: str) -> None:
     if (problem := outside_cache_problem(kind, path)) is not None:
         raise ValueError(f"actor_rollout_ref.model.path={path!r}: {problem}")
     out = Path(path)
-    if kind == "tiny":
+    if kind in ("tiny", "tiny_bpe"):
         def build() -> None:
             from hybridrl.models.tiny import make_tiny_model
 
-            say(f"making a random tiny model {TINY_MODEL} at {out}")
+            what = "a char tokenizer" if kind == "tiny" else f"a BPE tokenizer {TINY_BPE} trained on synthetic GSM8K"
+            say(f"making a random tiny model {TINY_MODEL} with {what} at {out}")
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-            make_tiny_model(tmp, **TINY_MODEL)  # type: ignore[arg-type]
+            if kind == "tiny":
+                make_tiny_model(tmp, **TINY_MODEL)  # type: ignore[arg-type]
+            else:
+                make_tiny_bpe_model(tmp)
             tmp.rename(out)
     elif kind.startswith("sft:"):
         recipe = kind.removeprefix("sft:")
@@ -140,7 +187,7 @@ def _sft_build_key(recipe: str) -> str:
     """Hash of what an SFT-built start model depends on: the recipe file and the tiny settings here."""
     path = recipes_dir() / "recipe" / f"{recipe}.yaml"
     text = path.read_text() if path.exists() else recipe
-    return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}\n{GSM8K_TINY}\n{TINY_BPE}".encode()).hexdigest()[:16]
 
 
 def _stale_build(out: Path, key: str) -> bool:

@@ -4,7 +4,8 @@
 char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model. Weights are
 drawn here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the
 transformers version: every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator,
-norms = 1, biases = 0.
+norms = 1, biases = 0. ``make_tiny_reward_model`` writes the same family's one-label
+``*ForSequenceClassification`` (a reward model).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any, Literal
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
 )
@@ -78,12 +82,14 @@ def make_tiny_model(
     max_positions: int = 512,
     tie: bool = True,
     seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Path:
-    """Write a random-weight HF checkpoint with a char tokenizer to ``out_dir``; return its path."""
+    """Write a random-weight HF checkpoint with ``tokenizer`` (default: the char tokenizer) to ``out_dir``;
+    return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens."""
     spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                          intermediate=intermediate, vocab=vocab, max_positions=max_positions,
                          tie=tie, seed=seed)
-    tokenizer = make_char_tokenizer(model_max_length=spec.max_positions)
+    tokenizer = tokenizer or make_char_tokenizer(model_max_length=spec.max_positions)
     n_tokens = len(tokenizer)
     if spec.vocab == "chars":
         vocab_size = n_tokens
@@ -123,6 +129,34 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def make_tiny_reward_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: Arch = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Write a random-weight reward model, ``<Arch>ForSequenceClassification`` with one label, to ``out_dir``.
+
+    The config and tokenizer are :func:`make_tiny_model`'s (its ``pad_token_id`` is what transformers
+    pools the score at: the last non-pad token); the weights, score head included, are drawn as
+    :func:`init_weights` does."""
+    out = make_tiny_model(out_dir, arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                          max_positions=max_positions, tie=False, seed=seed, tokenizer=tokenizer)
+    config = AutoConfig.from_pretrained(out)
+    config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    init_weights(model, seed=seed)
+    (out / "generation_config.json").unlink(missing_ok=True)  # a classifier does not generate
+    model.save_pretrained(out)  # replaces the causal LM's config.json and model.safetensors
     return out
 
 
