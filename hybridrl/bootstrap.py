@@ -187,7 +187,10 @@ def _sft_build_key(recipe: str) -> str:
     """Hash of what an SFT-built start model depends on: the recipe file and the tiny settings here."""
     path = recipes_dir() / "recipe" / f"{recipe}.yaml"
     text = path.read_text() if path.exists() else recipe
-    return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}\n{GSM8K_TINY}\n{TINY_BPE}".encode()).hexdigest()[:16]
+    # the settings of the builds the recipe names (so a change to one task does not rebuild the other's models)
+    extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE))
+                    if kind in text)
+    return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}{extra}".encode()).hexdigest()[:16]
 
 
 def _stale_build(out: Path, key: str) -> bool:

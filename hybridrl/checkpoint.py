@@ -6,7 +6,7 @@ Layout of ``<trainer.output_dir>/checkpoints/``:
   saved with Megatron's ``allow_shape_mismatch`` so a TP-dependent vocab padding does not matter). The
   distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: per parameter, in
   model space, like the plain optimizer's, so it loads at any DP size;
-- ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler position, data-sampler position;
+- ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler position, data-sampler position, KL-controller β;
 - ``step_<k>/rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
 - ``step_<k>/hf/``: config.json, generation config and tokenizer of the model (``export-hf`` needs nothing
   else), plus the actor's full weights as safetensors when ``trainer.save_hf_weights``;
@@ -281,7 +281,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_version: int,
-                    sampler_state: dict[str, int], model_dir: str) -> Path:
+                    sampler_state: dict[str, int], model_dir: str,
+                    kl_ctrl_state: dict[str, float] | None = None) -> Path:
     root = checkpoint_root(cfg)
     final, tmp = root / _step_name(step), root / f".tmp_{_step_name(step)}"
     rank = dist.get_rank()
@@ -295,7 +296,8 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
     if rank == 0:
         assert policy.scheduler is not None
         torch.save({"step": step, "weight_version": weight_version, "scheduler": policy.scheduler.state_dict(),
-                    "sampler": sampler_state, "world_size": dist.get_world_size()}, tmp / "trainer_state.pt")
+                    "sampler": sampler_state, "kl_ctrl": kl_ctrl_state, "world_size": dist.get_world_size()},
+                   tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
     if cfg.trainer.save_hf_weights:  # collective: every rank streams, rank 0 writes
         save_hf_checkpoint(policy.export_weights(bucket_bytes=512 << 20), tmp / "hf", source_dir=model_dir,

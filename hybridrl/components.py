@@ -11,6 +11,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hybridrl.algorithms.actor_objective import ActorObjective
+from hybridrl.algorithms.kl_controller import KLController
+from hybridrl.algorithms.rollout_correction import RolloutCorrection
 from hybridrl.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
@@ -39,13 +41,15 @@ class Components:
     hybrid: ActorRolloutRef
     reward: RewardRunner  # the reward manager, run as reward.* says (thread or workers, time limit, on_error)
     estimator: AdvantageEstimator
+    kl_ctrl: KLController  # β of algorithm.use_kl_in_reward (saved with checkpoints)
     tracker: Tracker
     model_path: str
     resume_step: int = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
 
     def prompts(self) -> Iterator[PromptBatch]:
-        """Each step's whole prompt batch (the same on every rank), epoch after epoch (resumable through
-        ``loader``); the rollout hands each rank its DP share of the samples."""
+        """Each step's whole prompt batch (the same on every rank; under ``algorithm.filter_groups`` each
+        generation round's), epoch after epoch (resumable through ``loader``); the rollout hands each rank its
+        DP share of the samples."""
         while True:
             yield from self.loader
 
@@ -64,6 +68,7 @@ class Components:
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
                                weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
+                               kl_ctrl_state=self.kl_ctrl.state_dict(),
                                model_dir=self.model_path)
         say(f"saved checkpoint {path}")
 
@@ -87,25 +92,28 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     ds_cfg = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.ground_truth_key,
                                  apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length)
     train = PromptDataset(d.train_files, config=ds_cfg, tokenizer=tokenizer)
-    loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=d.train_batch_size, shuffle=d.shuffle,
+    loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=plan.batch.prompts_per_generation,
+                                                       shuffle=d.shuffle,
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
-    resume_step = 0
+    kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
         state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor)
         loader.load_state_dict(state["sampler"])
         hybrid.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
         resume_step = state["step"]
+        if state.get("kl_ctrl") is not None:  # else saved without one: β starts again at kl_ctrl.kl_coef
+            kl_ctrl.load_state_dict(state["kl_ctrl"])
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     tracker = Tracker(cfg.trainer, config=_flat(dataclasses.asdict(cfg)), rank=dist.get_rank(),
                       resume_step=resume_step)
     return Components(cfg=cfg, plan=plan, tokenizer=tokenizer, loader=loader, val_dataset=val,
-                      hybrid=hybrid, reward=reward, estimator=estimator, tracker=tracker,
+                      hybrid=hybrid, reward=reward, estimator=estimator, kl_ctrl=kl_ctrl, tracker=tracker,
                       model_path=model_path, resume_step=resume_step)
 
 
@@ -114,7 +122,9 @@ def actor_objective(cfg: RLConfig) -> ActorObjective:
     policy_loss = Registry("policy_losses").build(cfg.algorithm.policy_loss, cfg.algorithm.policy_loss_kwargs,
                                                   key="algorithm.policy_loss_kwargs")
     return ActorObjective(policy_loss=policy_loss, loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
-                          use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
+                          use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+                          norm_constant=cfg.data.max_response_length,
+                          rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:

@@ -13,11 +13,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from hybridrl.algorithms.rollout_correction import ratio_extremes
 from hybridrl.batch import RolloutBatch
 
 
 class DPMeans:
-    """Means (and maxima) whose numerators and denominators are summed over the DP group."""
+    """Means (and maxima, minima) whose numerators and denominators are summed over the DP group."""
+
+    _MIN = "\0min:"  # a minimum is reduced as the maximum of its negation under this prefix
 
     def __init__(self) -> None:
         self._sums: dict[str, tuple[float, float]] = {}
@@ -33,6 +36,9 @@ class DPMeans:
 
     def max(self, name: str, value: float | torch.Tensor) -> None:
         self._maxes[name] = max(self._maxes.get(name, float("-inf")), float(value))
+
+    def min(self, name: str, value: float | torch.Tensor) -> None:
+        self.max(self._MIN + name, -float(value))
 
     def reduce(self) -> dict[str, float]:
         group = parallel_state.get_data_parallel_group_gloo()  # host-side bookkeeping: gloo on any machine
@@ -52,7 +58,8 @@ class DPMeans:
         max_names = sorted(self._maxes)
         maxes = torch.tensor([self._maxes[n] for n in max_names], dtype=torch.float64)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        out |= {n: float(v) for n, v in zip(max_names, maxes, strict=True)}
+        out |= {n.removeprefix(self._MIN): -float(v) if n.startswith(self._MIN) else float(v)
+                for n, v in zip(max_names, maxes, strict=True)}
         return out
 
 
@@ -72,6 +79,9 @@ def rollout_metrics(batch: RolloutBatch, scores_B: torch.Tensor, entropy_BT: tor
         diff_BT = (batch.rollout_logprobs - batch.old_logprobs).abs() * mask_BT
         m.add("rollout/logprob_abs_diff", diff_BT.sum(), tokens)
         m.max("rollout/logprob_abs_diff_max", diff_BT.max())
+        ratio_max, ratio_min = ratio_extremes(batch.old_logprobs, batch.rollout_logprobs, mask_BT)
+        m.max("rollout_corr/ratio_max", ratio_max)  # π_old/π_rollout over tokens: the mismatch's extremes
+        m.min("rollout_corr/ratio_min", ratio_min)
     if batch.advantages is not None:
         m.add("critic/advantages_mean", (batch.advantages * mask_BT).sum(), tokens)
     m.total("perf/tokens", tokens + batch.prompt_mask.sum())

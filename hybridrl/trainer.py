@@ -5,16 +5,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from hybridrl import dynamic_sampling
 from hybridrl.algorithms.kl import kl_penalty
+from hybridrl.algorithms.masked import masked_mean
 from hybridrl.batch import RolloutBatch
 from hybridrl.components import Components
+from hybridrl.data.collate import PromptBatch
 from hybridrl.eval_metrics import add_sampled_accuracy
 from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
 from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
 from hybridrl.rewards.execution import PendingReward
+from hybridrl.rewards.overlong import overlong_penalty_B
 from hybridrl.tracking import say
 
 
@@ -26,19 +32,16 @@ def fit(c: Components) -> dict[str, float]:
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
         with timer("step"):
-            with timer("gen"):
-                batch = hybrid.generate(next(prompts), sampling_params(c), seed=t.seed * 1_000_003 + step)
-            with timer("reward"):
-                pending = c.reward.submit(batch)  # scores during the log-prob passes where the reward allows it
+            batch, pending, sampled = rollout(c, prompts, timer, seed=t.seed * 1_000_003 + step)
             with timer("old_log_prob"):
                 entropy_BT = hybrid.compute_log_probs(batch)
             if hybrid.ref is not None:
                 with timer("ref"):
                     hybrid.compute_ref_log_probs(batch)
             with timer("reward"):
-                scores_B, reward_errors = score(batch, pending)
+                scores_B, reward_errors = score(batch, pending, overlong_penalty_B(c.cfg, batch.response_mask))
             with timer("adv"):
-                compute_advantages(c, batch)
+                adv_metrics = compute_advantages(c, batch)
             if (cause := skip_cause(c, batch)) is not None:  # decided on every rank together: no update, no sync
                 skips.record(cause)
                 say(f"step {step} skipped: {cause}")
@@ -51,7 +54,7 @@ def fit(c: Components) -> dict[str, float]:
                 sync_mb = hybrid.sync_weights()
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
-        metrics = m.reduce() | actor_metrics(updates) | timer.times
+        metrics = m.reduce() | sampled | adv_metrics | actor_metrics(updates) | timer.times
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
                     "perf/weight_sync_mb": sync_mb}
@@ -69,11 +72,26 @@ def sampling_params(c: Components) -> SamplingParams:
                           max_new_tokens=c.cfg.data.max_response_length)
 
 
-def score(batch: RolloutBatch, pending: PendingReward) -> tuple[torch.Tensor, int]:
-    """The batch's sequence scores (checked: one float per sample), also put on each response's last token; and how
-    many samples failed to score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
+def rollout(c: Components, prompts: Iterator[PromptBatch], timer: Timer, *,
+            seed: int) -> tuple[RolloutBatch, PendingReward, dict[str, float]]:
+    """The step's samples (this rank's DP share), their scores on the way (during the log-prob passes where the
+    reward allows it) and sampling metrics; under ``algorithm.filter_groups``, DAPO's rounds of generation and
+    scoring until the step holds ``data.train_batch_size`` groups with signal (:mod:`hybridrl.dynamic_sampling`)."""
+    if c.cfg.algorithm.filter_groups.enable:
+        return dynamic_sampling.sample(c, prompts, sampling_params(c), timer, seed=seed)
+    with timer("gen"):
+        batch = c.hybrid.generate(next(prompts), sampling_params(c), seed=seed)
+    with timer("reward"):
+        return batch, c.reward.submit(batch), {}
+
+
+def score(batch: RolloutBatch, pending: PendingReward,
+          penalty_B: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The batch's sequence scores (checked: one float per sample) plus ``penalty_B`` (the overlong penalty:
+    :mod:`hybridrl.rewards.overlong`), also put on each response's last token; and how many samples failed to
+    score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
     scored = pending.result()
-    scores_B = scored.output.scores_B
+    scores_B = scored.output.scores_B + (0.0 if penalty_B is None else penalty_B.to(scored.output.scores_B.device))
     last_B = (batch.response_mask.sum(-1) - 1).clamp(min=0)
     scores_BT = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     scores_BT[torch.arange(len(batch)), last_B] = scores_B
@@ -96,17 +114,28 @@ def skip_cause(c: Components, batch: RolloutBatch) -> str | None:
     return agree(cause)
 
 
-def compute_advantages(c: Components, batch: RolloutBatch) -> None:
+def compute_advantages(c: Components, batch: RolloutBatch) -> dict[str, float]:
+    """Token rewards (scores − β·KL when ``use_kl_in_reward``; β then follows ``kl_ctrl``) and advantages."""
     alg = c.cfg.algorithm
+    metrics: dict[str, float] = {}
     assert batch.token_level_scores is not None
     rewards_BT = batch.token_level_scores
     if alg.use_kl_in_reward:  # PPO-style per-token penalty β·KL(π_old ‖ π_ref)
         assert batch.old_logprobs is not None and batch.ref_logprobs is not None
-        rewards_BT = rewards_BT - alg.kl_coef * kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+        kl_BT = kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+        rewards_BT = rewards_BT - c.kl_ctrl.value * kl_BT
+        m = DPMeans()  # the step's KL: mean over all DP ranks' sequences of each one's token mean
+        m.add("actor/reward_kl_penalty", masked_mean(kl_BT, batch.response_mask, dim=-1).sum(), len(batch))
+        m.total("samples", len(batch))
+        step = m.reduce()
+        metrics = {"actor/reward_kl_penalty": step["actor/reward_kl_penalty"],
+                   "actor/reward_kl_penalty_coeff": c.kl_ctrl.value}
+        c.kl_ctrl.update(step["actor/reward_kl_penalty"], n_samples=round(step["samples"]))
     batch.token_level_rewards = rewards_BT * batch.response_mask
     batch.advantages, batch.returns = c.estimator(
         token_rewards_BT=batch.token_level_rewards, response_mask_BT=batch.response_mask.float(),
         group_index_B=batch.group_index, values_BT=batch.values)
+    return metrics
 
 
 def actor_metrics(updates: list[dict[str, float]]) -> dict[str, float]:

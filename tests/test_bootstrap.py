@@ -23,6 +23,18 @@ def test_build_key_follows_the_recipe_text(tmp_path: Path, monkeypatch: pytest.M
     assert _sft_build_key("my_sft") != first
 
 
+def test_build_key_ignores_the_settings_of_builds_the_recipe_does_not_name(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding the GSM8K task's settings to every key rebuilt grpo_tiny's cached arithmetic start model."""
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "arith.yaml").write_text("data:\n  build_if_missing: arithmetic\n")
+    (tmp_path / "recipe" / "gsm.yaml").write_text("model:\n  build_if_missing: tiny_bpe\n")
+    monkeypatch.setattr(bootstrap, "recipes_dir", lambda: tmp_path)
+    arith, gsm = _sft_build_key("arith"), _sft_build_key("gsm")
+    monkeypatch.setattr(bootstrap, "TINY_BPE", {**bootstrap.TINY_BPE, "vocab_size": 1024})
+    assert _sft_build_key("arith") == arith and _sft_build_key("gsm") != gsm
+
+
 def test_stale_only_when_built_here_from_other_inputs(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -104,6 +104,7 @@ m.add("eval/math/mean@4" if rank else "eval/aime/mean@4", 1.0 * rank, 1)  # a so
 m.max("eval/length_max", 3.0 + rank)
 if rank == 0:
     m.max("eval/only_rank0_max", 7.0)
+m.min("eval/ratio_min", 0.5 + rank)
 out = m.reduce()
 if rank == 0:
     print("RESULT " + json.dumps(out))
@@ -119,4 +120,4 @@ def test_dp_reduction_takes_the_union_of_names(torchrun: Any, tmp_path: Path) ->
     proc = torchrun([str(script)], nproc=2)
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert out == {"eval/aime/mean@4": 0.0, "eval/gsm8k/mean@4": 0.5, "eval/math/mean@4": 1.0,
-                   "eval/length_max": 4.0, "eval/only_rank0_max": 7.0}
+                   "eval/length_max": 4.0, "eval/only_rank0_max": 7.0, "eval/ratio_min": 0.5}

@@ -8,6 +8,16 @@ picked by ``actor.kl_loss_type`` (``low_var_kl`` = Schulman's k3, GRPO's choice)
 ``agg`` is ``actor.loss_agg_mode``, normalised by the *mini-batch's* normaliser so micro-batch
 losses add up exactly (see ``loss_agg``). Metrics ending in ``_sum`` are such partial sums and are
 summed (not averaged) over micro-batches and DP ranks by the trainer.
+
+``seq-mean-token-sum-norm`` (Dr. GRPO) divides by the constant ``norm_constant`` (the trainer passes
+``data.max_response_length``) rather than a micro-batch's padded width: the policy loss is run as
+``seq-mean-token-sum`` and divided by it here (the mode is exactly that, and a policy-loss plugin only
+receives a mode and a normaliser), the entropy and KL terms are aggregated with it.
+
+With ``rollout_correction`` (``algorithm.rollout_correction``, see ``rollout_correction``) the detached
+importance weights w = min(π_old/π_rollout, C) multiply the advantages handed to the policy loss (for
+losses linear in A with w > 0 — PPO-clip, dual-clip, GSPO — exactly w times the per-token loss; no
+plugin signature changes) and the rejection mask multiplies the response mask of all three terms.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch
 
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.loss_agg import aggregate
+from hybridrl.algorithms.rollout_correction import RolloutCorrection
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import PolicyLoss
 
@@ -30,22 +41,43 @@ class ActorObjective:
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
+    norm_constant: float | None = None  # C of seq-mean-token-sum-norm; required in that mode
+    rollout_correction: RolloutCorrection | None = None  # None: off (π_old is treated as the sampler)
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.norm_constant or 0) > 0:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} needs norm_constant > 0 "
+                             f"(data.max_response_length), got {self.norm_constant!r}")
 
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
                  normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert mb.old_logprobs is not None and mb.advantages is not None
         mask_BT = mb.response_mask.float()
+        advantages_BT = mb.advantages
+        rc_metrics: dict[str, torch.Tensor] = {}
+        if self.rollout_correction is not None:  # IS weights into A, rejected tokens out of the mask
+            weights_BT, mask_BT, rc_metrics = self.rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mask_BT)
+            advantages_BT = advantages_BT * weights_BT
+        norm = self.loss_agg_mode == "seq-mean-token-sum-norm"
         pg, pg_metrics = self.policy_loss(
-            logprobs_BT=logprobs_BT, old_logprobs_BT=mb.old_logprobs, advantages_BT=mb.advantages,
-            response_mask_BT=mask_BT, loss_agg_mode=self.loss_agg_mode, global_normalizer=normalizer)
-        entropy = aggregate(entropy_BT, mask_BT, self.loss_agg_mode, global_normalizer=normalizer)
+            logprobs_BT=logprobs_BT, old_logprobs_BT=mb.old_logprobs, advantages_BT=advantages_BT,
+            response_mask_BT=mask_BT, loss_agg_mode="seq-mean-token-sum" if norm else self.loss_agg_mode,
+            global_normalizer=normalizer)
+        if norm:
+            assert self.norm_constant is not None
+            pg = pg / self.norm_constant
+        entropy = self._aggregate(entropy_BT, mask_BT, normalizer)
         loss = pg - self.entropy_coeff * entropy if self.entropy_coeff else pg
         metrics = {k: v for k, v in pg_metrics.items() if k != "pg_loss"}
-        metrics |= {"pg_loss_sum": pg.detach(), "entropy_sum": entropy.detach()}
+        metrics |= {"pg_loss_sum": pg.detach(), "entropy_sum": entropy.detach()} | rc_metrics
         if self.use_kl_loss:
             assert mb.ref_logprobs is not None, "use_kl_loss needs ref log-probs in the batch"
             kl_BT = kl_penalty(logprobs_BT, mb.ref_logprobs, self.kl_loss_type)
-            kl = aggregate(kl_BT, mask_BT, self.loss_agg_mode, global_normalizer=normalizer)
+            kl = self._aggregate(kl_BT, mask_BT, normalizer)
             loss = loss + self.kl_loss_coef * kl
             metrics["kl_ref_sum"] = kl.detach()
         return loss, metrics
+
+    def _aggregate(self, x_BT: torch.Tensor, mask_BT: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+        return aggregate(x_BT, mask_BT, self.loss_agg_mode, global_normalizer=normalizer,
+                         norm_constant=self.norm_constant)

@@ -152,6 +152,10 @@ class BatchPlan:
 
     n: int  # samples per prompt
     prompts_per_step: int
+    # prompts per generation round: prompts_per_step, or data.gen_batch_size under algorithm.filter_groups
+    # (rounds repeat until prompts_per_step groups with signal are kept: hybridrl/dynamic_sampling.py)
+    prompts_per_generation: int
+    filter_groups: bool  # algorithm.filter_groups.enable
     dp: int
     ppo_epochs: int
     prompts_per_mini_batch: int
@@ -280,7 +284,9 @@ class Plan:
         lines += [
             f"batch   {b.prompts_per_step} prompts → {b.samples_per_step} samples per step; "
             f"{b.prompts_per_step // b.dp} prompts per DP rank; each engine generates "
-            f"{sorted({len(self.engine_prompts(e.index, b.prompts_per_step)) for e in self.engines})} prompts",
+            f"{sorted({len(self.engine_prompts(e.index, b.prompts_per_generation)) for e in self.engines})} prompts"
+            + (f" per round of {b.prompts_per_generation}, rounds until {b.prompts_per_step} groups with signal "
+               "(algorithm.filter_groups)" if b.filter_groups else ""),
             f"update  {b.mini_batches_per_epoch} mini-batch(es) of {b.samples_per_mini_batch} samples per PPO epoch "
             f"× {b.ppo_epochs} epoch(s) = {b.optimizer_steps_per_rl_step} optimizer step(s) per RL step, "
             f"{b.total_optimizer_steps} in the run; {micro} per optimizer step per DP rank",
@@ -314,7 +320,7 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
     a, d = cfg.actor_rollout_ref.actor, cfg.data
     m, lay = a.megatron, roles["actor"]
     seq = d.max_prompt_length + d.max_response_length
-    engine_prompts = -(-batch.prompts_per_step // max(n_engines, 1))
+    engine_prompts = -(-batch.prompts_per_generation // max(n_engines, 1))
     return estimate_memory(
         model, tp=lay.tp, pp=lay.pp, dp=lay.dp, dtype=m.dtype if m.dtype in BYTES else "float32",
         distributed_optimizer=m.use_distributed_optimizer, optimizer=a.optim.optimizer, ref="ref" in roles,
@@ -411,7 +417,10 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
                                      if dynamic else None)
     _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
-    return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
+    filter_groups = cfg.algorithm.filter_groups.enable
+    per_round = d.gen_batch_size if filter_groups and d.gen_batch_size is not None else d.train_batch_size
+    return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), prompts_per_generation=max(per_round, 1),
+                     filter_groups=filter_groups, dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
                      prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
                      total_steps=max(cfg.trainer.total_training_steps, 1), update=update,
                      old_log_prob=passes["rollout"], ref_log_prob=passes["ref"])

@@ -154,6 +154,17 @@ class ActorRolloutRefConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): a response longer than
+    data.max_response_length − len loses up to penalty_factor of its score, linearly over the last len
+    tokens (``hybridrl/rewards/overlong.py``)."""
+
+    enable: bool = False
+    len: int = 0  # L_cache: tokens before data.max_response_length where the penalty ramps from 0 to −1
+    penalty_factor: float = 1.0  # the penalty at data.max_response_length (the paper: 1)
+
+
+@dataclass(kw_only=True, slots=True)
 class RewardConfig:
     name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
     # one scoring pass over a rank's batch (null: no limit); past it a worker is killed, a thread abandoned and the
@@ -167,6 +178,43 @@ class RewardConfig:
     # rebuilt in each from reward.name, reward.kwargs and the tokenizer path)
     num_workers: int = 0
     kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
+
+
+@dataclass(kw_only=True, slots=True)
+class KLControlConfig:
+    """β of the KL-in-reward penalty (``algorithm.use_kl_in_reward``), as verl's ``algorithm.kl_ctrl``;
+    the controller is ``hybridrl/algorithms/kl_controller.py``."""
+
+    type: str = "fixed"  # fixed: β = kl_coef throughout | adaptive: Ziegler et al. 2019's controller
+    kl_coef: float = 0.001  # β (adaptive: its initial value)
+    target_kl: float = 0.1  # adaptive: the KL per token that β steers towards
+    horizon: int = 10000  # adaptive: samples over which β may change by a factor of up to e^±0.2
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Correction of the rollout-engine / trainer mismatch π_old / π_rollout, as verl's
+    ``algorithm.rollout_correction`` (decoupled mode); off while both levels are null. Formulas,
+    papers and deviations: ``hybridrl/algorithms/rollout_correction.py``."""
+
+    rollout_is: str | None = None  # truncated IS weight min(ρ, rollout_is_threshold): token | sequence | null (off)
+    rollout_is_threshold: float = 2.0  # C, the truncation of the IS weight (> 0)
+    rollout_rs: str | None = None  # masked IS, drop tokens / sequences whose ρ leaves the band: token | sequence | null
+    rollout_rs_threshold: float | None = None  # upper edge of the kept band; null: rollout_is_threshold
+    rollout_rs_threshold_lower: float | None = None  # lower edge of the kept band (0: none); null: 1 / upper
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all have the same
+    metric are dropped and further rounds of data.gen_batch_size prompts are generated until
+    data.train_batch_size groups are kept (``hybridrl/dynamic_sampling.py``)."""
+
+    enable: bool = False
+    metric: str = "acc"  # acc (the reward's correct_B; score > 0 without one) | score | seq_reward (+ overlong)
+    # generation rounds per step at most (0: no limit); at the limit the step is filled up with dropped groups
+    max_num_gen_batches: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,9 +223,11 @@ class AlgorithmConfig:
     adv_estimator_kwargs: dict[str, Any] = field(default_factory=dict)
     policy_loss: str = "ppo_clip"  # group hybridrl.policy_losses
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     use_kl_in_reward: bool = False  # PPO-style KL penalty subtracted from token rewards
     kl_penalty: str = "k1"  # estimator for the in-reward KL
-    kl_coef: float = 0.001
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # the coefficient β (verl's keys)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,6 +240,8 @@ class DataConfig:
     max_prompt_length: int = 64  # tokens; longer prompts are dropped (counted warning)
     max_response_length: int = 64  # tokens generated at most
     train_batch_size: int = 8  # prompts per RL step
+    # prompts per generation round under algorithm.filter_groups (null: train_batch_size); unused without it
+    gen_batch_size: int | None = None
     val_batch_size: int = 64
     shuffle: bool = True
     # "arithmetic": write the synthetic task's train/val splits to train_files[0] / val_files[0]

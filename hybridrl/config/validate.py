@@ -17,7 +17,9 @@ from pathlib import Path
 
 from hybridrl import bootstrap
 from hybridrl.algorithms.kl import KL_KINDS
+from hybridrl.algorithms.kl_controller import config_problems as kl_ctrl_problems
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
+from hybridrl.algorithms.rollout_correction import config_problems as rollout_correction_problems
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
 from hybridrl.config.plan import AOR, Plan, RoleLayout, interleaved_micro_batches_problem, layout_problems
@@ -25,10 +27,12 @@ from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLC
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
 from hybridrl.data.sources import VALID as VALID_DATA
 from hybridrl.data.sources import is_hf, source_problem
+from hybridrl.dynamic_sampling import config_problems as dynamic_sampling_problems
 from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
 from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
 from hybridrl.rewards.execution import config_problems as reward_config_problems
+from hybridrl.rewards.overlong import config_problems as overlong_problems
 from hybridrl.run_lock import output_dir_problem
 from hybridrl.tracking import LOGGERS
 
@@ -100,6 +104,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     steps = plan.batch.total_optimizer_steps
     _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     _check_algorithm(cfg, issues)
+    for key, value, message in dynamic_sampling_problems(cfg) + overlong_problems(cfg):  # DAPO's two
+        issues.add(key, value, message)
+    _check_rollout_correction(cfg, issues)
     _check_plugins(cfg, issues)
     _check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
     issues.positive("data.val_batch_size", cfg.data.val_batch_size)
@@ -247,14 +254,24 @@ def _check_algorithm(cfg: RLConfig, issues: _Issues) -> None:
         issues.add("algorithm.kl_penalty", alg.kl_penalty, f"valid: {', '.join(KL_KINDS)}")
     if a.kl_loss_coef < 0:
         issues.add(f"{AOR}.actor.kl_loss_coef", a.kl_loss_coef, "must be ≥ 0")
-    if alg.kl_coef < 0:
-        issues.add("algorithm.kl_coef", alg.kl_coef, "must be ≥ 0")
+    for key, value, message in kl_ctrl_problems(alg.kl_ctrl):
+        issues.add(key, value, message)
+    if alg.kl_ctrl.type != "fixed" and not alg.use_kl_in_reward:
+        issues.add("algorithm.kl_ctrl.type", alg.kl_ctrl.type,
+                   "controls the KL-in-reward coefficient: set algorithm.use_kl_in_reward=true, or type=fixed")
     if cfg.actor_rollout_ref.ref.enable is False:
         kl_terms = ((f"{AOR}.actor.use_kl_loss", a.use_kl_loss), ("algorithm.use_kl_in_reward", alg.use_kl_in_reward))
         for key, on in kl_terms:
             if on:
                 issues.add(key, True, f"a KL term needs the reference model, but {AOR}.ref.enable=false; "
                                       f"enable the ref (or leave it null) or turn the KL term off")
+
+
+def _check_rollout_correction(cfg: RLConfig, issues: _Issues) -> None:
+    # every engine reports the log-prob of each sampled token (``Generation.logprobs`` is part of the
+    # RolloutEngine contract, and the batch builder rejects a missing one), so no engine capability is checked
+    for key, value, message in rollout_correction_problems(cfg.algorithm.rollout_correction):
+        issues.add(key, value, message)
 
 
 def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
@@ -285,6 +302,10 @@ def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
             if cls.needs_group and r.n < 2:
                 issues.add(f"{AOR}.rollout.n", r.n,
                            f"advantage estimator {name!r} compares samples of one prompt: needs rollout.n ≥ 2")
+            agg = getattr(cls, "loss_agg_mode", None)  # an estimator that is right with one aggregation only
+            if agg is not None and cfg.actor_rollout_ref.actor.loss_agg_mode != agg:
+                issues.add(f"{AOR}.actor.loss_agg_mode", cfg.actor_rollout_ref.actor.loss_agg_mode,
+                           f"algorithm.adv_estimator={name!r} needs {AOR}.actor.loss_agg_mode={agg!r}")
             if cls.needs_critic:
                 issues.add(name_key, name, "needs a critic (value model), which this version does not have yet; "
                                            "use a critic-free estimator (grpo, rloo, reinforce_pp)")

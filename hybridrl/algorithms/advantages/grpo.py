@@ -12,7 +12,8 @@ Deviations and choices:
   std is ``sqrt((n-1)/n)`` times this one, so advantages here are slightly smaller in magnitude.
 - ``norm_adv_by_std_in_grpo=False`` drops the division by std (Dr. GRPO, Liu et al. 2025,
   "Understanding R1-Zero-Like Training"); Dr. GRPO's other change, no per-response length
-  normalisation, is the loss aggregation (``loss_agg_mode``), not this estimator.
+  normalisation, is the loss aggregation (``loss_agg_mode``), not this estimator; the estimator
+  ``drgrpo`` is this setting under its own name, checked against the aggregation.
 - A group of identical rewards has std 0 and gets advantage 0 (numerator is 0).
 - A group of one sample gets advantage 0: it has no baseline to compare against. verl instead uses
   mean 0 and std 1 there, i.e. passes the raw reward through.

@@ -17,7 +17,7 @@ Deviations and choices:
 - "Global" means over the batch passed in; on a data-parallel shard the statistics are the shard's.
 - Variance is unbiased (Bessel-corrected), as verl's ``masked_whiten``; with fewer than two response
   tokens in the batch the advantages are 0.
-- The REINFORCE++-baseline variant (group-mean subtraction first) is not implemented here.
+- The REINFORCE++-baseline variant (group-mean subtraction first) is ``reinforce_pp_baseline``.
 """
 
 from __future__ import annotations
