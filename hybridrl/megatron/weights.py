@@ -37,9 +37,11 @@ from hybridrl.megatron.model import unwrap_model
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
+def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch,
+                skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
     """This rank's parameters (over all its model chunks) by canonical name (global layer numbers,
-    local-spec names) with units.
+    local-spec names) with units; parameters whose Megatron name starts with one of ``skip`` are left out
+    (the critic's value head, which no causal-LM tensor fills).
 
     With tied embeddings the last PP stage holds a copy of the embedding as ``output_layer.weight``;
     it maps to ``model.embed_tokens.weight``.
@@ -50,13 +52,16 @@ def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch) -> dict[str, tu
                                             "vocab", None)
     out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
     for chunk in chunks:
-        out.update(_chunk_units(unwrap_model(chunk), arch, units))
+        out.update(_chunk_units(unwrap_model(chunk), arch, units, skip))
     return out
 
 
-def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit]) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
+def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
+                 skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
     out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
     for name, param in gpt.named_parameters():
+        if name.startswith(skip):
+            continue
         canonical = name
         if match := _LAYER.fullmatch(name):
             local, suffix = int(match[1]), match[2]
@@ -70,13 +75,15 @@ def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit]) -> dict[st
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path) -> None:
-    """Fill every parameter of this rank's model chunks from the HF checkpoint (only the slices it needs)."""
+def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path, *,
+                    skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter of this rank's model chunks from the HF checkpoint (only the slices it needs),
+    except those whose Megatron name starts with one of ``skip``."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     padded_vocab = unwrap_model(chunks[0]).vocab_size
     with SafetensorsReader(model_dir) as reader:
-        for name, (unit, param) in local_units(chunks, arch).items():
+        for name, (unit, param) in local_units(chunks, arch, skip).items():
             shard = shard_from_hf(unit, arch, reader.read, tp_rank=tp_rank, tp_size=tp_size,
                                   padded_vocab=padded_vocab)
             if shard.shape != param.shape:

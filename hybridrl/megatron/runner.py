@@ -1,0 +1,314 @@
+"""A Megatron model of the RL loop run through Megatron's schedule: what actor, ref and critic share.
+
+:class:`MegatronRunner` holds this rank's model chunks (one per virtual stage; one without VPP), each
+wrapped in Megatron's DDP under one optimizer and LR scheduler when trainable, frozen otherwise; it cuts a
+DP rank's samples into micro-batches and runs them through Megatron's forward-backward schedule, so PP
+(1F1B, or interleaved 1F1B over VPP model chunks) and gradient accumulation over micro-batches are
+Megatron's. What a model computes from its last stage's output is a *head* (a function of the micro-batch
+and that output returning its loss and metrics): :class:`~hybridrl.megatron.policy.MegatronPolicy` turns
+logits into token log-probs, :class:`~hybridrl.megatron.critic.MegatronCritic` reads values. Results are
+computed on the last pipeline stage and broadcast to the other stages, so every rank of a model-parallel
+group holds the same tensors afterwards (SPMD: the loop has no rank branches). Micro-batches are either
+fixed-size (every row padded to the batch's longest) or, with a token budget, length-grouped and each
+padded to its own longest row (:mod:`dynamic_batch`); shapes then differ between micro-batches and the
+pipeline sends each activation's shape ahead of it.
+
+With CP > 1 each rank feeds its share of the positions (Megatron's load-balanced chunks,
+:mod:`context_parallel`) and the heads gather per-token results back to whole sequences, so every CP rank
+computes the same loss; the gradient of that loss is summed over CP (the schedule's ×CP and DDP's
+1/(DP·CP) cancel to a sum over CP and a mean over DP).
+
+Loss scaling: the schedule divides each micro-batch loss by the number of micro-batches and Megatron's DDP
+averages gradients over DP. :meth:`MegatronRunner._train_step` computes the *global* (mini-batch, all-DP)
+normaliser of the loss aggregation mode (:mod:`hybridrl.algorithms.loss_agg`) and hands it to the head,
+whose loss is its micro-batch loss divided by it; the scaling is undone here (× num_microbatches × DP), so
+the accumulated gradient is exactly that of the mini-batch loss.
+
+Precision (``megatron.dtype``): with bfloat16/float16 the chunks are Megatron's ``Float16Module``s
+(:func:`~hybridrl.megatron.model.build_model_chunks`) and the optimizer is Megatron's mixed-precision one
+(``Float16OptimizerWithFloat16Params``, or the distributed optimizer with fp32 main-parameter shards): fp32
+main weights, gradients accumulated and reduced in fp32 (``grad_reduce_in_fp32``), the update computed in
+fp32 and copied back into the 16-bit parameters. float16 adds Megatron's dynamic loss scaling (the schedule
+multiplies each loss by ``optimizer.scale_loss``; a step whose gradients overflow is skipped,
+``update_skipped`` = 1, and the scale halves).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import MegatronModule
+
+from hybridrl.algorithms.loss_agg import local_normalizer
+from hybridrl.batch import RolloutBatch
+from hybridrl.config.plan import MicroBatching, interleaved_micro_batches_problem
+from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.guards import agree
+from hybridrl.hf_checkpoint import HFArch
+from hybridrl.megatron.context_parallel import shard_sequence
+from hybridrl.megatron.cpu import causal_attention_mask
+from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
+from hybridrl.megatron.model import TORCH_DTYPES
+from hybridrl.megatron.parallel import ParallelConfig, rank_device
+from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
+
+
+def parallel_config(m: MegatronConfig) -> ParallelConfig:
+    return ParallelConfig(tensor_model_parallel_size=m.tensor_model_parallel_size,
+                          pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+                          virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+                          context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Micro:
+    batch: RolloutBatch
+    rows: PackedRows
+    index: torch.Tensor  # [b] long: each row's position in the batch it came from; -1 for a filler row
+
+
+# float16's first loss scale: torch.amp.GradScaler's default. Megatron's (2**32) overflows fp16 gradients at
+# once and skips the first ~17 steps while it halves; 2**16 is enough headroom for the losses of RL (≈ 1).
+FP16_INITIAL_LOSS_SCALE = 2.0**16
+
+
+def _mixed_precision_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    """Megatron ``OptimizerConfig`` fields for ``dtype``: fp32 main params/grads and Adam state (Megatron's
+    defaults) under bf16/fp16; fp16 with dynamic loss scaling (``loss_scale=None``)."""
+    return dict(params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                initial_loss_scale=FP16_INITIAL_LOSS_SCALE)
+
+
+Head = Callable[[_Micro, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""A micro-batch and the last stage's output → its (unscaled) loss and metrics (detached)."""
+
+
+class MegatronRunner:
+    """This rank's model chunks, trainable when ``optim`` is given (DDP + optimizer + LR scheduler), frozen
+    otherwise; forward and backward passes over micro-batches through Megatron's schedule."""
+
+    # Float16Module's fp32_output: False keeps the last stage's output in the model's dtype (the policy computes
+    # log-probs in fp32 from bf16 logits without a full-vocabulary fp32 copy)
+    fp32_output: ClassVar[bool] = True
+
+    def __init__(self, chunks: list[MegatronModule], *, arch: HFArch, megatron: MegatronConfig,
+                 optim: OptimConfig | None, total_steps: int, pad_token_id: int) -> None:
+        """``chunks``: built and loaded (:func:`~hybridrl.megatron.model.build_model_chunks`)."""
+        self.arch = arch
+        self.parallel = parallel_config(megatron)
+        self.pad_token_id = pad_token_id
+        self.dtype = TORCH_DTYPES[megatron.dtype]
+        self.device = rank_device()
+        self.config = chunks[0].config  # shared by all chunks
+        self.optimizer = None
+        self.scheduler: OptimizerParamScheduler | None = None
+        if optim is None:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+            self.chunks: list[torch.nn.Module] = list(chunks)
+        else:
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer)
+            ddp = [DistributedDataParallel(config=self.config, module=chunk, ddp_config=ddp_config) for chunk in chunks]
+            self.chunks = list(ddp)
+            self.config.finalize_model_grads_func = finalize_model_grads
+            # the interleaved schedule enters every chunk's no_sync when given a list
+            self.config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
+                                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, use_distributed_optimizer=megatron.use_distributed_optimizer,
+                                **_mixed_precision_kwargs(self.dtype)),
+                self.chunks,
+            )
+            self.config.grad_scale_func = self.optimizer.scale_loss  # × the loss scale (1 unless float16)
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=0.0,
+                lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=max(total_steps, 1),
+                lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+                wd_incr_steps=max(total_steps, 1), wd_incr_style="constant",
+            )
+
+
+    # ---- forward passes through Megatron's schedule ----
+    def _run(self, micros: list[_Micro], head: Head, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
+        masks = {s: causal_attention_mask(s, self.device) for _, s in shapes}
+        scale = len(micros) * parallel_state.get_data_parallel_world_size()
+        # token-budget micro-batches differ in shape: the pipeline then sends each activation's shape first
+        self.config.variable_seq_lengths = len(shapes) > 1
+        fp16_kwargs = {"fp32_output": False} if self.dtype != torch.float32 and not self.fp32_output else {}
+
+        def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            tokens_BS = mb.rows.tokens_BS
+            position_ids_BS = torch.arange(mb.rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
+            output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
+                           attention_mask=masks[mb.rows.seq_len], **fp16_kwargs)
+            return output, partial(_scaled, head, mb, scale)
+
+        self._check_interleaving(len(micros))
+        fwd_bwd = get_forward_backward_func(pp_size=self.parallel.pipeline_model_parallel_size,
+                                            vp_size=self.parallel.virtual_pipeline_model_parallel_size)
+        return fwd_bwd(forward_step_func=forward_step, data_iterator=[iter(micros) for _ in self.chunks],
+                       model=self.chunks, num_microbatches=len(micros), seq_length=max(s for _, s in shapes),
+                       micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only)
+
+    def _check_interleaving(self, n_micro: int) -> None:
+        """Megatron's interleaved schedule needs the micro-batch count to be a multiple of PP (its
+        ``microbatch_group_size_per_vp_stage``, which defaults to PP); say so in config terms."""
+        pp, vpp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
+        if vpp is not None and n_micro % pp:
+            raise ValueError(interleaved_micro_batches_problem(pp, vpp) + f", got {n_micro}")
+
+    def _pad_for_interleaving(self, micros: list[_Micro]) -> list[_Micro]:
+        """Forward-only passes: repeat the last micro-batch up to a multiple of PP under the interleaved
+        schedule (its outputs are dropped), so any log-prob micro-batch size works."""
+        if self.parallel.num_model_chunks == 1:
+            return micros
+        short = -len(micros) % self.parallel.pipeline_model_parallel_size
+        return micros + [micros[-1]] * short
+
+    def _micro_batches(self, batch: RolloutBatch, batching: MicroBatching) -> list[_Micro]:
+        """Fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped
+        ones each padded to its own longest row (:mod:`dynamic_batch`)."""
+        micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
+        multiple = math.lcm(8, 2 * self.parallel.context_parallel_size)
+        if max_tokens is None:
+            parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
+        else:
+            if self.parallel.num_model_chunks > 1:  # config validation says so first, naming the keys
+                raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
+                                 f"{VPP_DYNAMIC_UNSUPPORTED}")
+            lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+            parts = [torch.tensor(p, device=batch.prompt_ids.device)
+                     for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
+        seq_len = padded_seq_len(batch, multiple=multiple)
+        out = []
+        for index in parts:
+            part = batch.index(index)
+            if max_tokens is None and len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0
+                part = RolloutBatch.cat([part, part.index([0] * (micro_batch_size - len(part)))])
+                index = torch.cat([index, index.new_full((micro_batch_size - len(index),), -1)])
+            rows = pack_rows(part, seq_len=seq_len if max_tokens is None else padded_seq_len(part, multiple=multiple),
+                             pad_token_id=self.pad_token_id)
+            out.append(_Micro(batch=part, rows=rows, index=index))
+        return out
+
+    @torch.no_grad()
+    def _forward_rows(self, batch: RolloutBatch, head: Head, keys: tuple[str, ...], *,
+                      batching: MicroBatching) -> torch.Tensor:
+        """``[len(keys), B, T]``: the head's per-response-token outputs ``keys`` of every row of ``batch``,
+        on every rank of the MP group, masked, on the host (as the loop's batches are); ``batch`` moves to
+        this rank's device once, here."""
+        for chunk in self.chunks:
+            chunk.eval()
+        batch = batch.to(self.device)
+        micros = self._pad_for_interleaving(self._micro_batches(batch, batching))
+        outputs = self._run(micros, head, forward_only=True)
+        B, T = batch.response_ids.shape
+        rows = torch.zeros(len(keys), B, T, device=self.device)
+        if parallel_state.is_pipeline_last_stage():
+            for mb, out in zip(micros, outputs, strict=True):
+                real = mb.index >= 0
+                for i, key in enumerate(keys):
+                    rows[i, mb.index[real]] = out[key][real]
+        self._broadcast_from_last_stage(rows)
+        return (rows * batch.response_mask.float()).cpu()
+
+    def _train_step(self, batch: RolloutBatch, head_for: Callable[[torch.Tensor], Head], *,
+                    batching: MicroBatching, loss_agg_mode: str) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this DP rank's share of a mini-batch) with the head
+        ``head_for(normalizer)``, whose loss is aggregated as ``loss_agg_mode`` says over the whole mini-batch
+        (all DP ranks): ``normalizer`` is that mode's denominator over the mini-batch. ``batch`` moves to this
+        rank's device unless it is there already (the caller moves the whole batch once)."""
+        assert self.optimizer is not None and self.scheduler is not None, "train_step on a frozen model"
+        if batching.max_tokens is None and len(batch) % batching.micro_batch_size:
+            raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
+                             f"micro-batch size {batching.micro_batch_size}")
+        batch = batch.to(self.device)
+        normalizer = local_normalizer(batch.response_mask, loss_agg_mode).double()
+        dist.all_reduce(normalizer, group=parallel_state.get_data_parallel_group())
+        head = head_for(normalizer.clamp_min(1).float())
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()  # type: ignore[operator]
+        self.optimizer.zero_grad()
+        micros = self._micro_batches(batch, batching)
+        outputs = self._run(micros, head, forward_only=False)
+        # float16: Megatron's loss scaler finds inf/NaN gradients itself, skips the update and halves the scale
+        # (an overflow is routine there); else a non-finite loss or gradient never reaches the weights
+        # (guards.py): fp32/bf16 Adam would step on it
+        grads_nonfinite = not self.config.fp16 and not self._grads_finite()
+        if not grads_nonfinite:
+            ok, grad_norm, _ = self.optimizer.step()  # fp16: False when the loss scaler found an overflow
+        else:
+            ok, grad_norm = False, float("nan")
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()  # type: ignore[operator]
+        if ok:  # as Megatron-LM: a skipped update does not advance the LR schedule
+            self.scheduler.step(increment=1)
+        metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = float(not ok)  # for any reason, fp16 overflows included
+        metrics["grad_nonfinite"] = float(grads_nonfinite)  # skipped by the non-finite guard (not fp16)
+        if self.config.fp16:
+            metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]], tokens: list[float]) -> dict[str, float]:
+        """Over micro-batches and DP ranks, from the last PP stage: ``*_sum`` keys are summed (they are
+        already normalised globally); the others are per-micro-batch token means, so they are weighted by
+        each micro-batch's response tokens — the result is the mini-batch's token mean whatever the
+        micro-batch sizes (fixed or token-budget) and the DP split."""
+        local: dict[str, float] = {}
+        for k in outputs[0] if outputs else []:
+            vals = [float(o[k]) for o in outputs]
+            local[k] = sum(vals) if k.endswith("_sum") else sum(v * w for v, w in zip(vals, tokens, strict=True))
+        box: list[Any] = [local]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=parallel_state.get_pipeline_model_parallel_group())
+        keys = sorted(box[0])
+        vals = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
+        total = max(float(vals[-1]), 1.0)
+        return {k.removesuffix("_sum"): float(v) / (1.0 if k.endswith("_sum") else total)
+                for k, v in zip(keys, vals[:-1], strict=True)}
+
+    @staticmethod
+    def _broadcast_from_last_stage(t: torch.Tensor) -> None:  # t on the device: the PP group is NCCL on GPUs
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(t, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+
+    def _grads_finite(self) -> bool:
+        """Every rank's accumulated gradients are finite (one flag all-reduce over the host group)."""
+        local = all(bool(torch.isfinite(p.main_grad).all()) for p in self.parameters()
+                    if getattr(p, "main_grad", None) is not None)
+        return agree(None if local else "non-finite gradients") is None
+
+    # ---- weights ----
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """This rank's parameters (its TP/PP shards), every model chunk."""
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+
+def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The head's loss × micro-batches × DP: undoes the schedule's and DDP's averaging (module docstring)."""
+    loss, metrics = head(mb, output)
+    return loss * scale, metrics
