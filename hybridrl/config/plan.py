@@ -3,8 +3,8 @@
 ``Plan.build(cfg, world_size=...)`` derives from the config and the world size (and the checkpoint's
 architecture, when known):
 
-- **roles**: each Megatron role's layout (actor; the ref, which shares the actor's process groups;
-  a critic, once there is one) and every rank's coordinates in it (Megatron's rank order, tp fastest, then cp, dp, pp);
+- **roles**: each Megatron role's layout (actor; the ref and the critic, which share the actor's
+  process groups) and every rank's coordinates in it (Megatron's rank order, tp fastest, then cp, dp, pp);
 - **placement** of the colocated rollout engines and the devices each owns;
 - **batches**: each DP rank's share of a step's prompts, mini-batches and optimizer steps per RL step
   (and over the run), micro-batches of the update and of the two log-prob passes (fixed sizes or
@@ -147,6 +147,25 @@ class MicroBatching:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CriticBatchPlan:
+    """The critic's updates (its own mini-batches and epochs over the step's samples) and values pass."""
+
+    ppo_epochs: int
+    mini_batches_per_epoch: int
+    mini_batch_samples_per_dp_rank: int
+    update: MicroBatching  # also the values pass's micro-batches
+    total_steps: int  # RL steps of the run
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches_per_epoch
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        return self.total_steps * self.optimizer_steps_per_rl_step
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BatchPlan:
     """A step's batch arithmetic (verl's units: prompts for batch sizes, samples per DP rank for micro)."""
 
@@ -163,6 +182,7 @@ class BatchPlan:
     update: MicroBatching
     old_log_prob: MicroBatching
     ref_log_prob: MicroBatching
+    critic: CriticBatchPlan | None = None  # when a critic is built
 
     @property
     def samples_per_step(self) -> int:
@@ -220,7 +240,7 @@ class Plan:
     world_size: int
     ranks_per_node: int
     device_type: str  # cpu | cuda
-    roles: dict[str, RoleLayout]  # actor, ref (when built)
+    roles: dict[str, RoleLayout]  # actor, ref and critic (when built)
     rollout_tp: int
     engines: tuple[EnginePlacement, ...]
     batch: BatchPlan
@@ -238,6 +258,8 @@ class Plan:
         roles = {"actor": RoleLayout.of(aor.actor.megatron, world)}
         if ref_needed(cfg):
             roles["ref"] = roles["actor"]  # one Megatron parallel_state per process: the actor's
+        if critic_needed(cfg):
+            roles["critic"] = roles["actor"]  # likewise
         rtp = max(aor.rollout.tensor_model_parallel_size, 1)
         issues += _placement_problems(cfg, world=world, per_node=per_node, model=model)
         engines = tuple(
@@ -292,8 +314,12 @@ class Plan:
             f"{b.total_optimizer_steps} in the run; {micro} per optimizer step per DP rank",
             f"logprob old: micro-batches of {b.old_log_prob}" + (
                 f"; ref: micro-batches of {b.ref_log_prob}" if "ref" in self.roles else ""),
-            "ranks:",
         ]
+        if (c := b.critic) is not None:
+            lines.append(f"critic  values and {c.mini_batches_per_epoch} mini-batch(es) of "
+                         f"{c.mini_batch_samples_per_dp_rank} samples per DP rank × {c.ppo_epochs} epoch(s) = "
+                         f"{c.optimizer_steps_per_rl_step} optimizer step(s) per RL step; micro-batches of {c.update}")
+        lines.append("ranks:")
         for rank in range(self.world_size):
             parts = []
             for role, lay in self.roles.items():
@@ -329,6 +355,19 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
         rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq)
+
+
+def critic_needed(cfg: RLConfig) -> bool:
+    """The critic is built when asked for, or (``critic.enable=null``) when the advantage estimator needs values.
+    An estimator that is not installed needs none here (validation reports its name)."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    from hybridrl.registry import PluginError, Registry  # plugin classes import torch only, never a backend
+
+    try:
+        return bool(Registry("advantage_estimators").load(cfg.algorithm.adv_estimator).needs_critic)
+    except PluginError:
+        return False
 
 
 def ref_needed(cfg: RLConfig) -> bool:
@@ -377,7 +416,11 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
     positive("data.train_batch_size", d.train_batch_size)
     positive(f"{AOR}.rollout.n", aor.rollout.n)
     sections = [("actor", f"{AOR}.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
-                 a.use_dynamic_bsz)]  # a critic, once there is one, adds its own section
+                 a.use_dynamic_bsz)]
+    cr = cfg.critic
+    if "critic" in roles:  # the actor's rules, on the critic's own sizes
+        sections.append(("critic", "critic", cr.ppo_mini_batch_size, cr.ppo_micro_batch_size_per_gpu, cr.ppo_epochs,
+                         cr.use_dynamic_bsz))
     for role, key, mini, micro, epochs, dynamic in sections:
         positive(f"{key}.ppo_mini_batch_size", mini)
         positive(f"{key}.ppo_micro_batch_size_per_gpu", micro)
@@ -416,6 +459,16 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
                                      if dynamic else None)
+    critic = None
+    if "critic" in roles:
+        critic_update = MicroBatching(micro_batch_size=max(cr.ppo_micro_batch_size_per_gpu, 1),
+                                      max_tokens=cr.ppo_max_token_len_per_gpu if cr.use_dynamic_bsz else None)
+        passes["critic"] = critic_update
+        mini = max(cr.ppo_mini_batch_size, 1)
+        critic = CriticBatchPlan(ppo_epochs=max(cr.ppo_epochs, 1),
+                                 mini_batches_per_epoch=max(d.train_batch_size // mini, 1),
+                                 mini_batch_samples_per_dp_rank=mini * n // dp, update=critic_update,
+                                 total_steps=max(cfg.trainer.total_training_steps, 1))
     _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
     filter_groups = cfg.algorithm.filter_groups.enable
     per_round = d.gen_batch_size if filter_groups and d.gen_batch_size is not None else d.train_batch_size
@@ -423,7 +476,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                      filter_groups=filter_groups, dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
                      prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
                      total_steps=max(cfg.trainer.total_training_steps, 1), update=update,
-                     old_log_prob=passes["rollout"], ref_log_prob=passes["ref"])
+                     old_log_prob=passes["rollout"], ref_log_prob=passes["ref"], critic=critic)
 
 
 def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:
@@ -439,7 +492,7 @@ def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, M
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     keys = {"actor": f"{AOR}.actor.ppo_max_token_len_per_gpu",
             "rollout": f"{AOR}.rollout.log_prob_max_token_len_per_gpu",
-            "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu"}
+            "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu", "critic": "critic.ppo_max_token_len_per_gpu"}
     dynamic = [role for role, p in passes.items() if p.max_tokens]
     if actor.vpp is not None and dynamic:
         add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", actor.vpp,

@@ -16,7 +16,7 @@ and checked against the chosen plugin's own ``Config`` dataclass by ``validate.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import MISSING
@@ -87,6 +87,10 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | abs
 
 
+LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "sequence_parallel")
+
+
 @dataclass(kw_only=True, slots=True)
 class RefMegatronConfig:
     """The ref shares the actor's Megatron process groups, so its layout *is* the actor's: every size
@@ -102,13 +106,26 @@ class RefMegatronConfig:
     def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
         """``(key, ref value, actor value)`` for every explicit size that differs from the actor's."""
         out = []
-        for f in fields(self):
-            if f.name == "param_offload":
-                continue
-            mine, theirs = getattr(self, f.name), getattr(actor, f.name)
+        for name in LAYOUT_SIZES:
+            mine, theirs = getattr(self, name), getattr(actor, name)
             if mine is not None and mine != theirs:
-                out.append((f.name, mine, theirs))
+                out.append((name, mine, theirs))
         return out
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticMegatronConfig(RefMegatronConfig):
+    """The critic shares the actor's Megatron process groups too: sizes follow the actor (null) or must equal
+    it; ``dtype``, ``use_distributed_optimizer`` and ``override_transformer_config`` are the actor's. The
+    memory phases are the critic's own (verl's keys, as the actor's)."""
+
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+    def resolve(self, actor: MegatronConfig) -> MegatronConfig:
+        """The critic's full Megatron config: the actor's, with the critic's own offload switches."""
+        return replace(actor, param_offload=self.param_offload, grad_offload=self.grad_offload,
+                       optimizer_offload=self.optimizer_offload)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,6 +168,35 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticModelConfig:
+    # HF checkpoint of the critic's start (null: actor_rollout_ref.model.path): a causal LM (its trunk; the value
+    # head starts small and random) or a *ForTokenClassification / *ForSequenceClassification with one label
+    # (its score head is loaded); its vocabulary must be the actor's
+    path: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """The value model of PPO (``hybridrl/megatron/critic.py``), verl's ``critic`` keys. Batch units as the
+    actor's: ``ppo_mini_batch_size`` counts prompts, ``ppo_micro_batch_size_per_gpu`` samples per DP rank
+    (also the micro-batch of the values pass)."""
+
+    # null: built when algorithm.adv_estimator needs values (gae)
+    enable: bool | None = None
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    megatron: CriticMegatronConfig = field(default_factory=CriticMegatronConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # verl's critic lr
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  # token-budget micro-batches (as actor.use_dynamic_bsz)
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5  # ε of the clipped value loss: V stays within V_old ± ε (verl's default)
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -278,6 +324,7 @@ class TrainerConfig:
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -107,7 +107,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     for key, value, message in dynamic_sampling_problems(cfg) + overlong_problems(cfg):  # DAPO's two
         issues.add(key, value, message)
     _check_rollout_correction(cfg, issues)
-    _check_plugins(cfg, issues)
+    _check_plugins(cfg, plan, issues)
+    if "critic" in plan.roles:
+        _check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
     _check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
     issues.positive("data.val_batch_size", cfg.data.val_batch_size)
     if not planning:
@@ -274,7 +276,7 @@ def _check_rollout_correction(cfg: RLConfig, issues: _Issues) -> None:
         issues.add(key, value, message)
 
 
-def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
+def _check_plugins(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
     r, alg = cfg.actor_rollout_ref.rollout, cfg.algorithm
     chosen = [
         ("rollout_engines", f"{AOR}.rollout.name", r.name, f"{AOR}.rollout.engine_kwargs", r.engine_kwargs),
@@ -306,9 +308,43 @@ def _check_plugins(cfg: RLConfig, issues: _Issues) -> None:
             if agg is not None and cfg.actor_rollout_ref.actor.loss_agg_mode != agg:
                 issues.add(f"{AOR}.actor.loss_agg_mode", cfg.actor_rollout_ref.actor.loss_agg_mode,
                            f"algorithm.adv_estimator={name!r} needs {AOR}.actor.loss_agg_mode={agg!r}")
-            if cls.needs_critic:
-                issues.add(name_key, name, "needs a critic (value model), which this version does not have yet; "
-                                           "use a critic-free estimator (grpo, rloo, reinforce_pp)")
+            if cls.needs_critic and "critic" not in plan.roles:
+                issues.add("critic.enable", cfg.critic.enable, f"algorithm.adv_estimator={name!r} needs a critic "
+                           "(values): set critic.enable=true or null, or use a critic-free estimator (grpo, rloo, …)")
+            if not cls.needs_critic and cfg.critic.enable:
+                issues.add("critic.enable", True, f"algorithm.adv_estimator={name!r} does not use values: the critic "
+                           "would train for nothing; set critic.enable=null (or false), or adv_estimator=gae")
+
+
+def _check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues: _Issues, *,
+                  before_bootstrap: bool) -> None:
+    """The critic's layout is the actor's (shared process groups), its start model reads the actor's tokens."""
+    c, actor_megatron = cfg.critic, cfg.actor_rollout_ref.actor.megatron
+    for size, critic_value, actor_value in c.megatron.mismatches(actor_megatron):
+        issues.add(f"critic.megatron.{size}", critic_value,
+                   f"must equal {AOR}.actor.megatron.{size}={actor_value} (the critic shares the actor's Megatron "
+                   "process groups); leave it null to follow the actor")
+    _check_optim("critic.optim", c.optim, actor_megatron, issues,
+                 optimizer_steps=plan.batch.critic.total_optimizer_steps if plan.batch.critic else 1)
+    if c.loss_agg_mode not in LOSS_AGG_MODES:
+        issues.add("critic.loss_agg_mode", c.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
+    if not c.cliprange_value > 0:
+        issues.add("critic.cliprange_value", c.cliprange_value, "must be > 0 (V stays within V_old ± it)")
+    if c.model.path is None or before_bootstrap:
+        return
+    model, problems = inspect_model_dir(c.model.path, tokenizer_path=None)
+    for p in problems:
+        if "holds no tokenizer" not in p:  # the critic reads the actor's token ids: its tokenizer is not used
+            issues.add("critic.model.path", c.model.path, p)
+    if model is not None and actor_model is not None:
+        if model.vocab_size != actor_model.vocab_size:
+            issues.add("critic.model.path", c.model.path, f"its vocabulary ({model.vocab_size}) must be the actor's "
+                       f"({actor_model.vocab_size}): the critic reads the actor's tokens")
+        for size, value, message in model.split_problems(
+                tp=max(actor_megatron.tensor_model_parallel_size, 1),
+                pp=max(actor_megatron.pipeline_model_parallel_size, 1),
+                vpp=actor_megatron.virtual_pipeline_model_parallel_size):
+            issues.add(f"{AOR}.actor.megatron.{size}", value, f"critic.model.path: {message}")
 
 
 def _check_lengths(prompt: int, response: int, model: HFArch | None, issues: _Issues) -> None:

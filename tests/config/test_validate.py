@@ -154,11 +154,29 @@ def test_group_estimator_needs_n_at_least_2(base: list[str]) -> None:
     assert msg.startswith(f"{AOR}.rollout.n=1") and "'grpo'" in msg
 
 
-def test_gae_needs_a_critic_which_is_not_there_yet(base: list[str]) -> None:
-    msg = only(base, "algorithm.adv_estimator=gae")  # rejected up front rather than failing mid-run
-    assert msg.startswith("algorithm.adv_estimator='gae': needs a critic") and "grpo, rloo" in msg
-    with pytest.raises(ConfigError, match="critic"):  # no critic block to half-configure
-        compose_config([*base, "critic.enable=true"])
+def test_gae_builds_a_critic_on_the_actor_layout(base: list[str]) -> None:
+    plan = validate(compose_config([*base, "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8",
+                                    "critic.ppo_micro_batch_size_per_gpu=2",
+                                    f"{AOR}.actor.megatron.tensor_model_parallel_size=2"]), world_size=4)
+    assert plan.roles["critic"] == plan.roles["actor"]  # critic.enable=null: on, because gae needs values
+    c = plan.batch.critic
+    assert c is not None and (c.mini_batches_per_epoch, c.mini_batch_samples_per_dp_rank) == (1, 16)
+    assert c.total_optimizer_steps == 100 and "critic  values and 1 mini-batch(es) of 16 samples" in plan.render()
+    assert "critic" not in validate(compose_config(base), world_size=1).roles  # grpo: no critic
+
+
+def test_critic_rules_name_their_keys(base: list[str]) -> None:
+    msg = only(base, "algorithm.adv_estimator=gae", "critic.enable=false")
+    assert msg.startswith("critic.enable=False") and "gae" in msg
+    assert only(base, "critic.enable=true").startswith("critic.enable=True")  # grpo would not read its values
+    gae = ("algorithm.adv_estimator=gae",)
+    assert only(base, *gae, "critic.megatron.tensor_model_parallel_size=2").startswith(
+        "critic.megatron.tensor_model_parallel_size=2")
+    assert only(base, *gae, "critic.ppo_micro_batch_size_per_gpu=3").startswith("critic.ppo_micro_batch_size_per_gpu")
+    assert only(base, *gae, "critic.ppo_mini_batch_size=3").startswith("critic.ppo_mini_batch_size=3")
+    assert only(base, *gae, "critic.cliprange_value=0").startswith("critic.cliprange_value=0")
+    assert only(base, *gae, "critic.optim.optimizer=lion").startswith("critic.optim.optimizer")
+    assert only(base, *gae, "critic.model.path=/nonexistent").startswith("critic.model.path")
 
 
 def test_kl_needs_ref(base: list[str]) -> None:
