@@ -64,6 +64,8 @@ class Components:
             yield collate_prompts([self.val_dataset[i] for i in idx], idx, pad_token_id=self.loader.pad_token_id)
 
     def save(self, step: int) -> None:
+        if self.hybrid.critic is not None:  # validation says so first (trainer.save_every)
+            raise NotImplementedError("checkpointing with a critic is not supported yet; set trainer.save_every=0")
         self.hybrid.actor_offload.reload()  # the checkpoint reads every state kind (an eval may have offloaded)
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
@@ -96,13 +98,17 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        shuffle=d.shuffle,
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
-    hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id)
+    hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
+                             critic=cfg.critic, seed=cfg.trainer.seed)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
+        if hybrid.critic is not None:  # validation refuses saving with a critic; an older run's checkpoint has none
+            raise NotImplementedError(f"resuming from {resume_from} with a critic: checkpointing with a critic is "
+                                      "not supported yet; set trainer.resume=never")
         state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor)
         loader.load_state_dict(state["sampler"])
         hybrid.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version

@@ -1,20 +1,20 @@
-"""``ActorRolloutRef``: the actor, the reference model and the colocated rollout engines of a run.
+"""``ActorRolloutRef``: the actor, the reference model, the critic and the colocated rollout engines of a run.
 
 Who does what (every rank runs this same code):
-- Megatron actor and ref span the whole world with the actor's TP/PP/(CP)/DP layout (the ref shares
-  the actor's process groups).
+- Megatron actor, ref and critic span the whole world with the actor's TP/PP/(CP)/DP layout (the ref and
+  the critic share the actor's process groups).
 - The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
   rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples.
 - Phases: an engine resumes its memory to generate and releases it before training; while it
-  generates, the actor's params/grads/optimizer state and the ref's params wait in host memory as the
-  ``*_offload`` keys say (:mod:`hybridrl.megatron.offload`), each back on the device before it is used.
+  generates, the actor's and the critic's params/grads/optimizer state and the ref's params wait in host
+  memory as the ``*_offload`` keys say (:mod:`hybridrl.megatron.offload`), each back on the device before it is used.
 - Weight sync: the actor's bucketed HF-named stream (TP-gathered, PP-broadcast, identical on every
   rank) is copied into each engine's parameters in place, with the weight version it carries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,11 @@ from megatron.core import parallel_state
 from hybridrl.algorithms.actor_objective import ActorObjective
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
-from hybridrl.config.schema import ActorRolloutRefConfig
+from hybridrl.config.schema import ActorRolloutRefConfig, CriticConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.guards import require_finite
 from hybridrl.interfaces import SamplingParams, WeightBucket
+from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.registry import Registry
@@ -35,7 +36,8 @@ from hybridrl.rollout.colocated import ColocatedRollout
 
 class ActorRolloutRef:
     def __init__(self, config: ActorRolloutRefConfig, *, plan: Plan, objective: ActorObjective,
-                 pad_token_id: int) -> None:
+                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1) -> None:
+        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head)."""
         self.config, self.plan, self.objective = config, plan, objective
         a, model_dir = config.actor, config.model.path
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
@@ -48,6 +50,15 @@ class ActorRolloutRef:
                                            optimizer=m.optimizer_offload)
         self.ref_offload = (PolicyOffload(self.ref, params=config.ref.megatron.param_offload)
                             if self.ref is not None else None)
+        self.critic_config, self.critic, self.critic_offload = critic, None, None
+        if "critic" in plan.roles:
+            assert critic is not None and plan.batch.critic is not None, "the plan has a critic: pass its config"
+            cm = critic.megatron.resolve(m)
+            self.critic = MegatronCritic(model_dir=critic.model.path or model_dir, megatron=cm, optim=critic.optim,
+                                         total_steps=plan.batch.critic.total_optimizer_steps,
+                                         pad_token_id=pad_token_id, seed=seed)
+            self.critic_offload = PolicyOffload(self.critic, params=cm.param_offload, grads=cm.grad_offload,
+                                                optimizer=cm.optimizer_offload)
         r = config.rollout
         self.rollout = ColocatedRollout(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
             "rollout_engines").build(r.name, r.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
@@ -61,9 +72,9 @@ class ActorRolloutRef:
     # ---- generate phase ----
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """Samples of the whole batch ``prompts``; this rank gets its DP rank's share."""
-        self.actor_offload.offload()
-        if self.ref_offload is not None:
-            self.ref_offload.offload()
+        for offload in (self.actor_offload, self.ref_offload, self.critic_offload):
+            if offload is not None:
+                offload.offload()
         return self.rollout.generate(prompts, params, seed=seed)
 
     # ---- train phase ----
@@ -81,21 +92,30 @@ class ActorRolloutRef:
             batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
         self.ref_offload.offload()  # not needed again before the next step's
 
+    def compute_values(self, batch: RolloutBatch) -> None:
+        """Fill ``batch.values`` (the critic's, before its update)."""
+        assert self.critic is not None and self.critic_offload is not None and self.plan.batch.critic is not None
+        self.critic_offload.reload("params")
+        batch.values = self.critic.compute_values(batch, batching=self.plan.batch.critic.update)
+
     def update_actor(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """PPO epochs over mini-batches of this DP rank's samples; one metrics dict per optimizer step."""
         a, b = self.config.actor, self.plan.batch
         self.actor_offload.reload()
-        batch = batch.to(self.actor.device)  # once for all epochs and mini-batches
-        gen = torch.Generator().manual_seed(seed)
-        steps = []
-        for _ in range(b.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen) if a.shuffle else torch.arange(len(batch))
-            order = order.to(batch.prompt_ids.device)
-            for mini in batch.index(order).split(b.mini_batch_samples_per_dp_rank):
-                steps.append(self.actor.train_step(mini, self.objective, batching=b.update,
-                                                   loss_agg_mode=a.loss_agg_mode,
-                                                   temperature=self.logprob_temperature))
-        return steps
+        return _epochs(batch.to(self.actor.device), lambda mini: self.actor.train_step(
+            mini, self.objective, batching=b.update, loss_agg_mode=a.loss_agg_mode,
+            temperature=self.logprob_temperature), epochs=b.ppo_epochs,
+            mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=a.shuffle, seed=seed)
+
+    def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
+        """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and
+        ``returns``); one metrics dict per optimizer step."""
+        c, b = self.critic_config, self.plan.batch.critic
+        assert self.critic is not None and self.critic_offload is not None and c is not None and b is not None
+        self.critic_offload.reload()
+        return _epochs(batch.to(self.critic.device), lambda mini: self.critic.train_step(
+            mini, batching=b.update, cliprange=c.cliprange_value, loss_agg_mode=c.loss_agg_mode),
+            epochs=b.ppo_epochs, mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=c.shuffle, seed=seed)
 
     def sync_weights(self, *, version: int | None = None) -> float:
         """Stream the actor's weights into the engines in place, as ``version`` (default: the next one);
@@ -117,6 +137,19 @@ class ActorRolloutRef:
 
     def shutdown(self) -> None:
         self.rollout.shutdown()
+
+
+def _epochs(batch: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]], *, epochs: int, mini_batch: int,
+            shuffle: bool, seed: int) -> list[dict[str, float]]:
+    """``step`` on each mini-batch of ``mini_batch`` samples of ``batch`` (on the device once, for all epochs),
+    in order or shuffled anew each epoch; one metrics dict per optimizer step."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
+        for mini in batch.index(order.to(batch.prompt_ids.device)).split(mini_batch):
+            steps.append(step(mini))
+    return steps
 
 
 def _check_plan_matches_megatron(plan: Plan) -> None:

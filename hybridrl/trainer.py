@@ -1,6 +1,10 @@
 """The RL loop. Every rank runs this same code; data movement lives in the components.
 
-    generate → reward → old / ref log-probs → advantages → actor update → weight sync → eval, log
+    generate → reward → old / ref log-probs (+ values) → advantages → (critic update →) actor update → weight sync
+    → eval, log
+
+With a critic (PPO with ``gae``) the order is verl's: the critic's values before the advantages, its update
+before the actor's (both train on the batch as scored, so the order does not change either update).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def fit(c: Components) -> dict[str, float]:
             if hybrid.ref is not None:
                 with timer("ref"):
                     hybrid.compute_ref_log_probs(batch)
+            if hybrid.critic is not None:
+                with timer("values"):
+                    hybrid.compute_values(batch)
             with timer("reward"):
                 scores_B, reward_errors = score(batch, pending, overlong_penalty_B(c.cfg, batch.response_mask))
             with timer("adv"):
@@ -47,6 +54,10 @@ def fit(c: Components) -> dict[str, float]:
                 say(f"step {step} skipped: {cause}")
                 c.tracker.log({"training/skipped_steps": skips.total}, step=step)
                 continue
+            critic = {}
+            if hybrid.critic is not None:
+                with timer("update_critic"):
+                    critic = critic_metrics(hybrid.update_critic(batch, seed=t.seed * 7919 + step), batch)
             with timer("update_actor"):
                 updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
             skips.record(update_skip_cause(updates))
@@ -54,7 +65,7 @@ def fit(c: Components) -> dict[str, float]:
                 sync_mb = hybrid.sync_weights()
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
-        metrics = m.reduce() | sampled | adv_metrics | actor_metrics(updates) | timer.times
+        metrics = m.reduce() | sampled | adv_metrics | actor_metrics(updates) | critic | timer.times
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
                     "perf/weight_sync_mb": sync_mb}
@@ -143,6 +154,22 @@ def actor_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     out = {f"actor/{k}": sum(u[k] for u in updates) / len(updates) for k in updates[0]}
     out["actor/ppo_kl_first_mb"] = updates[0]["ppo_kl"]
     out["actor/grad_norm_max"] = max(u["grad_norm"] for u in updates)
+    return out
+
+
+def critic_metrics(updates: list[dict[str, float]], batch: RolloutBatch) -> dict[str, float]:
+    """Means over the critic's optimizer steps, and ``critic/vf_explained_var`` = 1 − Var(R − V)/Var(R) of the
+    values the advantages used, over the response tokens of all DP ranks (population variances)."""
+    out = {f"critic/{k}": sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    assert batch.values is not None and batch.returns is not None
+    mask_BT = batch.response_mask.float()
+    r_BT, d_BT = batch.returns * mask_BT, (batch.returns - batch.values) * mask_BT
+    m, tokens = DPMeans(), mask_BT.sum()
+    for key, x_BT in (("r", r_BT), ("r2", r_BT.square()), ("d", d_BT), ("d2", d_BT.square())):
+        m.add(key, x_BT.sum(), tokens)
+    s = m.reduce()
+    var_r, var_d = s["r2"] - s["r"] ** 2, s["d2"] - s["d"] ** 2
+    out["critic/vf_explained_var"] = 1.0 - var_d / var_r if var_r > 0 else float("nan")
     return out
 
 

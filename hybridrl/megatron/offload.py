@@ -3,7 +3,7 @@
 Which state (verl's keys, :class:`~hybridrl.config.schema.MegatronConfig`): ``param_offload`` (the
 parameters), ``grad_offload`` (the gradient buffers), ``optimizer_offload`` (the optimizer's fp32 main
 parameters, when it keeps its own, and its state: Adam's ``exp_avg``, ``exp_avg_sq``, ``step``). The ref
-has only parameters (``ref.megatron.param_offload``).
+has only parameters (``ref.megatron.param_offload``); the critic has all three (``critic.megatron.*``).
 
 How: by storage, not by tensor. Megatron's DDP keeps parameters and gradients in contiguous buffers
 (``DistributedDataParallel.buffers`` / ``expert_parallel_buffers``: ``param_data`` when it keeps a param
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 if TYPE_CHECKING:
-    from hybridrl.megatron.policy import MegatronPolicy
+    from hybridrl.megatron.runner import MegatronRunner
 
 Kind = Literal["params", "grads", "optimizer"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -56,7 +56,7 @@ class _Moved:
 class PolicyOffload:
     """Moves the kinds of a policy's state chosen at construction to host memory and back."""
 
-    def __init__(self, policy: MegatronPolicy, *, params: bool = False, grads: bool = False,
+    def __init__(self, policy: MegatronRunner, *, params: bool = False, grads: bool = False,
                  optimizer: bool = False) -> None:
         self.policy = policy
         self.kinds = tuple(k for k, on in zip(KINDS, (params, grads, optimizer), strict=True) if on)
