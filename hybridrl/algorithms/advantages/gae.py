@@ -75,7 +75,7 @@ class GAEEstimator:
         values_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if values_BT is None:
-            raise ValueError("the gae advantage estimator needs values_BT from a critic (no critic in this version)")
+            raise ValueError("the gae advantage estimator needs values_BT from a critic (critic.enable)")
         adv_BT, returns_BT = gae(
             token_rewards_BT, values_BT, response_mask_BT, gamma=self.config.gamma, lam=self.config.lam
         )
