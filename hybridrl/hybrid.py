@@ -110,10 +110,10 @@ class ActorRolloutRef:
     def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and
         ``returns``); one metrics dict per optimizer step."""
-        c, b = self.critic_config, self.plan.batch.critic
-        assert self.critic is not None and self.critic_offload is not None and c is not None and b is not None
+        critic, c, b = self.critic, self.critic_config, self.plan.batch.critic
+        assert critic is not None and self.critic_offload is not None and c is not None and b is not None
         self.critic_offload.reload()
-        return _epochs(batch.to(self.critic.device), lambda mini: self.critic.train_step(
+        return _epochs(batch.to(critic.device), lambda mini: critic.train_step(
             mini, batching=b.update, cliprange=c.cliprange_value, loss_agg_mode=c.loss_agg_mode),
             epochs=b.ppo_epochs, mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=c.shuffle, seed=seed)
 

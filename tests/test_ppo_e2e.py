@@ -13,7 +13,7 @@ CRITIC_KEYS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "cri
 
 
 @pytest.mark.distributed
-def test_ppo_tiny_trains_actor_and_critic(torchrun, tiny: dict[str, Path]) -> None:
+def test_ppo_tiny_trains_actor_and_critic(torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
     out = tiny["tmp"] / "ppo"
     keyword = ["reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any"]
     proc = torchrun([TRAIN, "recipe=ppo_tiny", f"actor_rollout_ref.model.path={tiny['model']}",

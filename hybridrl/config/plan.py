@@ -315,10 +315,11 @@ class Plan:
             f"logprob old: micro-batches of {b.old_log_prob}" + (
                 f"; ref: micro-batches of {b.ref_log_prob}" if "ref" in self.roles else ""),
         ]
-        if (c := b.critic) is not None:
-            lines.append(f"critic  values and {c.mini_batches_per_epoch} mini-batch(es) of "
-                         f"{c.mini_batch_samples_per_dp_rank} samples per DP rank × {c.ppo_epochs} epoch(s) = "
-                         f"{c.optimizer_steps_per_rl_step} optimizer step(s) per RL step; micro-batches of {c.update}")
+        if (cb := b.critic) is not None:
+            lines.append(f"critic  values and {cb.mini_batches_per_epoch} mini-batch(es) of "
+                         f"{cb.mini_batch_samples_per_dp_rank} samples per DP rank × {cb.ppo_epochs} epoch(s) = "
+                         f"{cb.optimizer_steps_per_rl_step} optimizer step(s) per RL step; "
+                         f"micro-batches of {cb.update}")
         lines.append("ranks:")
         for rank in range(self.world_size):
             parts = []

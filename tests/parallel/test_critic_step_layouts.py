@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_rl_step_layouts import TOL, data_parallel_size
 
 WORKER = str(Path(__file__).parent / "workers" / "critic_step.py")
