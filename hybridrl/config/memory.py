@@ -8,6 +8,10 @@ output layer) holds, in bytes:
     optimizer   = P_rank · (m + 8) / D             Adam moments (fp32) + fp32 main weights (m = 4 unless the
                                                    params are fp32 already); D = DP with the distributed optimizer
     ref         = P_rank · b_dtype                 when a KL term needs the reference model
+    critic      = P_rank · (b_dtype + 4) + optimizer   when a critic is built: its params, grads and optimizer
+                                                   state, taken as the actor's (an upper bound: its head is
+                                                   one row, not the vocabulary); it trains between, not
+                                                   alongside, the actor's passes, so no activations are added
     activations = L_rank · t · h · 34 / TP + t · V / TP · 12
                                                    t: tokens per micro-batch; 34 bytes per token and hidden unit
                                                    per layer without recompute (Korthikanti et al. 2022,
@@ -20,12 +24,12 @@ output layer) holds, in bytes:
                                                    token, over its TP ranks)
 
 Generation holds the engine and whatever is not offloaded (``param_offload``, ``grad_offload``,
-``optimizer_offload``, ``ref.megatron.param_offload``); training holds the actor state, the ref, the
-activations and the engine's weights (its KV cache is taken as given back: SGLang with
-``enable_memory_saver``, the ``hf`` engine's cache lives only while it generates). The peak of the two
-is checked against the device (``trainer.device_memory_gb``). It is the need, not SGLang's reservation
-(``mem_fraction_static`` of the device, sized at start: keep it below what the need leaves free), and
-the allocator's fragmentation and CUDA/NCCL workspaces (a few GB) come on top.
+``optimizer_offload``, ``ref.megatron.param_offload``, ``critic.megatron.*_offload``); training holds the
+actor state, the ref, the critic state, the activations and the engine's weights (its KV cache is taken
+as given back: SGLang with ``enable_memory_saver``, the ``hf`` engine's cache lives only while it
+generates). The peak of the two is checked against the device (``trainer.device_memory_gb``). It is the
+need, not SGLang's reservation (``mem_fraction_static`` of the device, sized at start: keep it below what
+the need leaves free), and the allocator's fragmentation and CUDA/NCCL workspaces (a few GB) come on top.
 """
 
 from __future__ import annotations
@@ -48,15 +52,17 @@ class MemoryEstimate:
     engine_weights: float
     engine_kv: float
     offloaded: float  # moved to host while the engine generates
+    critic: float = 0.0
 
     @property
     def generate(self) -> float:
-        resident = self.params + self.grads + self.optimizer + self.ref - self.offloaded
+        resident = self.params + self.grads + self.optimizer + self.ref + self.critic - self.offloaded
         return resident + self.engine_weights + self.engine_kv
 
     @property
     def train(self) -> float:
-        return self.params + self.grads + self.optimizer + self.ref + self.activations + self.engine_weights
+        return (self.params + self.grads + self.optimizer + self.ref + self.critic + self.activations
+                + self.engine_weights)
 
     @property
     def peak(self) -> float:
@@ -64,7 +70,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ref": self.ref,
-                 "activations": self.activations, "engine weights": self.engine_weights, "engine KV": self.engine_kv}
+                 "critic": self.critic, "activations": self.activations, "engine weights": self.engine_weights,
+                 "engine KV": self.engine_kv}
         shown = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
         return (f"{shown} GB → generate {self.generate / GB:.1f} GB, train {self.train / GB:.1f} GB "
                 f"(offloaded while generating {self.offloaded / GB:.1f} GB)")
@@ -82,7 +89,7 @@ def parameter_count(m: HFArch) -> tuple[int, int, int]:
 
 def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_optimizer: bool, optimizer: str,
              ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
-             engine_tokens: int) -> MemoryEstimate:
+             engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None) -> MemoryEstimate:
     layer, embedding, output = parameter_count(m)
     layers = m.num_layers // pp
     # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
@@ -101,6 +108,12 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
     offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
                  + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False))
+    critic_bytes = 0.0
+    if critic:
+        critic_offload = critic_offload or {}
+        critic_bytes = params + grads + optim
+        offloaded += (params * critic_offload.get("param", False) + grads * critic_offload.get("grad", False)
+                      + optim * critic_offload.get("optimizer", False))
     return MemoryEstimate(params=params, grads=grads, optimizer=optim, ref=ref_bytes, activations=activations,
                           engine_weights=engine_weights, engine_kv=engine_tokens * kv_per_token,
-                          offloaded=offloaded)
+                          offloaded=offloaded, critic=critic_bytes)

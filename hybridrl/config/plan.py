@@ -345,7 +345,7 @@ class Plan:
 def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model: HFArch, rollout_tp: int,
             n_engines: int) -> MemoryEstimate:
     a, d = cfg.actor_rollout_ref.actor, cfg.data
-    m, lay = a.megatron, roles["actor"]
+    m, lay, cm = a.megatron, roles["actor"], cfg.critic.megatron
     seq = d.max_prompt_length + d.max_response_length
     engine_prompts = -(-batch.prompts_per_generation // max(n_engines, 1))
     return estimate_memory(
@@ -355,7 +355,8 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         recompute=m.override_transformer_config.get("recompute_granularity") == "full",
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
-        rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq)
+        rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles,
+        critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload})
 
 
 def critic_needed(cfg: RLConfig) -> bool:

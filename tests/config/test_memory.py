@@ -60,3 +60,15 @@ def test_grpo_qwen7b_fits_and_a_layout_that_does_not_is_rejected_naming_the_keys
                 "ppo_micro_batch_size_per_gpu (lower)"):
         assert key in bad.stderr, key
     assert validate(tp1, "trainer.device_memory_gb=141").returncode == 0  # an H200 holds it
+
+
+def test_a_critic_adds_a_second_trained_model_state_and_its_offload_takes_it_back() -> None:
+    m = HFArch.from_hf(QWEN7B)
+    kw = dict(tp=4, pp=1, dp=2, dtype="bfloat16", optimizer="adam", ref=True, micro_tokens=4096, recompute=False,
+              rollout_tp=2, engine_tokens=100_000, distributed_optimizer=False, offload={})
+    base = estimate(m, **kw)
+    critic = estimate(m, critic=True, **kw)
+    assert critic.critic == base.params + base.grads + base.optimizer and "critic" in str(critic)
+    assert critic.train == base.train + critic.critic  # trained between the actor's passes: no extra activations
+    off = estimate(m, critic=True, critic_offload={"param": True, "grad": True, "optimizer": True}, **kw)
+    assert off.generate == pytest.approx(base.generate)
