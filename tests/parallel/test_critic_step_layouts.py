@@ -1,10 +1,10 @@
 """One critic step gives the same answer at every parallel layout as on one rank (TP=1).
 
-The step is ``workers/critic_step.py``'s: the values pass, then the clipped value loss over 2 mini-batches ×
-2–4 micro-batches with the DP-global token-mean normaliser, with Adam and with SGD. Compared with the
-single-rank run: every response token's value, every optimizer step's metrics, and every trunk and head
-tensor after the step (the worker also checks that the replicated head is identical on TP peers). The max
-abs differences reached are printed per layout (``pytest -s``).
+The step is ``workers/critic_step.py``'s (also under the interleaved schedule): the values pass, then the
+clipped value loss over 2 mini-batches × 2–4 micro-batches with the DP-global token-mean normaliser, with Adam
+and with SGD. Compared with the single-rank run: every response token's value, every optimizer step's metrics,
+and every trunk and head tensor after the step (the worker also checks that the replicated head is identical
+on TP peers). The max abs differences reached are printed per layout (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ WEIGHT_TOL = {"adam": TOL["weights"]["token-mean"], "sgd": TOL["weights"]["seq-m
 LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what the world leaves)
     "2ranks": (2, ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2"]),  # TP=2, PP=2, DP=2, CP=2
     "4ranks": (4, ["tp2pp2cp1"]),  # TP×PP: the head on the last stage, replicated over its TP pair
+    "vpp": (2, ["tp1pp2cp1vpp2"]),  # interleaved 1F1B: the head on the last chunk of the last stage
 }
 
 

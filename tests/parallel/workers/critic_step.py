@@ -69,7 +69,8 @@ def run_layout(model_dir: str, out_dir: Path, name: str, optimizer: str, pad_tok
     batch = full.index(mine)
     megatron = MegatronConfig(tensor_model_parallel_size=layout.tensor_model_parallel_size,
                               pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                              context_parallel_size=layout.context_parallel_size)
+                              context_parallel_size=layout.context_parallel_size,
+                              virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size)
     critic = MegatronCritic(model_dir=model_dir, megatron=megatron, optim=OPTIMIZERS[optimizer], total_steps=2,
                             pad_token_id=pad_token_id, seed=5)
     batching = MicroBatching(micro_batch_size=MICRO)
