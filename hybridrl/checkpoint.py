@@ -6,7 +6,9 @@ Layout of ``<trainer.output_dir>/checkpoints/``:
   saved with Megatron's ``allow_shape_mismatch`` so a TP-dependent vocab padding does not matter). The
   distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: per parameter, in
   model space, like the plain optimizer's, so it loads at any DP size;
-- ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler position, data-sampler position, KL-controller β;
+- ``step_<k>/critic/``: with a critic, its model + optimizer, the same way;
+- ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler positions (actor, critic), data-sampler
+  position, KL-controller β;
 - ``step_<k>/rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
 - ``step_<k>/hf/``: config.json, generation config and tokenizer of the model (``export-hf`` needs nothing
   else), plus the actor's full weights as safetensors when ``trainer.save_hf_weights``;
@@ -66,6 +68,7 @@ from hybridrl.hf_checkpoint import copy_side_files, save_hf_checkpoint
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.model import unwrap_model
 from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.megatron.runner import MegatronRunner
 from hybridrl.tracking import say
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -226,7 +229,7 @@ def set_aside_other_histories(root: Path, *, resumed: Path | None) -> Path | Non
 # --- saving -------------------------------------------------------------------------------------
 
 
-def _model_state(policy: MegatronPolicy) -> dict[str, Any]:
+def _model_state(policy: MegatronRunner) -> dict[str, Any]:
     """The model's sharded state: one chunk's, or ``chunk<v>`` per model chunk under VPP.
 
     The nesting is only this dict's shape: on disk each tensor is stored under its Megatron key with
@@ -238,14 +241,14 @@ def _model_state(policy: MegatronPolicy) -> dict[str, Any]:
     return {f"chunk{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
 
 
-def _load_model_state(policy: MegatronPolicy, state: dict[str, Any]) -> None:
+def _load_model_state(policy: MegatronRunner, state: dict[str, Any]) -> None:
     chunks = [unwrap_model(c) for c in policy.chunks]
     states = [state] if len(chunks) == 1 else [state[f"chunk{v}"] for v in range(len(chunks))]
     for chunk, chunk_state in zip(chunks, states, strict=True):
         chunk.load_state_dict(chunk_state)
 
 
-def _model_and_optimizer_state(policy: MegatronPolicy, *, loading: bool) -> dict[str, Any]:
+def _model_and_optimizer_state(policy: MegatronRunner, *, loading: bool) -> dict[str, Any]:
     model_sd = _model_state(policy)
     assert policy.optimizer is not None
     if loading:
@@ -282,7 +285,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_version: int,
                     sampler_state: dict[str, int], model_dir: str,
-                    kl_ctrl_state: dict[str, float] | None = None) -> Path:
+                    kl_ctrl_state: dict[str, float] | None = None, critic: MegatronRunner | None = None) -> Path:
     root = checkpoint_root(cfg)
     final, tmp = root / _step_name(step), root / f".tmp_{_step_name(step)}"
     rank = dist.get_rank()
@@ -290,12 +293,17 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
         remove_scratch(root)
         (tmp / "rng").mkdir(parents=True)
         (tmp / "megatron").mkdir()
+        if critic is not None:
+            (tmp / "critic").mkdir()
     dist.barrier()
     dist_checkpointing.save(_model_and_optimizer_state(policy, loading=False), str(tmp / "megatron"))
+    if critic is not None:
+        dist_checkpointing.save(_model_and_optimizer_state(critic, loading=False), str(tmp / "critic"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
-        assert policy.scheduler is not None
+        assert policy.scheduler is not None and (critic is None or critic.scheduler is not None)
         torch.save({"step": step, "weight_version": weight_version, "scheduler": policy.scheduler.state_dict(),
+                    "critic_scheduler": critic.scheduler.state_dict() if critic and critic.scheduler else None,
                     "sampler": sampler_state, "kl_ctrl": kl_ctrl_state, "world_size": dist.get_world_size()},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
@@ -392,6 +400,23 @@ def _prune(root: Path, *, newest: int, keep: int) -> None:
 # --- loading ------------------------------------------------------------------------------------
 
 
+def _restore(model: MegatronRunner, directory: Path, scheduler_state: dict[str, Any]) -> int:
+    """Load ``model``'s weights and optimizer state from ``directory`` and its scheduler's position, keeping this
+    run's optimizer settings and schedule shape; return the saved LR decay length."""
+    assert model.optimizer is not None and model.scheduler is not None
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in model.optimizer.param_groups]
+    loaded = dist_checkpointing.load(_model_and_optimizer_state(model, loading=True), str(directory))
+    _load_model_state(model, loaded["model"])
+    model.optimizer.load_state_dict(loaded["optimizer"])
+    for group, settings in zip(model.optimizer.param_groups, configured, strict=True):
+        group.update(settings)  # the loaded groups carry the saved max_lr, betas, eps, …: this run's win
+    scheduler = model.scheduler
+    # Megatron's semantics: the schedule's shape from the config, only its position from the checkpoint
+    scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+    scheduler.load_state_dict(scheduler_state)
+    return int(scheduler_state["lr_decay_steps"])
+
+
 def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
     """Megatron's distributed and plain optimizers save their state in different formats (0.16.1 fails
     deep in ``load_state_dict`` with ``KeyError: 'pre_wd_mult'``): name the key to keep instead."""
@@ -424,32 +449,29 @@ def changed_settings(saved: DictConfig, cfg: RLConfig, *, path: Path) -> list[tu
     return changes
 
 
-def load_checkpoint(path: Path, *, cfg: RLConfig, policy: MegatronPolicy) -> dict[str, Any]:
-    """Restore model, optimizer state, the scheduler's position and this rank's RNG; return the trainer state.
+def load_checkpoint(path: Path, *, cfg: RLConfig, policy: MegatronPolicy,
+                    critic: MegatronRunner | None = None) -> dict[str, Any]:
+    """Restore model, optimizer state, the scheduler's position (the actor's, and the critic's when given) and
+    this rank's RNG; return the trainer state.
 
     Optimizer and LR-schedule *settings* are this run's (``cfg``), applied from the saved step: the
     checkpoint's param groups (lr, betas, eps, …) and schedule are replaced by the configured ones."""
     _check_optimizer_kind(path, policy)
     changes = changed_settings(OmegaConf.load(path / "config.yaml"), cfg, path=path)  # type: ignore[arg-type]
-    assert policy.optimizer is not None and policy.scheduler is not None
-    configured = [{k: v for k, v in g.items() if k != "params"} for g in policy.optimizer.param_groups]
-    sharded = _model_and_optimizer_state(policy, loading=True)
-    loaded = dist_checkpointing.load(sharded, str(path / "megatron"))
-    _load_model_state(policy, loaded["model"])
-    policy.optimizer.load_state_dict(loaded["optimizer"])
-    for group, settings in zip(policy.optimizer.param_groups, configured, strict=True):
-        group.update(settings)  # the loaded groups carry the saved max_lr, betas, eps, …: this run's win
     state = torch.load(path / "trainer_state.pt", weights_only=True)
+    saved_decay = _restore(policy, path / "megatron", state["scheduler"])
+    assert policy.optimizer is not None and policy.scheduler is not None
     scheduler = policy.scheduler
-    saved_decay = state["scheduler"]["lr_decay_steps"]
-    # Megatron's semantics: the schedule's shape from the config, only its position from the checkpoint
-    scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
-    scheduler.load_state_dict(state["scheduler"])
     if changes or saved_decay != scheduler.lr_decay_steps:
         shown = "; ".join(f"{k}: {old} → {new}" for k, old, new in changes)
         say(f"resume from {path}: changed settings applied from optimizer step {scheduler.num_steps}: {shown}"
             f"{'; ' if shown else ''}LR decay over {scheduler.lr_decay_steps} optimizer steps (saved: {saved_decay}); "
             f"the learning rate is now {policy.optimizer.param_groups[0]['lr']:.4g}")
+    if critic is not None:
+        if state.get("critic_scheduler") is None:
+            raise ValueError(f"{path} was saved without a critic; resume it with the critic off, or start a new run "
+                             "(trainer.resume=never)")
+        _restore(critic, path / "critic", state["critic_scheduler"])  # critic.optim.* settings: this run's too
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if state["world_size"] == dist.get_world_size() and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))

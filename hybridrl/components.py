@@ -64,14 +64,14 @@ class Components:
             yield collate_prompts([self.val_dataset[i] for i in idx], idx, pad_token_id=self.loader.pad_token_id)
 
     def save(self, step: int) -> None:
-        if self.hybrid.critic is not None:  # validation says so first (trainer.save_every)
-            raise NotImplementedError("checkpointing with a critic is not supported yet; set trainer.save_every=0")
         self.hybrid.actor_offload.reload()  # the checkpoint reads every state kind (an eval may have offloaded)
+        if self.hybrid.critic_offload is not None:
+            self.hybrid.critic_offload.reload()
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
                                weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
                                kl_ctrl_state=self.kl_ctrl.state_dict(),
-                               model_dir=self.model_path)
+                               model_dir=self.model_path, critic=self.hybrid.critic)
         say(f"saved checkpoint {path}")
 
     def close(self) -> None:
@@ -106,10 +106,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
-        if hybrid.critic is not None:  # validation refuses saving with a critic; an older run's checkpoint has none
-            raise NotImplementedError(f"resuming from {resume_from} with a critic: checkpointing with a critic is "
-                                      "not supported yet; set trainer.resume=never")
-        state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor)
+        state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor, critic=hybrid.critic)
         loader.load_state_dict(state["sampler"])
         hybrid.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
         resume_step = state["step"]

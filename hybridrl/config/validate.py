@@ -330,9 +330,6 @@ def _check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues:
         issues.add("critic.loss_agg_mode", c.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
     if not c.cliprange_value > 0:
         issues.add("critic.cliprange_value", c.cliprange_value, "must be > 0 (V stays within V_old ± it)")
-    if cfg.trainer.save_every:
-        issues.add("trainer.save_every", cfg.trainer.save_every, "checkpointing with a critic is not supported yet "
-                   "(the actor's checkpoint would resume with a fresh critic); set 0")
     if c.model.path is None or before_bootstrap:
         return
     model, problems = inspect_model_dir(c.model.path, tokenizer_path=None)
