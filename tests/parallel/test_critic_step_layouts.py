@@ -24,6 +24,7 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     "2ranks": (2, ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2"]),  # TP=2, PP=2, DP=2, CP=2
     "4ranks": (4, ["tp2pp2cp1"]),  # TP×PP: the head on the last stage, replicated over its TP pair
     "vpp": (2, ["tp1pp2cp1vpp2"]),  # interleaved 1F1B: the head on the last chunk of the last stage
+    "dyn": (2, ["tp1pp2cp1-dyn", "tp1pp1cp1-dyn"]),  # token-budget micro-batches of differing shapes, PP=2 / DP=2
 }
 
 

@@ -2,13 +2,13 @@
 
     python -m torch.distributed.run --nproc-per-node N critic_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-Layouts as ``rl_step.py``'s (``tp<a>pp<b>cp<c>``; DP is what remains of the world), with its FIXED batch and its
-DP sharding / global mini-batch order, so every layout takes the same optimizer steps. For each layout and each
-optimizer (Adam, SGD) the worker builds :class:`MegatronCritic` as ``ActorRolloutRef`` does, fills ``values``
-(``compute_values``), draws returns near them, and runs the critic's PPO epochs (``hybridrl.hybrid._epochs``, as
-``update_critic``). Rank 0 saves ``OUT_DIR/<layout>dp<DP>-<optimizer>.pt`` with every sample's values, each
-optimizer step's metrics and the full (TP-gathered, HF-named) trunk and head weights after the step; every rank
-checks that its TP peers hold the same (replicated) value head.
+Layouts as ``rl_step.py``'s (``tp<a>pp<b>cp<c>[vpp<d>][-dyn]``; DP is what remains of the world), with its FIXED
+batch and its DP sharding / global mini-batch order, so every layout takes the same optimizer steps. For each
+layout and each optimizer (Adam, SGD) the worker builds :class:`MegatronCritic` as ``ActorRolloutRef`` does, fills
+``values`` (``compute_values``), draws returns near them, and runs the critic's PPO epochs
+(``hybridrl.hybrid._epochs``, as ``update_critic``). Rank 0 saves ``OUT_DIR/<layout>dp<DP>-<optimizer>.pt`` with
+every sample's values, each optimizer step's metrics and the full (TP-gathered, HF-named) trunk and head weights
+after the step; every rank checks that its TP peers hold the same (replicated) value head.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from rl_step import MICRO, MINI_PROMPTS, N, T, fixed_batch, global_order, parse_layout
+from rl_step import DYN_BUDGET, MICRO, MINI_PROMPTS, N, T, fixed_batch, global_order, parse_layout
 
 from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
@@ -73,8 +73,10 @@ def run_layout(model_dir: str, out_dir: Path, name: str, optimizer: str, pad_tok
                               virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size)
     critic = MegatronCritic(model_dir=model_dir, megatron=megatron, optim=OPTIMIZERS[optimizer], total_steps=2,
                             pad_token_id=pad_token_id, seed=5)
-    batching = MicroBatching(micro_batch_size=MICRO)
-    batch.values = critic.compute_values(batch, batching=MicroBatching(micro_batch_size=4))
+    dynamic = name.endswith("-dyn")  # token-budget micro-batches (critic.use_dynamic_bsz), both passes
+    batching = MicroBatching(micro_batch_size=MICRO, max_tokens=DYN_BUDGET if dynamic else None)
+    batch.values = critic.compute_values(batch, batching=MicroBatching(micro_batch_size=4,
+                                                                       max_tokens=DYN_BUDGET if dynamic else None))
     noise = torch.randn(B, T, generator=torch.Generator().manual_seed(99))[mine]
     batch.returns = (batch.values + noise) * batch.response_mask
     steps = _epochs(batch, lambda mini: critic.train_step(mini, batching=batching, cliprange=CLIPRANGE),
