@@ -44,6 +44,14 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
    no CPU build of ``sgl_kernel`` exists, yet SGLang imports names from it at module level
    (``launch/sglang_cpu/sgl_kernel``: a stand-in whose kernels raise if called).
 
+9. **IPC sockets left open with an infinite linger.** ``get_zmq_socket`` never sets ``LINGER`` (libzmq's
+   default, -1: wait forever for undelivered messages), and ``Engine.shutdown`` closes only ``send_to_rpc``:
+   the trainer-side ``TokenizerManager`` keeps its sockets (``send_to_scheduler``, ``recv_from_detokenizer``)
+   and both ``zmq.Context``\ s (each with its I/O threads) alive after the engine's processes are gone. They
+   are destroyed whenever a later garbage collection reaches them (``Context.__del__`` → ``term()``), in
+   whatever the trainer is doing then, and ``term()`` waits on every socket's linger. :func:`shutdown_engine`
+   destroys them itself, with linger 0, once the processes are dead.
+
 Nothing here imports sglang at module import time.
 """
 
@@ -204,6 +212,7 @@ def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
     """``Engine.shutdown`` without killing the caller's unrelated children (item 4)."""
     atexit.unregister(engine.shutdown)
     tm = engine.tokenizer_manager
+    contexts = ipc_contexts(engine)
     try:
         if tm is not None and getattr(tm, "_subprocess_watchdog", None) is not None:
             tm._subprocess_watchdog.stop()  # before the kill: a dying child is not a crash now
@@ -223,3 +232,15 @@ def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
             transport = getattr(tm, "cuda_vmm_feature_transport", None)
             if transport is not None:
                 transport.shutdown()
+        for context in contexts:  # item 9: the peers are dead, nothing left to deliver
+            context.destroy(linger=0)
+
+
+def ipc_contexts(engine: Any) -> list[Any]:
+    """The ``zmq.Context``\\ s of the engine's trainer-side sockets (item 9), each once."""
+    tm = engine.tokenizer_manager
+    sockets = [getattr(engine, "send_to_rpc", None)]
+    if tm is not None:
+        sockets += [getattr(tm, "send_to_scheduler", None), getattr(tm, "recv_from_detokenizer", None)]
+    contexts = {id(s.context): s.context for s in sockets if s is not None and s.context is not None}
+    return list(contexts.values())

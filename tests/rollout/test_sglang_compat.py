@@ -155,6 +155,24 @@ def test_torchrun_env_still_breaks_the_engines_rendezvous(probe: dict[str, Any])
     assert "init_process_group(" in source and "init_method=distributed_init_method" in source
 
 
+def test_ipc_sockets_still_linger_forever_and_outlive_shutdown(tmp_path: Path) -> None:  # item 9
+    import zmq
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.utils.network import get_zmq_socket
+
+    context = zmq.Context()
+    try:
+        sock = get_zmq_socket(context, zmq.PUSH, f"ipc://{tmp_path}/probe", True)
+        assert sock.getsockopt(zmq.LINGER) == -1
+        sock.close(linger=0)
+    finally:
+        context.term()
+    # Engine.shutdown closes send_to_rpc only: nothing of the tokenizer manager's sockets or contexts
+    source = inspect.getsource(Engine.shutdown)
+    assert "send_to_rpc.close" in source
+    assert [w for w in ("send_to_scheduler", "recv_from_detokenizer", ".destroy(", ".term(") if w in source] == []
+
+
 def test_cpu_install_gaps_still_open(probe: dict[str, Any]) -> None:  # item 8
     from importlib import metadata
 

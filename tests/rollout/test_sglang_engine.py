@@ -155,10 +155,12 @@ def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models
     assert engine.last_update["buckets"] == -(-len(names) // 3)
     swapped, swapped_sampled = engine.generate(PROMPTS, params), engine.generate(PROMPTS, sampled, seeds=[1, 2, 3])
     fresh = build(b)
+    contexts = compat.ipc_contexts(fresh.engine)
     try:
         want = fresh.generate(PROMPTS, params)
     finally:
         fresh.shutdown()
+    assert len(contexts) == 2 and all(c.closed for c in contexts)  # sglang_compat item 9
     # a random tiny model's greedy path can repeat the prompt: compare the log-probs too
     assert [g.token_ids for g in swapped] == [g.token_ids for g in want]
     assert torch.allclose(torch.tensor(sum((g.logprobs for g in swapped), [])),
