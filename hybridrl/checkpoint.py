@@ -7,6 +7,9 @@ Layout of ``<trainer.output_dir>/checkpoints/``:
   distributed optimizer's state is saved in Megatron's ``fully_reshardable`` format: per parameter, in
   model space, like the plain optimizer's, so it loads at any DP size;
 - ``step_<k>/critic/``: with a critic, its model + optimizer, the same way;
+- ``step_<k>/lora.json``: with LoRA (``model.lora_rank`` > 0), whose ``megatron/`` then holds only the adapters
+  and their optimizer state: the base model's path and SHA-256 (resuming onto another base is an error) and
+  the LoRA settings (:mod:`hybridrl.lora_checkpoint`);
 - ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler positions (actor, critic), data-sampler
   position, KL-controller β;
 - ``step_<k>/rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
@@ -65,7 +68,9 @@ from omegaconf import DictConfig, OmegaConf
 from hybridrl import host_group
 from hybridrl.config.schema import OptimConfig, RLConfig
 from hybridrl.hf_checkpoint import copy_side_files, save_hf_checkpoint
+from hybridrl.lora_checkpoint import check_base, read_record, write_record
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
+from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.megatron.runner import MegatronRunner
@@ -236,16 +241,29 @@ def _model_state(policy: MegatronRunner) -> dict[str, Any]:
     global layer offsets, so a checkpoint written with any number of chunks loads with any other.
     """
     chunks = [unwrap_model(c) for c in policy.chunks]
+    states = [_adapters_only(policy, c.sharded_state_dict()) for c in chunks]
     if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"chunk{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
+        return states[0]
+    return {f"chunk{v}": state for v, state in enumerate(states)}
+
+
+def _adapters_only(policy: MegatronRunner, state: dict[str, Any]) -> dict[str, Any]:
+    """With LoRA only the adapters are saved (the frozen base is the model directory's, checked by hash)."""
+    if not isinstance(policy, MegatronPolicy) or policy.lora is None:
+        return state
+    return {k: v for k, v in state.items() if is_lora_name(k)}
 
 
 def _load_model_state(policy: MegatronRunner, state: dict[str, Any]) -> None:
     chunks = [unwrap_model(c) for c in policy.chunks]
     states = [state] if len(chunks) == 1 else [state[f"chunk{v}"] for v in range(len(chunks))]
+    lora = isinstance(policy, MegatronPolicy) and policy.lora is not None
     for chunk, chunk_state in zip(chunks, states, strict=True):
-        chunk.load_state_dict(chunk_state)
+        result = chunk.load_state_dict(chunk_state, strict=not lora)
+        if lora and (result.unexpected_keys or any(is_lora_name(k) for k in result.missing_keys)):
+            raise ValueError(f"the checkpoint's adapters do not fit this model: missing "
+                             f"{[k for k in result.missing_keys if is_lora_name(k)][:4]}, "
+                             f"unexpected {result.unexpected_keys[:4]}")
 
 
 def _model_and_optimizer_state(policy: MegatronRunner, *, loading: bool) -> dict[str, Any]:
@@ -307,6 +325,9 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
                     "sampler": sampler_state, "kl_ctrl": kl_ctrl_state, "world_size": dist.get_world_size()},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
+        if policy.lora is not None:  # the base this checkpoint's adapters belong to
+            write_record(tmp, cfg=policy.lora.cfg, base_model=model_dir,
+                         dtype=cfg.actor_rollout_ref.actor.megatron.dtype)
     if cfg.trainer.save_hf_weights:  # collective: every rank streams, rank 0 writes
         save_hf_checkpoint(policy.export_weights(bucket_bytes=512 << 20), tmp / "hf", source_dir=model_dir,
                            key="trainer.save_hf_weights")
@@ -457,6 +478,8 @@ def load_checkpoint(path: Path, *, cfg: RLConfig, policy: MegatronPolicy,
     Optimizer and LR-schedule *settings* are this run's (``cfg``), applied from the saved step: the
     checkpoint's param groups (lr, betas, eps, …) and schedule are replaced by the configured ones."""
     _check_optimizer_kind(path, policy)
+    check_base(path, read_record(path), lora=None if policy.lora is None else policy.lora.cfg,
+               base_model=cfg.actor_rollout_ref.model.path)
     changes = changed_settings(OmegaConf.load(path / "config.yaml"), cfg, path=path)  # type: ignore[arg-type]
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     saved_decay = _restore(policy, path / "megatron", state["scheduler"])

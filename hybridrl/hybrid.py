@@ -2,7 +2,8 @@
 
 Who does what (every rank runs this same code):
 - Megatron actor, ref and critic span the whole world with the actor's TP/PP/(CP)/DP layout (the ref and
-  the critic share the actor's process groups).
+  the critic share the actor's process groups). With LoRA (``model.lora_rank`` > 0) the ref is the actor's
+  own frozen base with its adapters off, and the weight sync sends the merged W + (alpha/r)·B·A.
 - The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
   rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples.
 - Phases: an engine resumes its memory to generate and releases it before training; while it
@@ -27,6 +28,7 @@ from hybridrl.config.schema import ActorRolloutRefConfig, CriticConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.guards import require_finite
 from hybridrl.interfaces import SamplingParams, WeightBucket
+from hybridrl.lora_config import LoRAConfig
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy
@@ -40,16 +42,19 @@ class ActorRolloutRef:
         """``critic``: its config, when the plan has one (``seed`` draws its fresh value head)."""
         self.config, self.plan, self.objective = config, plan, objective
         a, model_dir = config.actor, config.model.path
+        lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
-                                    total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id)
-        self.ref = (MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=None, total_steps=0,
-                                   pad_token_id=pad_token_id) if "ref" in plan.roles else None)
+                                    total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id, lora=lora)
+        # LoRA: the reference is the actor's own frozen base with its adapters off (no second copy of the weights)
+        self.ref = (None if "ref" not in plan.roles else self.actor if lora is not None else
+                    MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=None, total_steps=0,
+                                   pad_token_id=pad_token_id))
         _check_plan_matches_megatron(plan)
         m = a.megatron
         self.actor_offload = PolicyOffload(self.actor, params=m.param_offload, grads=m.grad_offload,
                                            optimizer=m.optimizer_offload)
         self.ref_offload = (PolicyOffload(self.ref, params=config.ref.megatron.param_offload)
-                            if self.ref is not None else None)
+                            if self.ref is not None and self.ref is not self.actor else None)
         self.critic_config, self.critic, self.critic_offload = critic, None, None
         if "critic" in plan.roles:
             assert critic is not None and plan.batch.critic is not None, "the plan has a critic: pass its config"
@@ -86,7 +91,14 @@ class ActorRolloutRef:
         return entropy_BT
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
-        assert self.ref is not None and self.ref_offload is not None
+        assert self.ref is not None
+        if self.actor.lora is not None:  # the base model: the actor with its adapters off
+            self.actor_offload.reload("params")
+            with self.actor.lora.disabled():
+                batch.ref_logprobs, _ = self.actor.compute_log_probs(
+                    batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
+            return
+        assert self.ref_offload is not None
         self.ref_offload.reload()
         batch.ref_logprobs, _ = self.ref.compute_log_probs(
             batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
@@ -106,6 +118,31 @@ class ActorRolloutRef:
             mini, self.objective, batching=b.update, loss_agg_mode=a.loss_agg_mode,
             temperature=self.logprob_temperature), epochs=b.ppo_epochs,
             mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=a.shuffle, seed=seed)
+
+    @property
+    def update_is_on_policy(self) -> bool:
+        """One PPO epoch of one mini-batch: the update's single forward runs on the very weights the old
+        log-probs would be computed with, so π_old = π (detached) exactly and the old-log-prob pass can go."""
+        b = self.plan.batch
+        return b.ppo_epochs == 1 and b.mini_batches_per_epoch == 1
+
+    def update_actor_on_policy(self, batch: RolloutBatch, *, seed: int) -> tuple[list[dict[str, float]], torch.Tensor]:
+        """``update_actor`` without the old-log-prob pass (``update_is_on_policy`` must hold; ``batch`` has no
+        ``old_logprobs``): π_old is the update's own detached log-probs, filled into ``batch.old_logprobs``
+        afterwards (so the rollout-vs-actor metrics stay); returns the metrics and the entropy ``[B, T]``."""
+        if not self.update_is_on_policy:
+            b = self.plan.batch
+            raise ValueError(f"update_actor_on_policy: the update is not provably on-policy (actor.ppo_epochs="
+                             f"{b.ppo_epochs}, {b.mini_batches_per_epoch} mini-batches per epoch; both must be 1)")
+        a, b = self.config.actor, self.plan.batch
+        self.actor_offload.reload()
+        order = _order(len(batch), shuffle=a.shuffle, gen=torch.Generator().manual_seed(seed))  # as _epochs
+        metrics, logp_BT, entropy_BT = self.actor.train_step_on_policy(
+            batch.to(self.actor.device).index(order.to(self.actor.device)), self.objective, batching=b.update,
+            loss_agg_mode=a.loss_agg_mode, temperature=self.logprob_temperature)
+        back = torch.argsort(order)
+        batch.old_logprobs = logp_BT[back]
+        return [metrics], entropy_BT[back]
 
     def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and
@@ -146,10 +183,15 @@ def _epochs(batch: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]
     gen = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(epochs):
-        order = torch.randperm(len(batch), generator=gen) if shuffle else torch.arange(len(batch))
+        order = _order(len(batch), shuffle=shuffle, gen=gen)
         for mini in batch.index(order.to(batch.prompt_ids.device)).split(mini_batch):
             steps.append(step(mini))
     return steps
+
+
+def _order(n: int, *, shuffle: bool, gen: torch.Generator) -> torch.Tensor:
+    """An epoch's sample order: a fresh permutation from ``gen`` when shuffling, else as is."""
+    return torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
 
 
 def _check_plan_matches_megatron(plan: Plan) -> None:

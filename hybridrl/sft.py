@@ -22,6 +22,7 @@ from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
 from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
 from hybridrl.hf_checkpoint import save_hf_checkpoint
+from hybridrl.lora_config import LoRAConfig
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy, parallel_config
 from hybridrl.metrics import DPMeans
@@ -89,7 +90,8 @@ def fit_sft(cfg: SFTConfig) -> dict[str, float]:
                                                          seed=t.seed),
                           dp_rank=parallel_state.get_data_parallel_rank(), dp_size=dp_size)
     policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
-                            total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id)
+                            total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id,
+                            lora=LoRAConfig.from_model(cfg.model, key="model"))  # LoRA: saves the merged weights
     val = PromptDataset(d.val_files, tokenizer=tokenizer, config=dataset.config) if d.val_files else None
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     say(f"SFT: {len(dataset)} pairs, {t.total_training_steps} steps of {d.train_batch_size} samples")

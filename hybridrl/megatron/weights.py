@@ -13,7 +13,7 @@ more than one bucket plus the unit being converted. Layout rules live in :mod:`h
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from hybridrl.megatron.convert import (
     hf_from_full,
     shard_from_hf,
 )
+from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -60,7 +61,7 @@ def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
                  skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
     out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
     for name, param in gpt.named_parameters():
-        if name.startswith(skip):
+        if name.startswith(skip) or is_lora_name(name):  # adapters: hybridrl.megatron.lora
             continue
         canonical = name
         if match := _LAYER.fullmatch(name):
@@ -103,8 +104,8 @@ def _tp_gather(unit: Unit, arch: HFArch, param: torch.Tensor, group: dist.Proces
 
 
 @torch.no_grad()
-def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *,
-                      bucket_bytes: int) -> Iterator[WeightBucket]:
+def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket_bytes: int,
+                      merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Iterator[WeightBucket]:
     """Yield the whole model (this rank's ``chunks`` and its peers') as HF-named full tensors, in buckets
     of at most ``bucket_bytes``.
 
@@ -113,6 +114,7 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *,
     storage (never a view of a parameter) and has the model's dtype and device. The stream runs TP
     all-gathers and PP broadcasts: every rank of the model's TP×PP group must consume it to the end.
     Memory: one bucket plus the unit in flight (its TP-gathered tensor and HF pieces).
+    ``merge(hf_name, tensor)`` (LoRA: :meth:`hybridrl.megatron.lora.LoRAModel.merger`) replaces each tensor.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
@@ -144,7 +146,7 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *,
             dist.broadcast(full, src=src, group=pp_group)
         for hf_name, tensor in zip(unit.hf_names, hf_from_full(unit, arch, full, tp_size=tp_size),
                                    strict=True):
-            tensor = tensor.contiguous()
+            tensor = (tensor if merge is None else merge(hf_name, tensor)).contiguous()
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
