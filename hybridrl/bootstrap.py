@@ -1,8 +1,9 @@
 """Build what a recipe needs but nobody has yet: synthetic data and start models (no model hub here).
 
 ``data.build_if_missing: arithmetic`` writes the arithmetic task's splits to ``data.train_files[0]``
-(and ``data.val_files[0]``); ``gsm8k_tiny`` writes synthetic word problems in GSM8K's own format
-(:mod:`hybridrl.data.synthetic_gsm8k`) and prepares them as ``hybridrl prepare gsm8k --from`` does.
+(and ``data.val_files[0]``), ``arithmetic_preference`` the same problems as DPO pairs; ``gsm8k_tiny``
+writes synthetic word problems in GSM8K's own format (:mod:`hybridrl.data.synthetic_gsm8k`) and
+prepares them as ``hybridrl prepare gsm8k --from`` does.
 ``model.build_if_missing: tiny`` writes a random tiny model (the architecture below) with a char
 tokenizer, ``tiny_bpe`` the same with a byte-level BPE tokenizer trained here on the synthetic GSM8K
 text (:mod:`hybridrl.models.bpe_tokenizer`), and ``sft:<recipe>`` runs that SFT recipe with
@@ -47,7 +48,7 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
-DATA_KINDS = ("arithmetic", "gsm8k_tiny")
+DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny")
 MODEL_KINDS = ("tiny", "tiny_bpe", "sft:<recipe>")
 
 
@@ -83,7 +84,8 @@ def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) 
     for key, path in zip(("data.train_files", "data.val_files"), targets, strict=False):
         if (problem := outside_cache_problem(kind, str(path))) is not None:
             raise ValueError(f"{key}: {path}: {problem}")
-    write = write_arithmetic_task if kind == "arithmetic" else write_gsm8k_tiny_task
+    write = {"arithmetic": write_arithmetic_task, "arithmetic_preference": write_arithmetic_preference,
+             "gsm8k_tiny": write_gsm8k_tiny_task}[kind]
     _once(targets, lambda: write(*targets))
 
 
@@ -97,6 +99,22 @@ def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
     for rows, path in zip(arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC)), targets, strict=False):
         tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
         write_rows(rows, tmp)
+        tmp.rename(path)
+
+
+def write_arithmetic_preference(train: Path, test: Path | None = None) -> None:
+    """The arithmetic splits (``ARITHMETIC``) as DPO pairs: chosen = the answer, rejected = a plausible
+    wrong one (:func:`hybridrl.data.preference.arithmetic_preference_rows`), each file written atomically."""
+    from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
+    from hybridrl.data.preference import arithmetic_preference_rows
+    from hybridrl.data.rows import write_rows
+
+    targets = [Path(train)] + ([Path(test)] if test is not None else [])
+    say(f"writing the arithmetic task ({ARITHMETIC}) as preference pairs to {', '.join(map(str, targets))}")
+    task = ArithmeticTaskConfig(**ARITHMETIC)  # type: ignore[arg-type]
+    for split, (rows, path) in enumerate(zip(arithmetic_splits(task), targets, strict=False)):
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+        write_rows(arithmetic_preference_rows(rows, seed=task.seed + split), tmp)
         tmp.rename(path)
 
 

@@ -1,4 +1,7 @@
-"""``hybridrl prepare gsm8k|math|jsonl OUT_DIR``: a task's data → ``OUT_DIR/train.parquet`` and ``test.parquet``.
+"""``hybridrl prepare gsm8k|math|jsonl|preference OUT_DIR``: a task's data → ``OUT_DIR/{train,test}.parquet``.
+
+``preference`` writes DPO pairs instead (``prompt``, ``chosen``, ``rejected``, ``data_source``, the other
+columns; see :mod:`hybridrl.data.preference`); the rest of this docstring is about the prompt tasks.
 
 Each output row is what :class:`hybridrl.data.dataset.PromptDataset` reads by default:
 
@@ -68,6 +71,14 @@ class Task:
     template: str | None  # verl's instruction; None: the raw question
     hf_name: str | None  # the public dataset (online mode)
     hf_config: str | None = None
+    # a whole-row conversion instead of question/answer extraction (preference pairs); None: the latter
+    convert: Callable[..., Row] | None = None
+
+
+def _preference_row(row: Row, **kwargs: str | None) -> Row:
+    from hybridrl.data.preference import preference_row  # imports transformers: only for this task
+
+    return preference_row(row, **kwargs)  # type: ignore[arg-type]
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
@@ -82,6 +93,9 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          hf_name="DigitalLearningGmbH/MATH-lighteval"),
     Task(name="jsonl", question_key="question", answer_key="answer", answer_rule="a non-empty answer column",
          ground_truth=_raw_answer, template=None, hf_name=None),
+    Task(name="preference", question_key="prompt", answer_key="chosen",
+         answer_rule="non-empty 'chosen' and 'rejected' responses", ground_truth=_raw_answer, template=None,
+         hf_name=None, convert=_preference_row),
 )}
 
 
@@ -171,6 +185,10 @@ def _convert_source(src: str, split: str, task: Task, data_source: str, config: 
     for row_no, row in tqdm(read_source(src), desc=f"{split}: {src}", unit=" rows", mininterval=2.0, file=sys.stderr):
         total += 1
         where = f"{src} row {row_no}"
+        if task.convert is not None:
+            yield task.convert(row, where=where, prompt_key=question_key, template=template,
+                               prompt_format=config.prompt_format, data_source=data_source)
+            continue
         question = row.get(question_key)
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{where}: no question: {question_key!r} (--question-key) is missing or empty; "
@@ -252,7 +270,9 @@ def main(args: argparse.Namespace) -> int:
     first = splits["train"][0]
     prompt = first["prompt"]
     text = prompt if isinstance(prompt, str) else "\n".join(f"[{m['role']}] {m['content']}" for m in prompt)
-    print(f"first train prompt:\n{text}\nits ground truth: {first['ground_truth']}")
+    answer = (f"its ground truth: {first['ground_truth']}" if "ground_truth" in first and "chosen" not in first
+              else f"chosen: {first['chosen']!r}, rejected: {first['rejected']!r}")
+    print(f"first train prompt:\n{text}\n{answer}")
     return 0
 
 
