@@ -73,7 +73,9 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
     assert 0 < rows[1]["reward/mean"] < 1
     assert "step 3/3 (100%)" in proc.stdout and "ETA" in proc.stdout
     checked = re.search(r"collective device check: (\d+) calls checked", proc.stdout)
-    assert checked and int(checked[1]) > 50, proc.stdout[-2000:]
+    # every step's log-prob reductions, loss normaliser and metric all-reduces went through the check (46 calls
+    # with the fused log-prob kernels, which reduce max and sums in two calls; 82 without them)
+    assert checked and int(checked[1]) > 30, proc.stdout[-2000:]
 
 
 @pytest.mark.distributed

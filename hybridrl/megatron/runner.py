@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,10 @@ def _mixed_precision_kwargs(dtype: torch.dtype) -> dict[str, Any]:
                 initial_loss_scale=FP16_INITIAL_LOSS_SCALE)
 
 
+# rows are padded to a multiple of this (and of 2·CP: CP's load-balanced chunks): 8 on a GPU, for fewer distinct
+# shapes; none on a CPU, where every padded position is paid for in full and shapes cost nothing
+_PAD_MULTIPLE = {True: 8, False: 1}
+
 Head = Callable[[_Micro, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """A micro-batch and the last stage's output → its (unscaled) loss and metrics (detached)."""
 
@@ -114,6 +118,7 @@ class MegatronRunner:
         self.config = chunks[0].config  # shared by all chunks
         self.optimizer = None
         self.scheduler: OptimizerParamScheduler | None = None
+        self._causal_masks: dict[int, torch.Tensor | None] = {}
         if optim is None:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -145,7 +150,10 @@ class MegatronRunner:
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], head: Head, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
-        masks = {s: causal_attention_mask(s, self.device) for _, s in shapes}
+        for _, s in shapes:  # kept from step to step: one per sequence length seen
+            if s not in self._causal_masks:
+                self._causal_masks[s] = causal_attention_mask(s, self.device)
+        masks = self._causal_masks
         scale = len(micros) * parallel_state.get_data_parallel_world_size()
         # token-budget micro-batches differ in shape: the pipeline then sends each activation's shape first
         self.config.variable_seq_lengths = len(shapes) > 1
@@ -185,7 +193,7 @@ class MegatronRunner:
         """Fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped
         ones each padded to its own longest row (:mod:`dynamic_batch`)."""
         micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
-        multiple = math.lcm(8, 2 * self.parallel.context_parallel_size)
+        multiple = math.lcm(_PAD_MULTIPLE[self.device.type == "cuda"], 2 * self.parallel.context_parallel_size)
         if max_tokens is None:
             parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
         else:
@@ -283,11 +291,11 @@ class MegatronRunner:
             dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                        group=parallel_state.get_pipeline_model_parallel_group())
         keys = sorted(box[0])
-        vals = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vals, group=parallel_state.get_data_parallel_group())
-        total = max(float(vals[-1]), 1.0)
+        sums = torch.tensor([box[0][k] for k in keys] + [sum(tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        total = max(float(sums[-1]), 1.0)
         return {k.removesuffix("_sum"): float(v) / (1.0 if k.endswith("_sum") else total)
-                for k, v in zip(keys, vals[:-1], strict=True)}
+                for k, v in zip(keys, sums[:-1], strict=True)}
 
     @staticmethod
     def _broadcast_from_last_stage(t: torch.Tensor) -> None:  # t on the device: the PP group is NCCL on GPUs
@@ -297,8 +305,10 @@ class MegatronRunner:
 
     def _grads_finite(self) -> bool:
         """Every rank's accumulated gradients are finite (one flag all-reduce over the host group)."""
-        local = all(bool(torch.isfinite(p.main_grad).all()) for p in self.parameters()
-                    if getattr(p, "main_grad", None) is not None)
+        # the DDP grad buffers hold every main_grad (one check per buffer, not three ops per parameter)
+        ddp = cast(list[DistributedDataParallel], self.chunks)  # trainable: every chunk is Megatron's DDP
+        local = all(bool(torch.isfinite(buffer.grad_data).all()) for d in ddp
+                    for buffer in (*d.buffers, *d.expert_parallel_buffers))
         return agree(None if local else "non-finite gradients") is None
 
     # ---- weights ----

@@ -7,7 +7,9 @@ With logits z split over TP ranks by vocabulary (rank r holds columns [r·v, (r+
 Gradients (per row, local columns only — no full-vocab tensor is ever gathered):
     ∂ log p(y)/∂z_j = 1[j = y] - p_j,        ∂H/∂z_j = -p_j (log p_j + H)
 Columns at or past ``vocab_size`` are Megatron's vocab padding: they are masked to -inf so the
-distribution is exactly the HF model's. At TP=1 this is an ordinary fused log-softmax + gather.
+distribution is exactly the HF model's. At TP=1 this is an ordinary fused log-softmax + gather. With ``fused`` (config
+``actor_rollout_ref.actor.megatron.use_fused_kernels``) the same values come from :mod:`hybridrl.ops`
+without the ``[N, V]``-sized fp32 temporaries below.
 
 Precision: whatever the logits' dtype (bf16/fp16 under mixed precision), everything above is computed in
 fp32 (the logits are upcast once); the gradient goes back to the logits in their own dtype.
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from hybridrl.ops import compiled_kernels, logprob_entropy
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -66,7 +70,27 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return (grad_Nv / ctx.temperature).to(ctx.logits_dtype), None, None, None
 
 
+def use_fused_kernels(setting: bool | None, device: torch.device) -> bool:
+    """``actor_rollout_ref.actor.megatron.use_fused_kernels`` resolved for ``device``: null = when the compiled
+    kernels of :mod:`hybridrl.ops` build there (else warned once); true = they must; false = never."""
+    if setting is False:
+        return False
+    if compiled_kernels(device) is not None:
+        return True
+    if setting:
+        raise RuntimeError(f"actor_rollout_ref.actor.megatron.use_fused_kernels=true but the fused kernels are "
+                           f"unavailable on {device.type} (the warning above says why); set it to null (use them "
+                           f"when they build) or false")
+    return False
+
+
 def vocab_parallel_logprob_entropy(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int,
-                                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log p(target), entropy)`` per row of TP-local logits ``[N, V_pad / TP]``, in fp32."""
+                                   temperature: float = 1.0, fused: bool | None = False
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(target), entropy)`` per row of TP-local logits ``[N, V_pad / TP]``, in fp32. ``fused``: the
+    ``use_fused_kernels`` setting (null/true/false); the fused kernels compute the same values without
+    ``[N, V]``-sized temporaries (:mod:`hybridrl.ops.logprob`)."""
+    if use_fused_kernels(fused, logits_Nv.device):
+        return logprob_entropy(logits_Nv, target_N, vocab_size=vocab_size, temperature=temperature,
+                               group=parallel_state.get_tensor_model_parallel_group())
     return _VocabParallelLogProbEntropy.apply(logits_Nv, target_N, vocab_size, temperature)

@@ -168,6 +168,9 @@ CHECKS: tuple[Check, ...] = (
     Check("qwen2_1p5b_verify", _node("test_qwen2_1p5b_gpu.py", "test_verify_model"), 90,
           "hybridrl verify-model on that model (Megatron on the GPU vs transformers fp32): logit diff, round trip",
           needs_model=True),
+    Check("fused_logprob", _node("test_fused_logprob_gpu.py", "test_fused_logprob_gpu"), 60,
+          "fused log-prob + entropy (Triton): error vs fp64 and vs the current path; 4096 tokens x 151936 vocab x "
+          "1024 hidden, bf16 fwd+bwd: peak memory and time, current vs fused LM head (>= 4x less memory)"),
     Check("grpo_tiny_sglang_te", _node("test_grpo_tiny_gpu.py", "test_grpo_tiny[sglang]"), 420,
           "(a) with Transformer Engine's spec and the sglang engine", full=True,
           overrides=lambda w: grpo_tiny_overrides(w, "sglang")),
