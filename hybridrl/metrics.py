@@ -69,6 +69,8 @@ def rollout_metrics(batch: RolloutBatch, scores_B: torch.Tensor, entropy_BT: tor
     B, tokens = len(batch), mask_BT.sum()
     lengths_B = mask_BT.sum(-1)
     m.add("reward/mean", scores_B.sum(), B)
+    m.max("reward/max", scores_B.max())  # the spread `hybridrl report` draws around the mean
+    m.min("reward/min", scores_B.min())
     m.add("response/length_mean", lengths_B.sum(), B)
     m.max("response/length_max", lengths_B.max())
     m.add("response/clip_ratio", sum(s.finish_reason == "length" for s in batch.meta), B)

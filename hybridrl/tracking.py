@@ -4,7 +4,11 @@ Only rank 0 logs. ``metrics.jsonl`` gets one JSON object per step with ``step``;
 steps after the resume point are dropped first, so the file always describes one consistent run; a
 fresh run moves an earlier run's file aside (``metrics.<time>.jsonl``) instead of emptying it.
 wandb honours ``WANDB_MODE``; with neither ``WANDB_MODE`` nor an API key it runs offline (files under
-``<output_dir>/wandb``) rather than failing on a machine without network.
+``<output_dir>/wandb``) rather than failing on a machine without network. mlflow logs to
+``MLFLOW_TRACKING_URI`` (a server, or any store mlflow knows), else to ``sqlite:///<output_dir>/mlflow.db``.
+wandb, tensorboard and mlflow are optional: each is imported only when chosen, and :data:`LOGGER_PACKAGES`
+says which module each needs and the extra that installs it (static validation checks it before any model
+is built).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -45,7 +50,10 @@ class JsonlBackend:
             os.replace(path, old)
             say(f"{path} is from an earlier run: moved to {old}")
         elif path.exists():  # keep the lines up to the resume point only
-            kept = [line for line, row in _read_rows(path) if row.get("step", 0) <= resume_step]
+            rows, torn = read_metrics_rows(path)
+            if torn:
+                say(f"warning: {torn}")
+            kept = [line for line, row in rows if row.get("step", 0) <= resume_step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -59,8 +67,10 @@ class JsonlBackend:
         self._f.close()
 
 
-def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(line, object)`` for each non-blank line; a torn last line is dropped with a warning."""
+def read_metrics_rows(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """``(line, object)`` for each non-blank line of a ``metrics.jsonl``, and what was wrong with a torn last
+    line (a crash, or a run still writing it), which is left out; None when there is none. Any other
+    unreadable line is an error naming the file and line."""
     lines = path.read_bytes().split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -73,13 +83,12 @@ def _read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
             if not isinstance(row, dict):
                 raise ValueError(f"a JSON object expected, got {type(row).__name__}")
         except (UnicodeDecodeError, ValueError) as e:
-            if i == last:  # the write a crash interrupted
-                say(f"warning: {path}:{i + 1}: dropping the torn last line ({type(e).__name__}: {e})")
-                break
+            if i == last:  # the write a crash interrupted, or one still under way
+                return rows, f"{path}:{i + 1}: dropping the torn last line ({type(e).__name__}: {e})"
             raise ValueError(f"{path}:{i + 1}: not a JSON object per line ({type(e).__name__}: {e}); "
-                             "fix or move the file to resume") from None
+                             "fix the line or move the file aside") from None
         rows.append((line, row))
-    return rows
+    return rows, None
 
 
 class WandbBackend:
@@ -91,13 +100,50 @@ class WandbBackend:
             print("[hybridrl] wandb: no WANDB_API_KEY and no WANDB_MODE; logging offline "
                   f"under {cfg.output_dir}/wandb (sync later with `wandb sync`)", flush=True)
         self._run = wandb.init(project=cfg.project_name, name=cfg.experiment_name, config=dict(config),
-                               dir=cfg.output_dir, mode=mode)
+                               dir=cfg.output_dir, mode=mode)  # type: ignore[arg-type]  # WANDB_MODE: wandb checks it
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._run.log(dict(metrics), step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+class MlflowBackend:
+    """A run named ``trainer.experiment_name`` in the experiment ``trainer.project_name`` (created if missing),
+    with the flattened config as its params and each step's metrics. mlflow refuses some characters in names:
+    ``@`` becomes ``_at_`` (``eval/<source>/pass_at_4``, as verl does), any other one ``_``."""
+
+    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, config: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}"
+        if "MLFLOW_TRACKING_URI" not in os.environ:
+            print(f"[hybridrl] mlflow: no MLFLOW_TRACKING_URI; logging to {uri} "
+                  f"(view with `mlflow ui --backend-store-uri {uri}`)", flush=True)
+        self._client = MlflowClient(tracking_uri=uri)
+        exp = self._client.get_experiment_by_name(cfg.project_name)
+        exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(cfg.project_name)
+        self._run_id = self._client.create_run(exp_id, run_name=cfg.experiment_name).info.run_id
+        params = [Param(mlflow_name(k), str(v)[:6000]) for k, v in config.items()]  # mlflow caps a param value's length
+        for i in range(0, len(params), 100):  # and a batch at 100 params
+            self._client.log_batch(self._run_id, params=params[i:i + 100])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):  # mlflow's limit of metrics per batch
+            self._client.log_batch(self._run_id, metrics=batch[i:i + 1000])
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id)
+
+
+def mlflow_name(key: str) -> str:
+    return re.sub(r"[^\w\-. :/]", "_", key.replace("@", "_at_"))
 
 
 class TensorboardBackend:
@@ -114,8 +160,9 @@ class TensorboardBackend:
         self._w.close()
 
 
-CONSOLE_KEYS = ("sft/loss", "sft/grad_norm", "reward/mean", "eval/accuracy", "actor/pg_loss", "actor/ppo_kl",
-                "actor/kl_ref", "rollout/logprob_abs_diff", "response/length_mean", "timing/step")
+CONSOLE_KEYS = ("sft/loss", "sft/grad_norm", "dpo/loss", "rewards/accuracy", "val/rewards/accuracy", "reward/mean",
+                "eval/accuracy", "actor/pg_loss", "actor/ppo_kl", "actor/kl_ref", "rollout/logprob_abs_diff",
+                "response/length_mean", "timing/step")
 
 
 class ConsoleBackend:
@@ -158,7 +205,26 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
 
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard")  # trainer.loggers
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")  # trainer.loggers
+# the optional loggers: the modules each imports; `pip install 'hybridrl[<logger>]'` installs them
+LOGGER_MODULES: dict[str, tuple[str, ...]] = {"wandb": ("wandb",), "tensorboard": ("tensorboard",),
+                                              "mlflow": ("mlflow",)}
+MLFLOW_LOCAL_STORE = ("sqlalchemy", "alembic")  # mlflow's sqlite store (the default without MLFLOW_TRACKING_URI)
+
+
+def missing_logger_packages(loggers: list[str]) -> dict[str, str]:
+    """``{logger: what is missing and the pip command}`` for each chosen logger whose packages are not installed
+    (found without importing them)."""
+    import importlib.util
+
+    missing = {}
+    for name in loggers:
+        modules = LOGGER_MODULES.get(name, ())
+        if name == "mlflow" and os.environ.get("MLFLOW_TRACKING_URI", "sqlite:").startswith("sqlite:"):
+            modules += MLFLOW_LOCAL_STORE
+        if absent := [m for m in modules if importlib.util.find_spec(m) is None]:
+            missing[name] = f"{', '.join(absent)} not installed: pip install 'hybridrl[{name}]'"
+    return missing
 
 
 class Tracker:
@@ -177,6 +243,8 @@ class Tracker:
                 self.backends.append(WandbBackend(cfg, config))
             elif name == "tensorboard":
                 self.backends.append(TensorboardBackend(out))
+            elif name == "mlflow":
+                self.backends.append(MlflowBackend(cfg, config))
             else:
                 raise ValueError(f"trainer.loggers: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
 

@@ -1,14 +1,23 @@
-"""Metrics sinks: jsonl (with resume), console progress, wandb offline."""
+"""Metrics sinks: jsonl (with resume), console progress, wandb offline, mlflow; optional loggers checked statically."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hybridrl.config.compose import compose_config
+from hybridrl.config.errors import ConfigError
 from hybridrl.config.schema import TrainerConfig
+from hybridrl.config.validate import validate
 from hybridrl.tracking import Progress, Tracker
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_jsonl_one_object_per_step_and_resume_drops_later_steps(tmp_path: Path) -> None:
@@ -90,3 +99,107 @@ def test_a_fresh_run_moves_the_earlier_runs_metrics_aside(tmp_path: Path) -> Non
     [old] = tmp_path.glob("metrics.*.jsonl")
     assert json.loads(old.read_text())["reward/mean"] == 0.0
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward/mean"] == 1.0
+
+
+def test_mlflow_logs_params_and_step_metrics_to_a_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Without MLFLOW_TRACKING_URI the run goes to a sqlite store in the output dir; read back with mlflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["mlflow"], project_name="p", experiment_name="e")
+    t = Tracker(cfg, config={"trainer.seed": 1, "data.train_files": ["a.parquet"]}, rank=0)
+    for step, reward in [(1, 0.25), (2, 0.5), (3, float("nan"))]:
+        t.log({"reward/mean": reward, "eval/arithmetic/pass@4": reward / 2}, step=step)
+    t.close()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert f"logging to {uri}" in capsys.readouterr().out
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("p").experiment_id])
+    assert run.info.run_name == "e" and run.info.status == "FINISHED"
+    assert run.data.params == {"trainer.seed": "1", "data.train_files": "['a.parquet']"}
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert [m.step for m in history] == [1, 2, 3] and [m.value for m in history][:2] == [0.25, 0.5]
+    assert math.isnan(history[2].value)
+    # mlflow refuses '@' in a name
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/arithmetic/pass_at_4")][:2] == [0.125,
+                                                                                                              0.25]
+
+
+def test_mlflow_honours_the_tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = TrainerConfig(output_dir=str(tmp_path / "out"), loggers=["mlflow"], project_name="p", experiment_name="e")
+    for run in range(2):  # a second run joins the existing experiment
+        t = Tracker(cfg, config={}, rank=0)
+        t.log({"reward/mean": float(run)}, step=1)
+        t.close()
+    assert not (tmp_path / "out" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("p").experiment_id])
+    assert sorted(r.data.metrics["reward/mean"] for r in runs) == [0.0, 1.0]
+
+
+def test_optional_loggers_are_imported_only_when_chosen(tmp_path: Path) -> None:
+    code = ("import sys\nfrom hybridrl.config.schema import TrainerConfig\nfrom hybridrl.tracking import Tracker\n"
+            f"t = Tracker(TrainerConfig(output_dir={str(tmp_path)!r}), config={{}}, rank=0)\n"
+            "t.log({'reward/mean': 1.0}, step=1)\nt.close()\n"
+            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"
+
+
+def _tracking_issues(loggers: str, *, recipe: str = "grpo_tiny", model_config: Path | None = None) -> list[str]:
+    """The trainer.loggers problems static validation finds in the recipe with these loggers."""
+    cfg = compose_config([f"recipe={recipe}", f"trainer.loggers={loggers}"])
+    try:
+        validate(cfg, world_size=None if model_config else 1, before_bootstrap=True, model_config=model_config)
+    except ConfigError as e:
+        return [str(i) for i in e.issues if i.key == "trainer.loggers"]
+    return []
+
+
+def test_validation_rejects_a_chosen_logger_whose_package_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: loggers=[..., wandb, tensorboard] without tensorboard started wandb, loaded the model and then
+    died with a bare ModuleNotFoundError. A package can't be uninstalled here, so its lookup is made to fail."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert _tracking_issues("[console,jsonl,wandb,tensorboard]") == [
+        "trainer.loggers=['console', 'jsonl', 'wandb', 'tensorboard']: logger 'tensorboard': tensorboard not "
+        "installed: pip install 'hybridrl[tensorboard]' (or drop it from the list)"]
+    assert _tracking_issues("[console,jsonl]") == []
+    # planning a run for another machine (hybridrl validate --model-config): its packages are not ours to check
+    assert _tracking_issues("[console,tensorboard]", recipe="grpo_qwen7b",
+                            model_config=REPO / "recipes" / "model_configs" / "qwen2.5-7b.json") == []
+
+
+def test_mlflow_local_store_needs_sqlalchemy_only_without_a_tracking_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    [issue] = _tracking_issues("[console,mlflow]")
+    assert "logger 'mlflow': sqlalchemy not installed: pip install 'hybridrl[mlflow]'" in issue
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert _tracking_issues("[console,mlflow]") == []
+
+
+def test_an_unknown_logger_lists_the_valid_ones() -> None:
+    assert _tracking_issues("[console,mlfow]") == [
+        "trainer.loggers=['console', 'mlfow']: unknown logger(s) ['mlfow']; valid: console, jsonl, wandb, "
+        "tensorboard, mlflow"]
+
+
+def test_tensorboard_writes_scalars_under_the_output_dir(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["tensorboard"])
+    t = Tracker(cfg, config={}, rank=0)
+    for step in (1, 2):
+        t.log({"reward/mean": step / 4, "eval/arithmetic/pass@4": 0.5}, step=step)
+    t.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert [e.step for e in events.Scalars("eval/arithmetic/pass@4")] == [1, 2]

@@ -7,25 +7,46 @@ added: the template has them). Otherwise a string prompt is tokenized as is, wit
 usual special tokens (e.g. BOS). Keys may be dotted paths into nested columns
 (``reward_model.ground_truth``). A row's ``data_source`` column (default: the file's stem) and its other
 columns go to :class:`SampleMeta` (``data_source``, ``extra``). Entries are files or ``hf://`` names (see
-:mod:`hybridrl.data.sources`). Everything is read and tokenized once, at construction; prompts longer
-than ``max_prompt_length`` tokens are dropped with one counted warning.
+:mod:`hybridrl.data.sources`).
+
+Start-up that scales with the dataset: the rows are tokenized once per run, not once per rank. Under
+``torch.distributed`` each rank tokenizes a contiguous 1/world share of the rows and the token arrays are
+all-gathered (over gloo, :mod:`hybridrl.host_group`), so every rank ends with the same compact int32 arrays
+(:class:`TokenTable`) instead of a Python list per prompt; a row's metadata is read from its table when the
+row is drawn (parquet: from the Arrow table, never turned into one dict per row up front). The length
+filter is exact — a prompt is kept iff its token count is ≤ ``max_prompt_length``, as before — and is
+counted: one warning with the number dropped and :attr:`PromptDataset.filter_metrics`
+(``data/prompts_{total,kept,dropped}``, logged with the run's first step). Every row is checked by
+:meth:`PromptDataset._item` while it is tokenized (a missing key or a bad prompt is an error naming the file
+and row, raised on every rank at once); rows and prompt order are those of reading every row in turn.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import time
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from hybridrl import host_group
 from hybridrl.batch import SampleMeta
 from hybridrl.data.rows import Row
-from hybridrl.data.sources import read_source, source_stem
+from hybridrl.data.sources import is_hf, read_source, source_stem
+from hybridrl.tracking import say
 
 logger = logging.getLogger(__name__)
+
+CHUNK = 4096  # rows turned into dicts at a time
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -46,8 +67,64 @@ class PromptItem:
     meta: SampleMeta
 
 
+class RowTable:
+    """The rows of one data entry by row number: parquet stays an Arrow table (a row becomes a dict only
+    when drawn); jsonl and ``hf://`` rows are read as :func:`read_source` reads them."""
+
+    def __init__(self, source: str) -> None:
+        self.source, self.stem = source, source_stem(source)
+        self._arrow: pa.Table | None = None
+        self._rows: list[Row] = []
+        if not is_hf(source) and source.endswith(".parquet"):
+            if not os.path.isfile(source):
+                raise FileNotFoundError(f"data file {source!r} does not exist")
+            self._arrow = pq.read_table(source)
+        else:
+            self._rows = [row for _, row in read_source(source)]
+
+    def __len__(self) -> int:
+        return self._arrow.num_rows if self._arrow is not None else len(self._rows)
+
+    def row(self, i: int) -> Row:
+        return self._arrow.slice(i, 1).to_pylist()[0] if self._arrow is not None else self._rows[i]
+
+    def rows(self, start: int, stop: int) -> list[Row]:
+        return self._arrow.slice(start, stop - start).to_pylist() if self._arrow is not None \
+            else self._rows[start:stop]
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class TokenTable:
+    """Token ids of many prompts in two arrays: prompt ``i`` is ``ids[offsets[i]:offsets[i + 1]]``."""
+
+    ids: np.ndarray  # [sum of lengths] int32
+    offsets: np.ndarray  # [n + 1] int64, offsets[0] = 0
+
+    @classmethod
+    def from_lengths(cls, ids: np.ndarray, lengths: np.ndarray) -> TokenTable:
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(ids=ids, offsets=offsets)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def select(self, keep: np.ndarray) -> TokenTable:
+        """The prompts where the boolean mask ``keep`` is true, in order."""
+        lengths = self.lengths
+        return TokenTable.from_lengths(self.ids[np.repeat(keep, lengths)], lengths[keep])
+
+
 class PromptDataset:
-    """The kept prompts of ``files``, in file order then row order."""
+    """The kept prompts of ``files``, in file order then row order.
+
+    Under torch.distributed its construction is a collective: every rank builds the same dataset, in the
+    same order as its other datasets.
+    """
 
     def __init__(
         self,
@@ -61,45 +138,110 @@ class PromptDataset:
         self.config = config
         self.tokenizer = tokenizer
         self.use_chat_template = config.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
-        self.items: list[PromptItem] = []
-        total = 0
-        for source in map(str, files):
-            stem = source_stem(source)
-            for row_no, row in read_source(source):
-                total += 1
-                item = self._item(f"{source} row {row_no}", stem, row)
-                if len(item.prompt_ids) <= config.max_prompt_length:
-                    self.items.append(item)
-        dropped = total - len(self.items)
-        if dropped:
-            logger.warning(
-                "dropped %d of %d prompts longer than %d tokens (data.max_prompt_length)",
-                dropped, total, config.max_prompt_length,
-            )
-        if not self.items:
+        self.tables = [RowTable(str(f)) for f in files]
+        self._starts = np.cumsum([0] + [len(t) for t in self.tables])  # global row number of each table's row 0
+        total = int(self._starts[-1])
+        tokens = self._tokenize_shared(total, names=[str(f) for f in files])
+        keep = tokens.lengths <= config.max_prompt_length
+        self.rows = np.flatnonzero(keep)  # [kept] global row number of each kept prompt
+        self.tokens = tokens.select(keep)
+        kept = len(self.rows)
+        self.filter_metrics = {"data/prompts_total": float(total), "data/prompts_kept": float(kept),
+                               "data/prompts_dropped": float(total - kept)}
+        if kept < total:
+            logger.warning("dropped %d of %d prompts longer than %d tokens (data.max_prompt_length)",
+                           total - kept, total, config.max_prompt_length)
+        if not kept:
             raise ValueError(f"no prompts left in {[str(f) for f in files]}: all {total} rows are empty "
                              f"or longer than data.max_prompt_length={config.max_prompt_length} tokens")
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.rows)
+
+    @property
+    def items(self) -> list[PromptItem]:
+        """Every kept prompt, built now (for small sets and tests; the loader draws them one by one)."""
+        return [self[i] for i in range(len(self))]
 
     def __getitem__(self, index: int) -> PromptItem:
-        return self.items[index]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"prompt {index} of a dataset of {len(self)}")
+        index %= len(self)
+        g = int(self.rows[index])
+        t = int(np.searchsorted(self._starts, g, side="right")) - 1
+        table, row_no = self.tables[t], g - int(self._starts[t])
+        meta = self._meta(f"{table.source} row {row_no}", table.stem, table.row(row_no))
+        return PromptItem(prompt_ids=self.tokens[index], meta=meta)
+
+    # -- tokenization, once per run ---------------------------------------------------------------------
+
+    def _tokenize_shared(self, total: int, *, names: list[str]) -> TokenTable:
+        """Every row's tokens; under torch.distributed each rank tokenizes 1/world of them, then all-gather."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        start, stop = total * rank // world, total * (rank + 1) // world
+        if world == 1:
+            return self._tokenize_rows(start, stop, total=total, world=world, names=names)
+        error, part = None, TokenTable.from_lengths(np.zeros(0, np.int32), np.zeros(0, np.int64))
+        try:
+            part = self._tokenize_rows(start, stop, total=total, world=world, names=names)
+        except Exception as e:  # noqa: BLE001 — a bad row: every rank raises it, none is left waiting in the gather
+            error = (type(e).__name__, str(e))
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (error, part.ids, part.lengths), group=host_group.get())
+        errors = [e for e, _, _ in gathered if e is not None]
+        if errors:  # the first bad row in file order, as one rank reading everything would have found
+            kind, message = errors[0]
+            raise (ValueError if kind == "ValueError" else RuntimeError)(
+                message if kind == "ValueError" else f"{kind}: {message}")
+        return TokenTable.from_lengths(np.concatenate([ids for _, ids, _ in gathered]),
+                                       np.concatenate([lengths for _, _, lengths in gathered]))
+
+    def _tokenize_rows(self, start: int, stop: int, *, total: int, world: int, names: list[str]) -> TokenTable:
+        """Tokens of global rows ``start..stop-1``, each row checked by :meth:`_item` as it is read."""
+        ids = array("i")  # C int: int32 here, as np.frombuffer below assumes
+        lengths = np.zeros(stop - start, dtype=np.int64)
+        t0 = last = time.perf_counter()
+        for i, (where, stem, row) in enumerate(self._rows(start, stop)):
+            prompt_ids = self._item(where, stem, row).prompt_ids
+            lengths[i] = len(prompt_ids)
+            ids.extend(prompt_ids)
+            if i % 1000 == 999 and (now := time.perf_counter()) - last > PROGRESS_EVERY_S:
+                last, rate = now, (i + 1) / (now - t0)
+                say(f"tokenizing {', '.join(names)}: {i + 1}/{stop - start} rows ({100 * (i + 1) // (stop - start)}%) "
+                    f"{rate:.0f} rows/s, ETA {(stop - start - i - 1) / rate:.0f} s ({world} ranks share {total} rows)")
+        return TokenTable.from_lengths(np.frombuffer(ids, dtype=np.int32) if ids else np.zeros(0, np.int32), lengths)
+
+    def _rows(self, lo: int, hi: int) -> Iterator[tuple[str, str, Row]]:
+        """``(where, stem, row)`` of global rows ``lo..hi-1``, read from the tables in chunks."""
+        t = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        while lo < hi:
+            table, first = self.tables[t], int(self._starts[t])
+            end = min(hi, int(self._starts[t + 1]), lo + CHUNK)
+            for n, row in enumerate(table.rows(lo - first, end - first), start=lo - first):
+                yield f"{table.source} row {n}", table.stem, row
+            lo = end
+            if lo == int(self._starts[t + 1]):
+                t += 1
 
     def _item(self, where: str, stem: str, row: Row) -> PromptItem:
+        """One row checked and tokenized (a subclass may check more, then call this)."""
+        prompt = _lookup(row, self.config.prompt_key, where=where, config_key="data.prompt_key")
+        meta = self._meta(where, stem, row)
+        return PromptItem(prompt_ids=self._tokenize(prompt, where=where), meta=meta)
+
+    def _meta(self, where: str, stem: str, row: Row) -> SampleMeta:
         cfg = self.config
-        prompt = _lookup(row, cfg.prompt_key, where=where, config_key="data.prompt_key")
         ground_truth = None
         if cfg.ground_truth_key is not None:
             value = _lookup(row, cfg.ground_truth_key, where=where, config_key="data.ground_truth_key")
             ground_truth = value if isinstance(value, str) else str(value)
         used = {cfg.prompt_key.split(".")[0], (cfg.ground_truth_key or "").split(".")[0], "data_source"}
-        meta = SampleMeta(
+        return SampleMeta(
             ground_truth=ground_truth,
             data_source=str(row.get("data_source") or stem),
             extra={k: v for k, v in row.items() if k not in used},
         )
-        return PromptItem(prompt_ids=self._tokenize(prompt, where=where), meta=meta)
 
     def _tokenize(self, prompt: Any, *, where: str) -> list[int]:
         key = self.config.prompt_key
