@@ -4,6 +4,11 @@ so ``hybridrl plugins`` or ``hybridrl validate`` never pay for importing torch o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import difflib
+import functools
+import json
 import sys
 from pathlib import Path
 
@@ -18,7 +23,27 @@ def _plugins(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from hybridrl.config.dry_run import main as dry_run
 
-    return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
+    if not args.get:
+        return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
+    from hybridrl.config.compose import compose_config, schema_keys
+
+    keys = list(schema_keys())
+    for key in args.get:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+            print(f"hybridrl validate: --get {key!r} is not a config key"
+                  + (f"; did you mean {' or '.join(close)}?" if close else " (see hybridrl/config/schema.py)"),
+                  file=sys.stderr)
+            return 2
+    with contextlib.redirect_stdout(sys.stderr):  # the plan goes to the log; stdout holds only the values
+        code = dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
+    if code == 0:
+        cfg = compose_config(args.overrides)
+        for key in args.get:
+            value = functools.reduce(getattr, key.split("."), cfg)
+            print(value if isinstance(value, str) else json.dumps(dataclasses.asdict(value) if
+                                                                  dataclasses.is_dataclass(value) else value))
+    return code
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -45,6 +70,12 @@ def _prepare(args: argparse.Namespace) -> int:
     return prepare(args)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from hybridrl.report import main as report
+
+    return report(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridrl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -62,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-config", type=Path, default=None,
                     help="plan for another machine: read the architecture from this config.json and skip "
                          "the checks of local weights, tokenizer and data files (e.g. recipes/model_configs/*.json)")
+    sp.add_argument("--get", action="append", default=[], metavar="KEY",
+                    help="after the checks pass, print KEY's resolved value (e.g. trainer.dist_timeout_s) on "
+                         "stdout, one line per --get, and the plan on stderr (for launch scripts)")
     sp.set_defaults(fn=_validate)
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
@@ -106,16 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 "to the same path, and outside CKPT")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace OUT even if it holds other files (they are deleted once the export is in place)")
-    sp.set_defaults(fn=_export_hf)
+    kind = sp.add_mutually_exclusive_group()
+    kind.add_argument("--merged", dest="adapter", action="store_false",
+                      help="full HF weights (the default); a LoRA checkpoint's adapters merged: W + (alpha/r)·B·A")
+    kind.add_argument("--adapter", dest="adapter", action="store_true",
+                      help="a LoRA checkpoint's adapters as a peft folder (adapter_config.json + "
+                           "adapter_model.safetensors) for the base model it names")
+    sp.set_defaults(fn=_export_hf, adapter=False)
 
     sp = sub.add_parser(
         "prepare",
         help="write a task's data as OUT_DIR/train.parquet and test.parquet in the row layout data.train_files "
         "reads (prompt, ground_truth, data_source, the source's other columns)",
     )
-    sp.add_argument("task", choices=["gsm8k", "math", "jsonl"],
+    sp.add_argument("task", choices=["gsm8k", "math", "jsonl", "preference"],
                     help="gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}, or "
-                         "MATH-500's answer column), jsonl (your rows: --question-key, --answer-key)")
+                         "MATH-500's answer column), jsonl (your rows: --question-key, --answer-key), preference "
+                         "(DPO pairs: prompt (--question-key), chosen, rejected; written instead of ground_truth)")
     sp.add_argument("out_dir", help="output directory; must be new or empty unless --overwrite")
     sp.add_argument("--from", dest="sources", action="append", metavar="[train=|test=]SOURCE",
                     help="a .jsonl/.parquet file in the dataset's own format or hf://NAME[:CONFIG][:SPLIT]; repeat to "
@@ -143,6 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true",
                     help="write into a non-empty OUT_DIR (replaces train.parquet and test.parquet)")
     sp.set_defaults(fn=_prepare)
+
+    sp = sub.add_parser(
+        "report",
+        help="draw runs' curves (reward, eval pass@k, KL, entropy, lengths, time split, tokens/s) from their "
+        "metrics.jsonl into one self-contained HTML page or PNGs; several runs are overlaid (needs hybridrl[report])",
+    )
+    sp.add_argument("runs", nargs="+", metavar="RUN",
+                    help="a run's trainer.output_dir (its metrics.jsonl) or a metrics file (e.g. an earlier run's "
+                         "metrics.<time>.jsonl); a run still going is fine")
+    sp.add_argument("--out", default="report.html",
+                    help="FILE.html: one page with the figures embedded (default report.html); DIR: one PNG per "
+                         "figure; FILE.png: the one figure chosen with --figures")
+    sp.add_argument("--name", action="append", default=None,
+                    help="a run's name in the legends, once per RUN in order (default: its directory's name)")
+    sp.add_argument("--figures", default=None,
+                    help="comma-separated subset: overview, reward, eval, policy, rollout, critic, time, sft "
+                         "(default: all that the runs have data for)")
+    sp.add_argument("--smooth", type=float, default=0.6,
+                    help="EMA weight of per-step curves in [0, 1), drawn over the faint raw curve (0: raw only)")
+    sp.set_defaults(fn=_report)
     return p
 
 

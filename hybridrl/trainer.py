@@ -23,6 +23,7 @@ from hybridrl.eval_metrics import add_sampled_accuracy
 from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
 from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
+from hybridrl.profiling import StepProfiler
 from hybridrl.rewards.execution import PendingReward
 from hybridrl.rewards.overlong import overlong_penalty_B
 from hybridrl.tracking import say
@@ -33,12 +34,16 @@ def fit(c: Components) -> dict[str, float]:
     if t.val_before_train and c.val_dataset is not None and c.resume_step == 0:
         c.tracker.log(evaluate(c), step=0)
     prompts, metrics, skips = c.prompts(), {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
+    profiler = StepProfiler(t.profile_steps, t.output_dir)
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
-        with timer("step"):
+        with profiler.step(step), timer("step"):
             batch, pending, sampled = rollout(c, prompts, timer, seed=t.seed * 1_000_003 + step)
-            with timer("old_log_prob"):
-                entropy_BT = hybrid.compute_log_probs(batch)
+            old_pass = old_log_prob_pass_needed(c)
+            entropy_BT = None
+            if old_pass:
+                with timer("old_log_prob"):
+                    entropy_BT = hybrid.compute_log_probs(batch)
             if hybrid.ref is not None:
                 with timer("ref"):
                     hybrid.compute_ref_log_probs(batch)
@@ -59,22 +64,36 @@ def fit(c: Components) -> dict[str, float]:
                 with timer("update_critic"):
                     critic = critic_metrics(hybrid.update_critic(batch, seed=t.seed * 7919 + step), batch)
             with timer("update_actor"):
-                updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
+                if old_pass:
+                    updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
+                else:  # π_old = the update's own detached log-probs, filled into the batch afterwards
+                    updates, entropy_BT = hybrid.update_actor_on_policy(batch, seed=t.seed * 7919 + step)
             skips.record(update_skip_cause(updates))
             with timer("sync_weights"):
                 sync_mb = hybrid.sync_weights()
+        assert entropy_BT is not None
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
         metrics = m.reduce() | sampled | adv_metrics | actor_metrics(updates) | critic | timer.times
+        metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
                     "perf/weight_sync_mb": sync_mb}
+        if step == 1:  # data/prompts_{total,kept,dropped}: the length filter's counts, once a run (not on resume)
+            metrics |= c.loader.dataset.filter_metrics
         if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
             metrics |= evaluate(c)
         c.tracker.log(metrics, step=step)
         if t.save_every and (step % t.save_every == 0 or step == t.total_training_steps):
             c.save(step)
     return metrics
+
+
+def old_log_prob_pass_needed(c: Components) -> bool:
+    """Whether the step runs the separate old-log-prob pass: unless the update is provably on-policy
+    (``ActorRolloutRef.update_is_on_policy``: one epoch, one mini-batch), or π_old is read before the update
+    (the in-reward KL penalty, ``algorithm.use_kl_in_reward``)."""
+    return not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward
 
 
 def sampling_params(c: Components) -> SamplingParams:

@@ -41,6 +41,9 @@ class MegatronConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    # the fused log-prob + entropy kernels of hybridrl/ops (C++ on CPU, Triton on CUDA; verl's name for the
+    # switch): null = use them when they build (else the plain-PyTorch path, one warning); true = required
+    use_fused_kernels: bool | None = None
     # Megatron TransformerConfig fields set verbatim, e.g. recompute_granularity: full, recompute_method:
     # uniform, recompute_num_layers: 1 (activation recompute); unknown keys are an error
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
@@ -66,6 +69,13 @@ class ModelConfig:
     # build the checkpoint at `path` when it does not exist: "tiny" (random tiny model) or
     # "sft:<recipe>" (run that SFT recipe, saving to `path`); see hybridrl/bootstrap.py
     build_if_missing: str | None = None
+    # LoRA (verl's keys; hybridrl/lora_config.py): rank 0 = off (full fine-tuning); scale = alpha / rank;
+    # target_modules: a list of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or Megatron's
+    # linear_qkv linear_proj linear_fc1 linear_fc2), or "all-linear"
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Any = "all-linear"
+    lora_dropout: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -300,7 +310,11 @@ class TrainerConfig:
     total_training_steps: int = 100
     seed: int = 1
     output_dir: str = "outputs/run"
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
+    # console, jsonl, wandb, tensorboard, mlflow (the last three: pip install 'hybridrl[<name>]')
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # steps (1..total_training_steps) traced with torch.profiler, per rank, into <output_dir>/profile/
+    # (Chrome trace + a top-ops table printed at the end; hybridrl/profiling.py)
+    profile_steps: list[int] = field(default_factory=list)
     project_name: str = "hybridrl"
     experiment_name: str = "run"
     device: str = "auto"  # auto | cpu | cuda

@@ -29,12 +29,13 @@ from hybridrl.data.sources import VALID as VALID_DATA
 from hybridrl.data.sources import is_hf, source_problem
 from hybridrl.dynamic_sampling import config_problems as dynamic_sampling_problems
 from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
+from hybridrl.lora_config import lora_problems
 from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
 from hybridrl.rewards.execution import config_problems as reward_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 from hybridrl.run_lock import output_dir_problem
-from hybridrl.tracking import LOGGERS
+from hybridrl.tracking import LOGGERS, missing_logger_packages
 
 OPTIMIZERS = ("adam", "sgd")  # Megatron's OptimizerConfig.optimizer
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron's OptimizerParamScheduler
@@ -86,6 +87,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
             model = None
     else:
         model = _check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
+    for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
+        issues.add(key, value, message)
     plan, plan_issues = Plan.build(cfg, world_size=world, model=model, ranks_per_node=ranks_per_node,
                                    device_type=device_type(t.device, planning=planning) if t.device in DEVICES
                                    else "cpu")
@@ -386,7 +389,11 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     issues.positive("trainer.total_training_steps", t.total_training_steps)
     issues.positive("trainer.nnodes", t.nnodes)
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
-    _check_tracking(t, issues)
+    _check_tracking(t, issues, planning=planning)
+    if bad := [s for s in t.profile_steps if not 1 <= s <= t.total_training_steps]:
+        issues.add("trainer.profile_steps", list(t.profile_steps),
+                   f"step(s) {bad} outside the run: valid steps are 1..{t.total_training_steps} "
+                   "(trainer.total_training_steps)")
     if not planning and (problem := output_dir_problem(t.output_dir)) is not None:
         issues.add("trainer.output_dir", t.output_dir, problem.removeprefix(f"trainer.output_dir={t.output_dir!r} "))
     if t.save_every < 0:
@@ -402,12 +409,15 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
         issues.add("trainer.device", t.device, "no CUDA device is visible; use cpu or auto")
 
 
-def _check_tracking(t: TrainerConfig | SFTTrainerConfig, issues: _Issues) -> None:
+def _check_tracking(t: TrainerConfig | SFTTrainerConfig, issues: _Issues, *, planning: bool = False) -> None:
+    """Known logger names; and, unless planning a run for another machine, their packages installed here."""
     if t.test_freq < 0:
         issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
     bad = [lg for lg in t.loggers if lg not in LOGGERS]
     if bad:
         issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
+    for name, install in ({} if planning else missing_logger_packages(t.loggers)).items():
+        issues.add("trainer.loggers", list(t.loggers), f"logger {name!r}: {install} (or drop it from the list)")
 
 
 def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:
@@ -415,6 +425,8 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
     issues = _Issues()
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     model = _check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
+    for key, value, message in lora_problems(cfg.model, key="model"):
+        issues.add(key, value, message)
     _check_layout("megatron", cfg.megatron, world, model, issues)
     for key, value, message in megatron_config_problems(cfg.megatron.dtype, cfg.megatron.override_transformer_config,
                                                         key="megatron"):

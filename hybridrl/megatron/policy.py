@@ -26,11 +26,14 @@ from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.hf_checkpoint import HFArch
 from hybridrl.interfaces import WeightBucket
+from hybridrl.lora_config import LoRAConfig
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
+from hybridrl.megatron.lora import LoRAModel, apply_lora
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
+from hybridrl.tracking import say
 
 __all__ = ["FP16_INITIAL_LOSS_SCALE", "LossFn", "MegatronPolicy", "parallel_config"]
 
@@ -48,13 +51,18 @@ class MegatronPolicy(MegatronRunner):
     fp32_output = False  # Float16Module: logits stay in the model's dtype; vocab_parallel computes in fp32
 
     def __init__(self, *, model_dir: str, megatron: MegatronConfig, optim: OptimConfig | None,
-                 total_steps: int, pad_token_id: int) -> None:
+                 total_steps: int, pad_token_id: int, lora: LoRAConfig | None = None) -> None:
+        """``lora``: train adapters on the frozen base (:mod:`hybridrl.megatron.lora`; ``self.lora``)."""
         arch = HFArch.from_hf(model_dir)
         chunks = build_model_chunks(arch, parallel_config(megatron), dtype=megatron.dtype,
                                     overrides=megatron.override_transformer_config)
         load_hf_weights(chunks, arch, model_dir)  # cast into the model's dtype
+        self.lora: LoRAModel | None = apply_lora(chunks, arch, lora) if lora is not None else None
         super().__init__(chunks, arch=arch, megatron=megatron, optim=optim, total_steps=total_steps,
                          pad_token_id=pad_token_id)
+        if self.lora is not None and optim is not None:
+            say(self.lora.summary(optimizer=optim.optimizer, dtype=self.dtype))
+        self.use_fused_kernels = megatron.use_fused_kernels  # the log-prob head's kernels (vocab_parallel)
 
     def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
               temperature: float, mb: _Micro, logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -62,7 +70,7 @@ class MegatronPolicy(MegatronRunner):
         next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
         logp_N, ent_N = vocab_parallel_logprob_entropy(
             logits_BSv.reshape(-1, v), shard_sequence(next_BS).reshape(-1), vocab_size=self.arch.vocab_size,
-            temperature=temperature)
+            temperature=temperature, fused=self.use_fused_kernels)
         idx_BT = mb.rows.response_index_BT()
         logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
         ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)
@@ -88,7 +96,44 @@ class MegatronPolicy(MegatronRunner):
             batch, lambda normalizer: partial(self._loss, partial(loss_fn, normalizer=normalizer), temperature),
             batching=batching, loss_agg_mode=loss_agg_mode)
 
+    def train_step_on_policy(self, batch: RolloutBatch, loss_fn: LossFn, *, batching: MicroBatching,
+                             loss_agg_mode: str, temperature: float = 1.0
+                             ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """``train_step`` of a provably on-policy update (the caller's to prove: one PPO epoch of one
+        mini-batch on the weights the old log-probs would come from): π_old is this forward's own detached
+        log-probs, so the ratio is 1 and the separate old-log-prob pass is not needed (TRL's and verl's
+        shortcut). ``batch`` has no ``old_logprobs``; returns the metrics and the ``(logprobs_BT, entropy_BT)``
+        used as π_old, as ``compute_log_probs`` returns them (every MP rank, host, masked)."""
+        if batch.old_logprobs is not None:
+            raise ValueError("train_step_on_policy: the batch already has old_logprobs; use train_step")
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # each micro-batch's (logprobs, entropy), in order
+        rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ... with its rows' batch index
+
+        def head_for(normalizer: torch.Tensor) -> Head:
+            def on_policy(logp_BT: torch.Tensor, ent_BT: torch.Tensor, mb: RolloutBatch
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                mb.old_logprobs = logp_BT.detach()
+                seen.append((mb.old_logprobs, ent_BT.detach()))
+                return loss_fn(logp_BT, ent_BT, mb, normalizer=normalizer)
+
+            def head(mb: _Micro, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                out = self._loss(on_policy, temperature, mb, logits)
+                rows.append((mb.index, *seen.pop()))
+                return out
+            return head
+
+        metrics = self._train_step(batch, head_for, batching=batching, loss_agg_mode=loss_agg_mode)
+        B, T = batch.response_ids.shape
+        both = torch.zeros(2, B, T, device=self.device)
+        for index, logp_bT, ent_bT in rows:  # empty but on the last pipeline stage
+            real = index >= 0
+            both[0, index[real]], both[1, index[real]] = logp_bT[real].float(), ent_bT[real].float()
+        self._broadcast_from_last_stage(both)
+        both = (both * batch.response_mask.to(self.device).float()).cpu()
+        return metrics, both[0], both[1]
+
     # ---- weights ----
     def export_weights(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
         """HF-named full tensors in buckets, the same stream on every rank (TP-gathered, PP-broadcast)."""
-        return export_hf_weights(self.chunks, self.arch, bucket_bytes=bucket_bytes)
+        return export_hf_weights(self.chunks, self.arch, bucket_bytes=bucket_bytes,
+                                 merge=None if self.lora is None else self.lora.merger())  # LoRA: W + s·B·A

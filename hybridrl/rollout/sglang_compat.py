@@ -47,7 +47,7 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
 9. **IPC sockets left open with an infinite linger.** ``get_zmq_socket`` never sets ``LINGER`` (libzmq's
    default, -1: wait forever for undelivered messages), and ``Engine.shutdown`` closes only ``send_to_rpc``:
    the trainer-side ``TokenizerManager`` keeps its sockets (``send_to_scheduler``, ``recv_from_detokenizer``)
-   and both ``zmq.Context``\ s (each with its I/O threads) alive after the engine's processes are gone. They
+   and both ``zmq.Context`` objects (each with its I/O threads) alive after the engine's processes are gone. They
    are destroyed whenever a later garbage collection reaches them (``Context.__del__`` → ``term()``), in
    whatever the trainer is doing then, and ``term()`` waits on every socket's linger. :func:`shutdown_engine`
    destroys them itself, with linger 0, once the processes are dead.
@@ -237,7 +237,7 @@ def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
 
 
 def ipc_contexts(engine: Any) -> list[Any]:
-    """The ``zmq.Context``\\ s of the engine's trainer-side sockets (item 9), each once."""
+    """The ``zmq.Context`` objects of the engine's trainer-side sockets (item 9), each once."""
     tm = engine.tokenizer_manager
     sockets = [getattr(engine, "send_to_rpc", None)]
     if tm is not None:
