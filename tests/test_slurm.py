@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import free_port
 
 from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 MULTI, SINGLE = "launch/slurm/train.sbatch", "launch/slurm/train_1node.sbatch"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 STANDIN = """
 import json, os, subprocess, sys
@@ -149,7 +155,7 @@ def test_two_node_loopback_run_through_the_template(tmp_path: Path) -> None:
             "trainer.total_training_steps=1", "trainer.test_freq=0", "trainer.val_before_train=false",
             "trainer.dist_timeout_s=300", "reward.timeout_s=60"]
     proc, calls = run_template(MULTI, user, tmp_path, standin=("srun", "scontrol"), nodes=2,
-                               hosts="127.0.0.1 127.0.0.2", NPROC_PER_NODE="1", MASTER_PORT=str(free_port()),
+                               hosts="127.0.0.1 127.0.0.2", NPROC_PER_NODE="1", MASTER_PORT=str(_free_port()),
                                timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     srun = next(c for c in calls if c["name"] == "srun")
