@@ -30,21 +30,16 @@ log-probs (see the loss module). As in SFT (unlike the RL trainer) there is no m
 from __future__ import annotations
 
 import dataclasses
-import sys
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hybridrl.algorithms.dpo_loss import DPOTerms, dpo_loss
 from hybridrl.batch import RolloutBatch
-from hybridrl.bootstrap import ensure_data, ensure_model
-from hybridrl.config.dpo_schema import DPOAlgorithmConfig, DPOConfig, to_typed_dpo, validate_dpo
-from hybridrl.config.errors import ConfigError
+from hybridrl.config.dpo_schema import DPOAlgorithmConfig, DPOConfig
 from hybridrl.config.plan import MicroBatching
-from hybridrl.config.validate import world_from_env
 from hybridrl.data.collate import PromptBatch, collate_prompts
 from hybridrl.data.preference import PreferenceDataset, PreferenceDatasetConfig
 from hybridrl.lora_config import LoRAConfig
@@ -55,26 +50,6 @@ if TYPE_CHECKING:
 
 # seq-mean-token-sum's normaliser is the mini-batch's sequence count over all DP ranks: 2 × its pairs
 LOSS_AGG_MODE = "seq-mean-token-sum"
-
-
-def run_dpo(dcfg: DictConfig) -> dict[str, float]:
-    """Check the config (all problems at once, before anything is built), build missing data/models, train."""
-    try:
-        cfg = to_typed_dpo(dcfg)
-        world, _ = world_from_env()
-        validate_dpo(cfg, world_size=world, before_bootstrap=True)
-        ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
-        ensure_model(cfg.model.build_if_missing, cfg.model.path)
-        validate_dpo(cfg, world_size=world)
-    except ConfigError as e:
-        print(f"hybridrl: {e}", file=sys.stderr)
-        sys.exit(2)
-    from hybridrl.megatron.parallel import destroy_parallel  # Megatron: imported once the config has passed
-
-    try:
-        return fit_dpo(cfg)
-    finally:
-        destroy_parallel()
 
 
 def pair_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, rejected_key: str,

@@ -1,14 +1,17 @@
-"""What ``launch/train.py`` and ``launch/sft.py`` run once Hydra has composed the config."""
+"""What ``launch/train.py``, ``launch/sft.py`` and ``launch/dpo.py`` run once Hydra has composed the config."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import DictConfig
 
 from hybridrl import dist_check
 from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import to_typed
+from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
@@ -44,21 +47,42 @@ def run_rl(dcfg: DictConfig) -> dict[str, float]:
 
 
 def run_sft(dcfg: DictConfig) -> dict[str, float]:
+    cfg = _typed(to_typed, dcfg)
+    assert isinstance(cfg, SFTConfig)
+    return _run_offline(cfg, validate_sft, "hybridrl.sft", "fit_sft")
+
+
+def run_dpo(dcfg: DictConfig) -> dict[str, float]:
+    cfg = _typed(to_typed_dpo, dcfg)
+    assert isinstance(cfg, DPOConfig)
+    return _run_offline(cfg, validate_dpo, "hybridrl.dpo", "fit_dpo")
+
+
+def _typed(convert: Callable[[DictConfig], Any], dcfg: DictConfig) -> Any:
     try:
-        cfg = to_typed(dcfg)
-        assert isinstance(cfg, SFTConfig)
+        return convert(dcfg)
+    except ConfigError as e:
+        print(f"hybridrl: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: str, fit: str) -> dict[str, float]:
+    """SFT and DPO: check the config (all problems at once, before anything is built), build missing data and
+    start model, check again, then train with ``module.fit`` (Megatron imported only once the config passed)."""
+    import importlib
+
+    try:
         world, _ = world_from_env()
-        validate_sft(cfg, world_size=world, before_bootstrap=True)
+        check(cfg, world_size=world, before_bootstrap=True)
         ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
         ensure_model(cfg.model.build_if_missing, cfg.model.path)
-        validate_sft(cfg, world_size=world)
+        check(cfg, world_size=world)
     except ConfigError as e:
         print(f"hybridrl: {e}", file=sys.stderr)
         sys.exit(2)
     from hybridrl.megatron.parallel import destroy_parallel
-    from hybridrl.sft import fit_sft
 
     try:
-        return fit_sft(cfg)
+        return getattr(importlib.import_module(module), fit)(cfg)
     finally:
         destroy_parallel()

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hybridrl.config.dpo_schema import register_dpo_configs
-from hybridrl.dpo import run_dpo
+from hybridrl.entry import run_dpo
 
 register_dpo_configs()
 
