@@ -85,12 +85,13 @@ def use_fused_kernels(setting: bool | None, device: torch.device) -> bool:
 
 
 def vocab_parallel_logprob_entropy(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int,
-                                   temperature: float = 1.0, fused: bool | None = False
+                                   temperature: float = 1.0, fused: bool | None = False, consume_logits: bool = False
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(target), entropy)`` per row of TP-local logits ``[N, V_pad / TP]``, in fp32. ``fused``: the
     ``use_fused_kernels`` setting (null/true/false); the fused kernels compute the same values without
-    ``[N, V]``-sized temporaries (:mod:`hybridrl.ops.logprob`)."""
+    ``[N, V]``-sized temporaries (:mod:`hybridrl.ops.logprob`), and with ``consume_logits`` (nothing else reads
+    the logits) write the gradient into the logits' storage."""
     if use_fused_kernels(fused, logits_Nv.device):
         return logprob_entropy(logits_Nv, target_N, vocab_size=vocab_size, temperature=temperature,
-                               group=parallel_state.get_tensor_model_parallel_group())
+                               group=parallel_state.get_tensor_model_parallel_group(), consume_logits=consume_logits)
     return _VocabParallelLogProbEntropy.apply(logits_Nv, target_N, vocab_size, temperature)

@@ -74,23 +74,28 @@ def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits_Nv: torch.Tensor, target_N: torch.Tensor, vocab_size: int, temperature: float,
-                group: Group, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                group: Group, kernels: Kernels, consume: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logits_Nv = logits_Nv if logits_Nv.stride(-1) == 1 else logits_Nv.contiguous()
         start, valid = _shard(logits_Nv.shape[-1], vocab_size, group)
         t_N = _block_target(target_N, start, start + logits_Nv.shape[-1])
         log_z_N, ent_N, zy_N = combine(kernels.row_stats(logits_Nv, t_N, valid, temperature)[None], group)
         ctx.save_for_backward(logits_Nv, t_N, log_z_N, ent_N)
-        ctx.args = (valid, temperature, kernels)
+        ctx.args = (valid, temperature, kernels, consume)
         return (zy_N - log_z_N).float(), ent_N.float()
 
     @staticmethod
     def backward(ctx: Any, g_lp_N: torch.Tensor | None, g_ent_N: torch.Tensor | None) -> tuple[Any, ...]:
         logits_Nv, t_N, log_z_N, ent_N = ctx.saved_tensors
-        valid, temperature, kernels = ctx.args
-        grad_Nv = torch.empty_like(logits_Nv)
+        valid, temperature, kernels, consume = ctx.args
+        # consume: each gradient element overwrites the logit it is computed from (the kernels read z_j, then
+        # write ∂/∂z_j); the in-place write bumps the logits' version, so any other saved use of them fails
+        # loudly at its backward instead of reading gradients
+        grad_Nv = logits_Nv if consume else torch.empty_like(logits_Nv)
         kernels.row_grad(logits_Nv, t_N, valid, temperature, log_z_N, ent_N, _zeros_if_none(g_lp_N, log_z_N),
                          _zeros_if_none(g_ent_N, log_z_N), grad_Nv)
-        return grad_Nv, None, None, None, None, None
+        if consume:  # the kernels write through the data pointer, which autograd does not see: say so
+            torch.autograd.graph.increment_version(logits_Nv)
+        return grad_Nv, None, None, None, None, None, None
 
 
 def _chunks(valid: int, chunk: int) -> list[tuple[int, int]]:
@@ -141,12 +146,17 @@ class _LMHeadLogProbEntropy(torch.autograd.Function):
 
 
 def logprob_entropy(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int, temperature: float = 1.0,
-                    group: Group = None, kernels: Kernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    group: Group = None, kernels: Kernels | None = None,
+                    consume_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(target), entropy)`` per row of TP-local logits ``[N, V_pad / TP]`` (rank r holds columns
     ``[r·v, (r+1)·v)`` of ``group``; columns ≥ ``vocab_size`` are padding), in fp32.
-    ``kernels``: a block-kernel backend (default: the best one for the device, :mod:`.kernels`)."""
+    ``kernels``: a block-kernel backend (default: the best one for the device, :mod:`.kernels`).
+    ``consume_logits``: nothing else reads the logits after this op (the policy's case: they come straight
+    out of the LM head), so the backward writes their gradient into their storage instead of a second
+    ``[N, V]`` tensor; were they saved by another op too, that op's backward raises (autograd's version
+    check) rather than compute with gradients."""
     return _LogProbEntropy.apply(logits_Nv, target_N, vocab_size, temperature, group,
-                                 kernels or kernels_for(logits_Nv.device))
+                                 kernels or kernels_for(logits_Nv.device), consume_logits)
 
 
 def default_chunk(n_rows: int) -> int:

@@ -7,7 +7,8 @@ loss Σ log p(target) + 0.01 Σ H, forward and backward (gradients of hidden and
 Variants, each in its own process (so peak RSS is its own):
   current        logits = hidden @ weightᵀ, then ``vocab_parallel_logprob_entropy`` as the policy calls it
                  today (fp32 z, e, p saved for backward; the [N, V] logits and their gradient)
-  fused_logits   the same logits, then the C++ kernel (``use_fused_kernels``: what the policy runs)
+  fused_logits   the same logits, then the C++ kernel as the policy runs it (``use_fused_kernels``, with
+                 ``consume_logits``: the gradient overwrites the logits, no second [N, V] tensor)
   fused_lm_head  ``lm_head_logprob_entropy``: chunks of vocabulary columns, [N, V] never held whole
 Peak memory: the process's peak RSS (ru_maxrss) after the steps minus its resident memory before them
 (inputs, torch and Megatron already resident; nothing before peaks higher), i.e. what a step adds at its
@@ -63,7 +64,8 @@ def child(variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> d
             lp, ent = lm_head_logprob_entropy(hidden_Nh, weight_Vh, target_N, vocab_size=vocab)
         else:
             lp, ent = vocab_parallel_logprob_entropy(hidden_Nh @ weight_Vh.t(), target_N, vocab_size=vocab,
-                                                     fused=variant == "fused_logits")
+                                                     fused=variant == "fused_logits",
+                                                     consume_logits=variant == "fused_logits")
         (lp.sum() + 0.01 * ent.sum()).backward()
         return lp.detach()
 

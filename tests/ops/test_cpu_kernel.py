@@ -61,3 +61,50 @@ def test_a_test_cache_reuses_the_default_caches_build(cpp, tmp_path, monkeypatch
     assert build_name() == (name, built)  # no second compile for a process with its own cache
     monkeypatch.setattr(cpp_build, "DEFAULT_CACHE", tmp_path / "no-build-here")
     assert build_name() == (name, tmp_path / "own-cache" / "torch_extensions" / name)
+
+
+def test_consume_logits_writes_the_gradient_into_the_logits(cpp) -> None:
+    """``logprob_entropy(consume_logits=True)``: same values and gradient as without, with the gradient in the
+    logits' own storage (the [N, V] gradient the policy would otherwise allocate); a second saved use of the
+    logits then fails loudly instead of reading gradients."""
+    from hybridrl.ops.logprob import logprob_entropy
+
+    g = torch.Generator().manual_seed(3)
+    hidden_Nh = torch.randn(5, 8, generator=g, requires_grad=True)
+    weight_Vh = torch.randn(300, 8, generator=g)
+    target_N = torch.tensor([0, 299, 17, 250, 3])
+    grads, storages = [], []
+    for consume in (False, True):
+        logits_NV = hidden_Nh @ weight_Vh.t()
+        lp, ent = logprob_entropy(logits_NV, target_N, vocab_size=280, temperature=0.7, kernels=cpp,
+                                  consume_logits=consume)
+        seen: list[torch.Tensor] = []
+        logits_NV.register_hook(seen.append)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        grads.append(hidden_Nh.grad.clone())
+        hidden_Nh.grad = None
+        storages.append(seen[0].data_ptr() == logits_NV.data_ptr())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert storages == [False, True]
+    # another op that saved the logits: whichever backward runs first, the result is right or it raises
+    outcomes = []
+    for squares_first in (True, False):
+        for consume in (False, True):
+            logits_NV = hidden_Nh @ weight_Vh.t()
+            squares = (logits_NV * logits_NV).sum() if squares_first else None
+            lp, _ = logprob_entropy(logits_NV, target_N, vocab_size=280, kernels=cpp, consume_logits=consume)
+            squares = (logits_NV * logits_NV).sum() if squares is None else squares
+            try:
+                (lp.sum() + squares).backward()
+            except RuntimeError as e:
+                assert consume and "modified by an inplace operation" in str(e)
+                outcomes.append("raised")
+                continue
+            finally:
+                got, hidden_Nh.grad = hidden_Nh.grad, None
+            if not consume:
+                want = got
+            else:
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+                outcomes.append("same")
+    assert "raised" in outcomes, outcomes  # autograd's version check did catch one order
