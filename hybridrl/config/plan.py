@@ -28,6 +28,7 @@ is seeded per prompt, so the samples do not depend on this split (the same rollo
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -141,9 +142,11 @@ class MicroBatching:
 
     micro_batch_size: int  # samples per micro-batch (unused with a token budget)
     max_tokens: int | None = None  # use_dynamic_bsz: padded tokens per micro-batch (rows × longest row)
+    shared_prompts: bool = False  # use_prefix_grouper: a prompt's samples share one row (prefix_grouper)
 
     def __str__(self) -> str:
-        return f"≤ {self.max_tokens} padded tokens" if self.max_tokens else f"{self.micro_batch_size} samples"
+        size = f"≤ {self.max_tokens} padded tokens" if self.max_tokens else f"{self.micro_batch_size} samples"
+        return size + (", shared-prompt rows" if self.shared_prompts else "")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -453,14 +456,15 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
         add("data.train_batch_size", d.train_batch_size,
             f"prompts are sharded over the actor's DP={dp} ranks; must be a multiple of {dp}")
     update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
-                           max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+                           max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                           shared_prompts=a.use_prefix_grouper)
     passes = {}
     for role, sub in (("rollout", aor.rollout), ("ref", aor.ref)):
         positive(f"{AOR}.{role}.log_prob_micro_batch_size_per_gpu", sub.log_prob_micro_batch_size_per_gpu)
         dynamic = a.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None else sub.log_prob_use_dynamic_bsz
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-                                     if dynamic else None)
+                                     if dynamic else None, shared_prompts=a.use_prefix_grouper)
     critic = None
     if "critic" in roles:
         critic_update = MicroBatching(micro_batch_size=max(cr.ppo_micro_batch_size_per_gpu, 1),
@@ -472,6 +476,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                                  mini_batch_samples_per_dp_rank=mini * n // dp, update=critic_update,
                                  total_steps=max(cfg.trainer.total_training_steps, 1))
     _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
+    _prefix_grouper_problems(cfg, roles["actor"], add)
     filter_groups = cfg.algorithm.filter_groups.enable
     per_round = d.gen_batch_size if filter_groups and d.gen_batch_size is not None else d.train_batch_size
     return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), prompts_per_generation=max(per_round, 1),
@@ -487,6 +492,25 @@ def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:
     that is not a multiple of it. Log-prob passes are padded by the policy; optimizer steps can't be."""
     return (f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) needs a multiple of "
             f"PP={pp} micro-batches per optimizer step")
+
+
+def _prefix_grouper_problems(cfg: RLConfig, actor: RoleLayout, add) -> None:  # type: ignore[no-untyped-def]
+    """Shared-prompt rows (megatron/prefix_grouper.py) pass an explicit mask and positions per row."""
+    if not cfg.actor_rollout_ref.actor.use_prefix_grouper:
+        return
+    key, m = f"{AOR}.actor.use_prefix_grouper", cfg.actor_rollout_ref.actor.megatron
+    if actor.cp > 1:
+        add(key, True, f"shared-prompt rows need whole sequences on each rank; with "
+                       f"{AOR}.actor.megatron.context_parallel_size={actor.cp} set it to false (or CP to 1)")
+    if actor.vpp is not None:
+        add(key, True, f"shared-prompt rows differ in shape between micro-batches, which the interleaved schedule "
+                       f"does not take on gloo ({AOR}.actor.megatron.virtual_pipeline_model_parallel_size="
+                       f"{actor.vpp}); set it to false or the VPP size to null")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        add(key, True, "shared-prompt rows need an explicit attention mask, which Transformer Engine's fused "
+                       "attention (installed here, so Megatron uses it) does not take; set it to false")
+    if m.sequence_parallel:
+        add(key, True, f"not combined with {AOR}.actor.megatron.sequence_parallel=true yet; set one to false")
 
 
 def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, MicroBatching], add) -> None:  # type: ignore[no-untyped-def]

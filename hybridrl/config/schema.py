@@ -88,6 +88,9 @@ class ActorConfig:
     # own longest row, rows × padded length ≤ ppo_max_token_len_per_gpu (ppo_micro_batch_size_per_gpu unused)
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # a prompt's samples share one row, the prompt encoded once (megatron/prefix_grouper.py): the actor's
+    # update and log-prob passes and the ref's; needs Megatron's local attention, CP = 1, no VPP
+    use_prefix_grouper: bool = False
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle samples between PPO epochs
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum

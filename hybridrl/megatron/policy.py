@@ -67,13 +67,21 @@ class MegatronPolicy(MegatronRunner):
     def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
               temperature: float, mb: _Micro, logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, s, v = logits_BSv.shape  # s: this CP rank's positions (all S when CP = 1)
-        next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
-        logp_N, ent_N = vocab_parallel_logprob_entropy(
-            logits_BSv.reshape(-1, v), shard_sequence(next_BS).reshape(-1), vocab_size=self.arch.vocab_size,
-            temperature=temperature, fused=self.use_fused_kernels)
-        idx_BT = mb.rows.response_index_BT()
-        logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
-        ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)
+        if mb.rows.shared_prompts:  # a row holds several samples: read each response token's logits row
+            response_BT = mb.batch.response_ids
+            logp_N, ent_N = vocab_parallel_logprob_entropy(
+                logits_BSv.reshape(-1, v)[mb.rows.flat_response_index_BT().reshape(-1)], response_BT.reshape(-1),
+                vocab_size=self.arch.vocab_size, temperature=temperature, fused=self.use_fused_kernels,
+                consume_logits=True)  # the rows read are a copy
+            logp_BT, ent_BT = logp_N.view_as(response_BT), ent_N.view_as(response_BT)
+        else:
+            next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
+            logp_N, ent_N = vocab_parallel_logprob_entropy(
+                logits_BSv.reshape(-1, v), shard_sequence(next_BS).reshape(-1), vocab_size=self.arch.vocab_size,
+                temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)  # only read here
+            idx_BT = mb.rows.response_index_BT()
+            logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
+            ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)
         if loss_fn is None:
             return logp_BT.sum() * 0.0, {"logprobs": logp_BT.detach(), "entropy": ent_BT.detach()}
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)

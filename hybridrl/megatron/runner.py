@@ -61,6 +61,8 @@ from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
 from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
+from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
+from hybridrl.megatron.rope_positions import positioned_rope
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 
 
@@ -150,7 +152,7 @@ class MegatronRunner:
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], head: Head, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
-        for _, s in shapes:  # kept from step to step: one per sequence length seen
+        for _, s in {(0, m.rows.seq_len) for m in micros if not m.rows.shared_prompts}:  # kept from step to step
             if s not in self._causal_masks:
                 self._causal_masks[s] = causal_attention_mask(s, self.device)
         masks = self._causal_masks
@@ -161,10 +163,17 @@ class MegatronRunner:
 
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
-            tokens_BS = mb.rows.tokens_BS
-            position_ids_BS = torch.arange(mb.rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
+            rows = mb.rows
+            if rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
+                assert rows.position_ids_BS is not None
+                with positioned_rope(model, rows.position_ids_BS):
+                    output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
+                                   attention_mask=rows.attention_mask, **fp16_kwargs)
+                return output, partial(_scaled, head, mb, scale)
+            tokens_BS = rows.tokens_BS
+            position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
             output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
-                           attention_mask=masks[mb.rows.seq_len], **fp16_kwargs)
+                           attention_mask=masks[rows.seq_len], **fp16_kwargs)
             return output, partial(_scaled, head, mb, scale)
 
         self._check_interleaving(len(micros))
@@ -194,6 +203,8 @@ class MegatronRunner:
         ones each padded to its own longest row (:mod:`dynamic_batch`)."""
         micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
         multiple = math.lcm(_PAD_MULTIPLE[self.device.type == "cuda"], 2 * self.parallel.context_parallel_size)
+        if batching.shared_prompts:
+            return self._shared_prompt_micro_batches(batch, batching, multiple)
         if max_tokens is None:
             parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
         else:
@@ -213,6 +224,29 @@ class MegatronRunner:
             rows = pack_rows(part, seq_len=seq_len if max_tokens is None else padded_seq_len(part, multiple=multiple),
                              pad_token_id=self.pad_token_id)
             out.append(_Micro(batch=part, rows=rows, index=index))
+        return out
+
+    def _shared_prompt_micro_batches(self, batch: RolloutBatch, batching: MicroBatching, multiple: int) -> list[_Micro]:
+        """:mod:`prefix_grouper`'s layout: fixed-size micro-batches (as the plain layout's) grouped inside, or
+        token-budget micro-batches of whole shared-prompt rows."""
+        if self.parallel.context_parallel_size > 1 or self.parallel.num_model_chunks > 1:  # validation says so first
+            raise ValueError("shared-prompt rows (use_prefix_grouper) need CP = 1 and no virtual pipeline stages")
+        device = batch.prompt_ids.device
+        if batching.max_tokens is None:
+            parts = []
+            for index in torch.arange(len(batch), device=device).split(batching.micro_batch_size):
+                if len(index) < batching.micro_batch_size:  # as the plain layout: filled with copies of row 0
+                    index = torch.cat([index, index.new_full((batching.micro_batch_size - len(index),), -1)])
+                sub = batch.index(index.clamp(min=0))
+                parts.append([[int(index[i]) for i in row] for row in group_rows(sub, max_tokens=None)])
+        else:
+            parts = partition_rows(batch, max_tokens=batching.max_tokens, multiple=multiple)
+        out = []
+        for rows in parts:
+            index = torch.tensor([i for row in rows for i in row], device=device)
+            part = batch.index(index.clamp(min=0))
+            packed = pack_groups(part, [len(row) for row in rows], pad_token_id=self.pad_token_id, multiple=multiple)
+            out.append(_Micro(batch=part, rows=packed, index=index))
         return out
 
     @torch.no_grad()

@@ -20,19 +20,40 @@ from hybridrl.megatron.dynamic_batch import padded_len
 
 @dataclass(slots=True, kw_only=True)
 class PackedRows:
-    tokens_BS: torch.Tensor  # [B, S] long; real tokens first, then pad
+    """The model's input rows. Plain layout: row b is sample b. Shared-prompt layout
+    (:mod:`prefix_grouper`): ``R`` rows, sample b's response in row ``row_B[b]`` from ``response_start_B[b]``,
+    with explicit positions and attention mask."""
+
+    tokens_BS: torch.Tensor  # [R, S] long; real tokens first, then pad (R = B in the plain layout)
     prompt_len_B: torch.Tensor  # [B] long
     response_mask_BT: torch.Tensor  # [B, T]
+    row_B: torch.Tensor | None = None  # [B] long: the row holding sample b (None: row b)
+    response_start_B: torch.Tensor | None = None  # [B] long: its first response token's index (None: prompt_len_B)
+    position_ids_BS: torch.Tensor | None = None  # [R, S] long (None: arange(S) in every row)
+    attention_mask: torch.Tensor | None = None  # [R, 1, S, S] bool, True = masked (None: plain causal)
 
     @property
     def seq_len(self) -> int:
         return self.tokens_BS.shape[1]
 
+    @property
+    def shared_prompts(self) -> bool:
+        return self.row_B is not None
+
     def response_index_BT(self) -> torch.Tensor:
-        """Index into the S-1 next-token predictions of each row for each response token."""
+        """Index into the S-1 next-token predictions of sample b's row for each of its response tokens: the
+        prompt's last position for the first, then the response's own previous token."""
         T = self.response_mask_BT.shape[1]
-        idx_BT = self.prompt_len_B[:, None] - 1 + torch.arange(T, device=self.prompt_len_B.device)[None, :]
+        t_1T = torch.arange(T, device=self.prompt_len_B.device)[None, :]
+        start_B = self.prompt_len_B if self.response_start_B is None else self.response_start_B
+        idx_BT = torch.where(t_1T == 0, self.prompt_len_B[:, None] - 1, start_B[:, None] - 1 + t_1T)
         return idx_BT.clamp(max=self.seq_len - 2)
+
+    def flat_response_index_BT(self) -> torch.Tensor:
+        """:meth:`response_index_BT` into the ``R·S`` positions of all rows (row-major)."""
+        row_B = self.row_B if self.row_B is not None else torch.arange(len(self.prompt_len_B),
+                                                                        device=self.prompt_len_B.device)
+        return row_B[:, None] * self.seq_len + self.response_index_BT()
 
 
 def pack_rows(batch: RolloutBatch, *, seq_len: int, pad_token_id: int) -> PackedRows:

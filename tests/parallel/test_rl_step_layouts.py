@@ -34,6 +34,9 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     "distopt": (2, ["tp1pp1cp1", "tp1pp1cp1-distopt"]),
     # token-budget micro-batches of differing shapes (use_dynamic_bsz) under PP=2 and under DP=2
     "dyn": (2, ["tp1pp2cp1-dyn", "tp1pp1cp1-dyn"]),
+    # shared-prompt rows (use_prefix_grouper) under TP=2, under PP=2 with token budgets that cut a prompt's
+    # samples into two rows, and under DP=2
+    "prefix": (2, ["tp2pp1cp1-pg", "tp1pp2cp1-dyn-pg", "tp1pp1cp1-pg"]),
 }
 
 
