@@ -26,7 +26,7 @@ METRICS = ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "entropy")
 TOL = 2e-6  # fp32 reassociation (the pass and the update cut different micro-batches)
 
 
-def _config(model_dir: str, *, pp: int, mini_prompts: int, epochs: int = 1):
+def _config(model_dir: str, *, pp: int, mini_prompts: int, epochs: int = 1, shared: bool = False):
     from hybridrl.config.schema import RLConfig
 
     cfg = RLConfig()
@@ -38,6 +38,7 @@ def _config(model_dir: str, *, pp: int, mini_prompts: int, epochs: int = 1):
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs = mini_prompts, 4, epochs
     a.shuffle = True  # the shortcut must take the same sample order as update_actor
     a.loss_agg_mode, a.entropy_coeff, a.use_kl_loss = "token-mean", 0.01, False
+    a.use_prefix_grouper = shared  # a prompt's samples in one row (megatron/prefix_grouper.py)
     a.optim.optimizer, a.optim.lr, a.optim.clip_grad = "sgd", 0.5, 1.0  # the update is the gradient itself
     aor.rollout.n, aor.rollout.temperature, aor.rollout.log_prob_micro_batch_size_per_gpu = 4, 0.9, 6
     cfg.algorithm.policy_loss = "ppo_clip"
@@ -57,7 +58,7 @@ def _batch(model_dir: str):
     return fixed_batch(hf.vocab_size, hf.pad_token_id)
 
 
-def _step(model_dir: str, pp: int, *, shortcut: bool) -> dict:
+def _step(model_dir: str, pp: int, *, shortcut: bool, shared: bool = False) -> dict:
     import torch.distributed as dist
 
     from hybridrl.components import actor_objective
@@ -66,7 +67,7 @@ def _step(model_dir: str, pp: int, *, shortcut: bool) -> dict:
     from hybridrl.megatron.parallel import seed_everything
 
     seed_everything(1)
-    cfg = _config(model_dir, pp=pp, mini_prompts=4)
+    cfg = _config(model_dir, pp=pp, mini_prompts=4, shared=shared)
     plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
     assert not problems, problems
     batch = _batch(model_dir)
@@ -119,7 +120,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir, out, pp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     init_parallel(ParallelConfig(pipeline_model_parallel_size=pp))
-    result = {"with_pass": _step(model_dir, pp, shortcut=False), "shortcut": _step(model_dir, pp, shortcut=True)}
+    result = {"with_pass": _step(model_dir, pp, shortcut=False), "shortcut": _step(model_dir, pp, shortcut=True),
+              "shortcut_shared": _step(model_dir, pp, shortcut=True, shared=True)}
     if pp == 1:
         result["refusals"] = _refusals(model_dir)
     if dist.get_rank() == dist.get_world_size() - 1:  # every rank holds the results: check the last stage's
@@ -140,11 +142,15 @@ def model(tmp_path_factory: pytest.TempPathFactory, discriminate) -> Path:
 @pytest.mark.parametrize("pp", [1, 2])
 def test_shortcut_gives_the_same_step(torchrun, model: Path, tmp_path: Path, pp: int) -> None:
     """Same metrics, π_old, entropy and weights with and without the old-log-prob pass (SGD: the update is
-    the clipped gradient, so a gradient difference shows in the weights)."""
+    the clipped gradient, so a gradient difference shows in the weights); also with shared-prompt rows."""
     out = tmp_path / "result.pt"
     torchrun([__file__, str(model), str(out), str(pp)], nproc=pp, timeout=600)
     r = torch.load(out, weights_only=False)
-    ref, got = r["with_pass"], r["shortcut"]
+    for shortcut in ("shortcut", "shortcut_shared"):
+        _check_same_step(r["with_pass"], r[shortcut])
+
+
+def _check_same_step(ref: dict, got: dict) -> None:
     assert len(ref["steps"]) == len(got["steps"]) == 1
     for k in METRICS:
         assert abs(ref["steps"][0][k] - got["steps"][0][k]) <= TOL * max(1.0, abs(ref["steps"][0][k])), k

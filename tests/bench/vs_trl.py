@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,17 @@ def cpu_s() -> float:
 
 # ---- the two sides (each runs in its own process: ``--side``) ----
 
-def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int) -> dict:
+def _composes(compose_config: Callable[[list[str]], object], override: str) -> bool:
+    from hybridrl.config.errors import ConfigError
+
+    try:
+        compose_config(["recipe=grpo_tiny", override])
+    except ConfigError:
+        return False
+    return True
+
+
+def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int, before: bool = False) -> dict:
     from hybridrl.components import build_components
     from hybridrl.config.compose import compose_config
     from hybridrl.config.validate import validate
@@ -88,6 +99,11 @@ def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int) 
     from hybridrl.trainer import fit
 
     B = wl.prompts * wl.n
+    overrides = wl.hybridrl_overrides
+    if before:  # an older tree may not know a key this one turns on: run it without, and say so
+        overrides = [o for o in overrides if _composes(compose_config, o)]
+        for dropped in sorted(set(wl.hybridrl_overrides) - set(overrides)):
+            print(f"before: {dropped} dropped (not a key of that tree)", flush=True)
     cfg = compose_config([
         "recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.build_if_missing=null",
         f"data.train_files=[{train}]", "data.val_files=[]", "data.build_if_missing=null",
@@ -98,7 +114,7 @@ def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int) 
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={B}", f"actor_rollout_ref.actor.optim.lr={LR}",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean", "algorithm.use_kl_in_reward=false",
         "trainer.loggers=[jsonl]", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
-        "trainer.test_freq=0", "trainer.val_before_train=false", f"trainer.seed={SEED}", *wl.hybridrl_overrides])
+        "trainer.test_freq=0", "trainer.val_before_train=false", f"trainer.seed={SEED}", *overrides])
     c = build_components(cfg, validate(cfg, world_size=1))
     try:
         fit(c)
@@ -191,8 +207,9 @@ def side_main(args: argparse.Namespace) -> None:
     wl = WORKLOADS[args.workload]
     out = Path(args.out)
     t0 = cpu_s()
-    run = run_trl if args.side == "trl" else run_hybridrl
-    result = run(wl, Path(args.model), Path(args.train), out / args.side, args.steps + args.warmup)
+    paths = (Path(args.model), Path(args.train), out / args.side, args.steps + args.warmup)
+    result = (run_trl(wl, *paths) if args.side == "trl"
+              else run_hybridrl(wl, *paths, before=args.side == "before"))
     steps = result["steps"][args.warmup:]
     summary = {"steps": steps, "process_cpu_s": cpu_s() - t0, "peak_rss_mib": peak_rss_mib()}
     if args.test:
