@@ -152,7 +152,7 @@ class MegatronRunner:
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], head: Head, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
-        for _, s in {(0, m.rows.seq_len) for m in micros if not m.rows.shared_prompts}:  # kept from step to step
+        for s in {m.rows.seq_len for m in micros if not m.rows.shared_prompts}:  # kept from step to step
             if s not in self._causal_masks:
                 self._causal_masks[s] = causal_attention_mask(s, self.device)
         masks = self._causal_masks
@@ -237,8 +237,9 @@ class MegatronRunner:
             for index in torch.arange(len(batch), device=device).split(batching.micro_batch_size):
                 if len(index) < batching.micro_batch_size:  # as the plain layout: filled with copies of row 0
                     index = torch.cat([index, index.new_full((batching.micro_batch_size - len(index),), -1)])
-                sub = batch.index(index.clamp(min=0))
-                parts.append([[int(index[i]) for i in row] for row in group_rows(sub, max_tokens=None)])
+                ids = index.tolist()
+                parts.append([[ids[i] for i in row] for row in group_rows(batch.index(index.clamp(min=0)),
+                                                                         max_tokens=None)])
         else:
             parts = partition_rows(batch, max_tokens=batching.max_tokens, multiple=multiple)
         out = []
