@@ -477,6 +477,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                                  total_steps=max(cfg.trainer.total_training_steps, 1))
     _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
     _prefix_grouper_problems(cfg, roles["actor"], add)
+    _fused_lm_head_problems(cfg, add)
     filter_groups = cfg.algorithm.filter_groups.enable
     per_round = d.gen_batch_size if filter_groups and d.gen_batch_size is not None else d.train_batch_size
     return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), prompts_per_generation=max(per_round, 1),
@@ -511,6 +512,20 @@ def _prefix_grouper_problems(cfg: RLConfig, actor: RoleLayout, add) -> None:  # 
                        "attention (installed here, so Megatron uses it) does not take; set it to false")
     if m.sequence_parallel:
         add(key, True, f"not combined with {AOR}.actor.megatron.sequence_parallel=true yet; set one to false")
+
+
+def _fused_lm_head_problems(cfg: RLConfig, add) -> None:  # type: ignore[no-untyped-def]
+    """The fused LM head is one of the fused kernels, and reads whole sequences of hidden states."""
+    m = cfg.actor_rollout_ref.actor.megatron
+    if not m.fused_lm_head:
+        return
+    key = f"{AOR}.actor.megatron.fused_lm_head"
+    if m.use_fused_kernels is False:
+        add(key, True, f"it is one of the fused kernels, which {AOR}.actor.megatron.use_fused_kernels=false turns "
+                       f"off; set that to null or true, or this to false")
+    if m.sequence_parallel:
+        add(key, True, f"not combined with {AOR}.actor.megatron.sequence_parallel=true yet (the head would need "
+                       f"the sequence gathered); set one to false")
 
 
 def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, MicroBatching], add) -> None:  # type: ignore[no-untyped-def]

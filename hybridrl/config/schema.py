@@ -44,6 +44,9 @@ class MegatronConfig:
     # the fused log-prob + entropy kernels of hybridrl/ops (C++ on CPU, Triton on CUDA; verl's name for the
     # switch): null = use them when they build (else the plain-PyTorch path, one warning); true = required
     use_fused_kernels: bool | None = None
+    # with the fused kernels: the policy's model returns hidden states and its head multiplies them by the LM-head
+    # weight in vocabulary chunks, so the [tokens, vocab] logits never exist (recomputed in the backward)
+    fused_lm_head: bool = False
     # Megatron TransformerConfig fields set verbatim, e.g. recompute_granularity: full, recompute_method:
     # uniform, recompute_num_layers: 1 (activation recompute); unknown keys are an error
     override_transformer_config: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import MicroBatching
@@ -28,11 +29,14 @@ from hybridrl.hf_checkpoint import HFArch
 from hybridrl.interfaces import WeightBucket
 from hybridrl.lora_config import LoRAConfig
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
+from hybridrl.megatron.hidden_states import output_weight
 from hybridrl.megatron.lora import LoRAModel, apply_lora
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
+from hybridrl.megatron.vocab_parallel import use_fused_kernels as fused_kernels_on
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
+from hybridrl.ops import lm_head_logprob_entropy
 from hybridrl.tracking import say
 
 __all__ = ["FP16_INITIAL_LOSS_SCALE", "LossFn", "MegatronPolicy", "parallel_config"]
@@ -63,22 +67,39 @@ class MegatronPolicy(MegatronRunner):
         if self.lora is not None and optim is not None:
             say(self.lora.summary(optimizer=optim.optimizer, dtype=self.dtype))
         self.use_fused_kernels = megatron.use_fused_kernels  # the log-prob head's kernels (vocab_parallel)
+        # fused LM head: the model returns hidden states and the head multiplies them by the LM-head weight in
+        # vocabulary chunks (when the fused kernels are used at all: with null and no compiler, the logits path)
+        self.returns_hidden_states = megatron.fused_lm_head and fused_kernels_on(megatron.use_fused_kernels,
+                                                                                  self.device)
+
+    def _token_logprobs(self, output: torch.Tensor, target_N: torch.Tensor, select_N: torch.Tensor | None,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log p, entropy)`` of ``target_N`` at the positions ``select_N`` (all when None) of the last stage's
+        output, in (row, position) order: logits ``[b, s, v]``, or hidden states ``[s, b, h]`` with the fused LM
+        head (``returns_hidden_states``: the logits never exist whole)."""
+        if self.returns_hidden_states:
+            hidden_Nh = output.transpose(0, 1).reshape(-1, output.shape[-1])
+            return lm_head_logprob_entropy(
+                hidden_Nh if select_N is None else hidden_Nh[select_N], output_weight(self.chunks[-1]), target_N,
+                vocab_size=self.arch.vocab_size, temperature=temperature,
+                group=parallel_state.get_tensor_model_parallel_group())
+        logits_Nv = output.reshape(-1, output.shape[-1])
+        return vocab_parallel_logprob_entropy(  # the logits are read here only (a copy when selected)
+            logits_Nv if select_N is None else logits_Nv[select_N], target_N, vocab_size=self.arch.vocab_size,
+            temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)
 
     def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
-              temperature: float, mb: _Micro, logits_BSv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        B, s, v = logits_BSv.shape  # s: this CP rank's positions (all S when CP = 1)
-        if mb.rows.shared_prompts:  # a row holds several samples: read each response token's logits row
+              temperature: float, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # s: this CP rank's positions (all S when CP = 1)
+        B, s = (output.shape[1], output.shape[0]) if self.returns_hidden_states else output.shape[:2]
+        if mb.rows.shared_prompts:  # a row holds several samples: read each response token's position
             response_BT = mb.batch.response_ids
-            logp_N, ent_N = vocab_parallel_logprob_entropy(
-                logits_BSv.reshape(-1, v)[mb.rows.flat_response_index_BT().reshape(-1)], response_BT.reshape(-1),
-                vocab_size=self.arch.vocab_size, temperature=temperature, fused=self.use_fused_kernels,
-                consume_logits=True)  # the rows read are a copy
+            logp_N, ent_N = self._token_logprobs(output, response_BT.reshape(-1),
+                                                 mb.rows.flat_response_index_BT().reshape(-1), temperature)
             logp_BT, ent_BT = logp_N.view_as(response_BT), ent_N.view_as(response_BT)
         else:
             next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
-            logp_N, ent_N = vocab_parallel_logprob_entropy(
-                logits_BSv.reshape(-1, v), shard_sequence(next_BS).reshape(-1), vocab_size=self.arch.vocab_size,
-                temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)  # only read here
+            logp_N, ent_N = self._token_logprobs(output, shard_sequence(next_BS).reshape(-1), None, temperature)
             idx_BT = mb.rows.response_index_BT()
             logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
             ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)

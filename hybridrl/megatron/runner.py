@@ -35,6 +35,7 @@ multiplies each loss by ``optimizer.scale_loss``; a step whose gradients overflo
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from hybridrl.hf_checkpoint import HFArch
 from hybridrl.megatron.context_parallel import shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
+from hybridrl.megatron.hidden_states import returning_hidden_states
 from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
@@ -108,6 +110,8 @@ class MegatronRunner:
     # Float16Module's fp32_output: False keeps the last stage's output in the model's dtype (the policy computes
     # log-probs in fp32 from bf16 logits without a full-vocabulary fp32 copy)
     fp32_output: ClassVar[bool] = True
+    # the last stage's output is its final hidden states [s, b, h], not the output layer's (hidden_states.py)
+    returns_hidden_states: bool = False
 
     def __init__(self, chunks: list[MegatronModule], *, arch: HFArch, megatron: MegatronConfig,
                  optim: OptimConfig | None, total_steps: int, pad_token_id: int) -> None:
@@ -164,16 +168,17 @@ class MegatronRunner:
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             rows = mb.rows
-            if rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
-                assert rows.position_ids_BS is not None
-                with positioned_rope(model, rows.position_ids_BS):
-                    output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
-                                   attention_mask=rows.attention_mask, **fp16_kwargs)
-                return output, partial(_scaled, head, mb, scale)
-            tokens_BS = rows.tokens_BS
-            position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
-            output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
-                           attention_mask=masks[rows.seq_len], **fp16_kwargs)
+            with returning_hidden_states(model) if self.returns_hidden_states else contextlib.nullcontext():
+                if rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
+                    assert rows.position_ids_BS is not None
+                    with positioned_rope(model, rows.position_ids_BS):
+                        output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
+                                       attention_mask=rows.attention_mask, **fp16_kwargs)
+                else:
+                    tokens_BS = rows.tokens_BS
+                    position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
+                    output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
+                                   attention_mask=masks[rows.seq_len], **fp16_kwargs)
             return output, partial(_scaled, head, mb, scale)
 
         self._check_interleaving(len(micros))

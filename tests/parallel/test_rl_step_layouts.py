@@ -37,6 +37,9 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     # shared-prompt rows (use_prefix_grouper) under TP=2, under PP=2 with token budgets that cut a prompt's
     # samples into two rows, and under DP=2
     "prefix": (2, ["tp2pp1cp1-pg", "tp1pp2cp1-dyn-pg", "tp1pp1cp1-pg"]),
+    # the fused LM head (log-probs from hidden states × the output weight): under PP=2 (the tied output weight
+    # is the last stage's copy) and CP=2 (hidden states sharded along the sequence)
+    "lmhead": (2, ["tp1pp2cp1-lmh", "tp1pp1cp2-lmh"]),
 }
 
 

@@ -7,7 +7,8 @@ chunks per stage) and ``-distopt`` (Megatron's distributed optimizer, Adam only:
 skipped) or ``-dyn`` (token-budget micro-batches, ``use_dynamic_bsz``: 2–6 rows of differing padded
 lengths each, so PP sends variable activation shapes), then optionally ``-pg`` (shared-prompt rows,
 ``use_prefix_grouper``: a prompt's samples in one row; with ``-dyn`` a prompt's 4 samples can exceed the
-budget and are cut into two rows); DP is what remains of the world. Under VPP
+budget and are cut into two rows) or ``-lmh`` (the fused LM head: ``use_fused_kernels`` +
+``fused_lm_head``, log-probs from hidden states × the LM-head weight); DP is what remains of the world. Under VPP
 the ref's log-prob pass uses micro-batches of 6 (3 per pass, padded to a multiple of PP by the
 policy); log-probs don't depend on the micro-batch size, so the TP=1 reference (4) still applies. For
 each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref + engine, as the trainer
@@ -51,22 +52,22 @@ P, T = 9, 10  # prompt / response pad widths
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-dyn)?(-pg)?")
+LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-dyn)?(-pg)?(-lmh)?")
 DYN_BUDGET = 48  # padded tokens per micro-batch: 2 rows of the longest samples (24), up to 6 of the shortest
 
 
 def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
     """``(parallel layout, distributed optimizer?)`` of a layout name."""
     match = LAYOUT.fullmatch(name)
-    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt][-dyn][-pg]"
-    tp, pp, cp, vpp, distopt, _, _ = match.groups()
+    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt][-dyn][-pg][-lmh]"
+    tp, pp, cp, vpp, distopt, _, _, _ = match.groups()
     return ParallelConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
                           context_parallel_size=int(cp),
                           virtual_pipeline_model_parallel_size=int(vpp) if vpp else None), bool(distopt)
 
 
 def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_optimizer: bool = False,
-           dynamic_bsz: bool = False, prefix_grouper: bool = False) -> RLConfig:
+           dynamic_bsz: bool = False, prefix_grouper: bool = False, lm_head: bool = False) -> RLConfig:
     cfg = RLConfig()
     aor = cfg.actor_rollout_ref
     aor.model.path = model_dir
@@ -80,6 +81,8 @@ def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_opt
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs = MINI_PROMPTS, MICRO, 1
     a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu = dynamic_bsz, DYN_BUDGET  # also the log-prob passes
     a.use_prefix_grouper = prefix_grouper  # also the log-prob passes (actor's and ref's)
+    if lm_head:  # the ref runs with the actor's Megatron config: its log-probs too
+        aor.actor.megatron.use_fused_kernels, aor.actor.megatron.fused_lm_head = True, True
     a.loss_agg_mode, a.entropy_coeff = mode, 0.01
     a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type = True, 0.1, "low_var_kl"
     # Adam (the default) is nearly blind to the gradient's scale on its first steps, so the other
@@ -152,7 +155,7 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
         mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
     batch = full.index(mine)
     cfg = config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer,
-                 dynamic_bsz="-dyn" in name, prefix_grouper=name.endswith("-pg"))
+                 dynamic_bsz="-dyn" in name, prefix_grouper="-pg" in name, lm_head=name.endswith("-lmh"))
     plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
     assert not problems, problems
     hybrid = ActorRolloutRef(cfg.actor_rollout_ref, plan=plan, objective=actor_objective(cfg),
