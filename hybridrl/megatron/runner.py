@@ -11,7 +11,10 @@ computed on the last pipeline stage and broadcast to the other stages, so every 
 group holds the same tensors afterwards (SPMD: the loop has no rank branches). Micro-batches are either
 fixed-size (every row padded to the batch's longest) or, with a token budget, length-grouped and each
 padded to its own longest row (:mod:`dynamic_batch`); shapes then differ between micro-batches and the
-pipeline sends each activation's shape ahead of it.
+pipeline sends each activation's shape ahead of it. A row is one sample (:mod:`sequences`) or, with
+``MicroBatching.shared_prompts``, one prompt and several of its samples with an explicit mask and positions
+(:mod:`prefix_grouper`). With ``returns_hidden_states`` (the policy's fused LM head) the last stage's output is
+its final hidden states instead of logits (:mod:`hidden_states`).
 
 With CP > 1 each rank feeds its share of the positions (Megatron's load-balanced chunks,
 :mod:`context_parallel`) and the heads gather per-token results back to whole sequences, so every CP rank
