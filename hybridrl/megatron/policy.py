@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.guards import agree
 from hybridrl.hf_checkpoint import HFArch
 from hybridrl.interfaces import WeightBucket
 from hybridrl.lora_config import LoRAConfig
@@ -33,13 +34,29 @@ from hybridrl.megatron.hidden_states import output_weight
 from hybridrl.megatron.lora import LoRAModel, apply_lora
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
-from hybridrl.megatron.vocab_parallel import use_fused_kernels as fused_kernels_on
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
-from hybridrl.ops import lm_head_logprob_entropy
+from hybridrl.ops import compiled_kernels, lm_head_logprob_entropy
 from hybridrl.tracking import say
 
 __all__ = ["FP16_INITIAL_LOSS_SCALE", "LossFn", "MegatronPolicy", "parallel_config"]
+
+
+def _fused_kernels_everywhere(setting: bool | None, device: torch.device) -> bool:
+    """``use_fused_kernels`` decided once for every rank: the fused and the plain head combine a TP group's
+    vocabulary shards with different collectives, so a rank without a compiler (null) sends every rank down
+    the plain path, and ``true`` fails on every rank (not only where the kernels did not build, which would
+    leave the others waiting in the next collective)."""
+    here = setting is not False and compiled_kernels(device) is not None  # warned once where they do not build
+    cause = agree(None if here or setting is False else f"the fused kernels are unavailable on {device.type}")
+    if cause is None:
+        return here
+    if setting:
+        raise RuntimeError(f"actor_rollout_ref.actor.megatron.use_fused_kernels=true but {cause} (see the warning "
+                           f"there); set it to null (use them where every rank has them) or false")
+    if here:
+        say(f"use_fused_kernels=null: the plain log-prob path on every rank, as {cause}")
+    return False
 
 
 class LossFn(Protocol):
@@ -66,11 +83,10 @@ class MegatronPolicy(MegatronRunner):
                          pad_token_id=pad_token_id)
         if self.lora is not None and optim is not None:
             say(self.lora.summary(optimizer=optim.optimizer, dtype=self.dtype))
-        self.use_fused_kernels = megatron.use_fused_kernels  # the log-prob head's kernels (vocab_parallel)
+        self.use_fused_kernels = _fused_kernels_everywhere(megatron.use_fused_kernels, self.device)
         # fused LM head: the model returns hidden states and the head multiplies them by the LM-head weight in
         # vocabulary chunks (when the fused kernels are used at all: with null and no compiler, the logits path)
-        self.returns_hidden_states = megatron.fused_lm_head and fused_kernels_on(megatron.use_fused_kernels,
-                                                                                  self.device)
+        self.returns_hidden_states = megatron.fused_lm_head and self.use_fused_kernels
 
     def _token_logprobs(self, output: torch.Tensor, target_N: torch.Tensor, select_N: torch.Tensor | None,
                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,9 @@ same numbers, ``use_fused_kernels: null`` takes the current path and ``true`` is
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +69,18 @@ def test_fallback_warns_once_and_computes_the_same(fresh_loader, monkeypatch, ca
 
 def test_null_uses_the_kernels_when_they_build(fresh_loader) -> None:
     assert use_fused_kernels(None, CPU) is True and use_fused_kernels(True, CPU) is True
+
+
+@pytest.mark.distributed
+def test_every_rank_takes_the_same_path(torchrun) -> None:
+    """One rank without the kernels: with null every rank takes the plain path (their TP collectives differ),
+    with true every rank raises (none is left waiting in a collective), false stays off."""
+    out = torchrun([str(Path(__file__).parent / "workers" / "fused_agree.py")], nproc=2).stdout
+    results = [ln.split(maxsplit=2) for ln in out.splitlines() if ln.startswith("RESULT")]
+    got = {int(rank): json.loads(decisions) for _, rank, decisions in results}
+    assert sorted(got) == [0, 1], out
+    for rank in (0, 1):
+        assert got[rank]["null"] is False and got[rank]["false"] is False, got
+        assert got[rank]["true"].startswith("error: actor_rollout_ref.actor.megatron.use_fused_kernels=true but "
+                                            "rank 1: the fused kernels are unavailable on cpu"), got
+    assert "the plain log-prob path on every rank, as rank 1" in out  # said where the kernels were there
