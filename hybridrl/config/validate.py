@@ -122,9 +122,28 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     _check_timeouts(cfg, issues)
     _check_reward(cfg, issues)
     _check_memory(cfg, plan, issues)
+    if not planning:
+        _check_fused_kernels(cfg, plan, issues)
     if issues:
         raise ConfigError(list(issues))
     return plan
+
+
+def _check_fused_kernels(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
+    """``use_fused_kernels=true`` needs them on this machine: the C++ toolchain on CPU (checked without
+    building: compiler, ninja, sources), Triton on CUDA. Null falls back by itself (one warning)."""
+    if cfg.actor_rollout_ref.actor.megatron.use_fused_kernels is not True:
+        return
+    if plan.device_type == "cpu":
+        from hybridrl.ops.cpp_build import build_problem
+
+        problem = build_problem()
+    else:
+        problem = None if importlib.util.find_spec("triton") is not None else "triton is not installed"
+    if problem is not None:
+        issues.add(f"{AOR}.actor.megatron.use_fused_kernels", True,
+                   f"the fused kernels cannot be used here: {problem}; set it to null (the plain path where they "
+                   f"are missing) or false")
 
 
 def _check_timeouts(cfg: RLConfig, issues: _Issues) -> None:

@@ -38,7 +38,7 @@ def csrc_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "csrc"
 
 
-def _missing() -> str | None:
+def build_problem() -> str | None:
     """Why the extension can't be built here, or None."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}"
@@ -68,7 +68,7 @@ def build_name() -> tuple[str, Path]:
 @functools.cache
 def load_cpu_ops() -> bool:
     """Build (once per source version) and load the CPU kernels; False, with one warning, when impossible."""
-    why = _missing()
+    why = build_problem()
     if why is None:
         try:
             from torch.utils.cpp_extension import load

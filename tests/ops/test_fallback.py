@@ -72,15 +72,28 @@ def test_null_uses_the_kernels_when_they_build(fresh_loader) -> None:
 
 
 @pytest.mark.distributed
-def test_every_rank_takes_the_same_path(torchrun) -> None:
+def test_every_rank_takes_the_same_path(torchrun, tmp_path) -> None:
     """One rank without the kernels: with null every rank takes the plain path (their TP collectives differ),
     with true every rank raises (none is left waiting in a collective), false stays off."""
-    out = torchrun([str(Path(__file__).parent / "workers" / "fused_agree.py")], nproc=2).stdout
-    results = [ln.split(maxsplit=2) for ln in out.splitlines() if ln.startswith("RESULT")]
-    got = {int(rank): json.loads(decisions) for _, rank, decisions in results}
-    assert sorted(got) == [0, 1], out
+    out = torchrun([str(Path(__file__).parent / "workers" / "fused_agree.py"), str(tmp_path)], nproc=2).stdout
+    got = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
     for rank in (0, 1):
         assert got[rank]["null"] is False and got[rank]["false"] is False, got
         assert got[rank]["true"].startswith("error: actor_rollout_ref.actor.megatron.use_fused_kernels=true but "
                                             "rank 1: the fused kernels are unavailable on cpu"), got
     assert "the plain log-prob path on every rank, as rank 1" in out  # said where the kernels were there
+
+
+def test_validate_refuses_true_without_a_toolchain(monkeypatch, tmp_path) -> None:
+    """``use_fused_kernels=true`` on a machine without a C++ compiler: a config error before any model is built
+    (not at the first log-prob pass); null passes (it falls back with a warning)."""
+    from hybridrl.config.compose import compose_config
+    from hybridrl.config.errors import ConfigError
+    from hybridrl.config.validate import validate
+
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))  # nothing built: model/data checks are pending
+    _no_compiler(monkeypatch)
+    key = "actor_rollout_ref.actor.megatron.use_fused_kernels"
+    with pytest.raises(ConfigError, match=rf"{key}=True: the fused kernels cannot be used here: no C\+\+ compiler"):
+        validate(compose_config(["recipe=grpo_tiny", f"{key}=true"]), world_size=1, before_bootstrap=True)
+    validate(compose_config(["recipe=grpo_tiny"]), world_size=1, before_bootstrap=True)

@@ -1,11 +1,14 @@
 """Worker: ``use_fused_kernels`` decided once for every rank (``policy._fused_kernels_everywhere``) when the last
-rank cannot use the fused kernels (``HYBRIDRL_DISABLE_CPP_OPS=1`` there only). Prints each rank's decisions.
+rank cannot use the fused kernels (``HYBRIDRL_DISABLE_CPP_OPS=1`` there only). Writes each rank's decisions to
+``OUT_DIR/<rank>.json``.
 
-    python -m torch.distributed.run --nproc-per-node 2 fused_agree.py
+    python -m torch.distributed.run --nproc-per-node 2 fused_agree.py OUT_DIR
 """
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -24,4 +27,4 @@ try:
 except RuntimeError as e:  # on every rank, not only where they are missing
     out["true"] = f"error: {e}"
 destroy_parallel()
-print(f"RESULT {os.environ['RANK']} {json.dumps(out)}", flush=True)
+(Path(sys.argv[1]) / f"{os.environ['RANK']}.json").write_text(json.dumps(out))
