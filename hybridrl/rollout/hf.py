@@ -38,6 +38,9 @@ class HFRolloutEngine:
     class Config:
         dtype: str = "float32"  # float32 | bfloat16 | float16
         max_batch_size: int = 256  # sequences decoded together; larger prompt lists are chunked
+        # stop decoding rows that have finished: once a quarter of the rows being decoded are done, they are
+        # dropped from the batch and its KV cache (same samples; a long tail no longer costs the whole batch)
+        drop_finished: bool = True
         offload_weights_on_release: bool = False  # on GPU: move weights to CPU during the train phase
 
         def __post_init__(self) -> None:
@@ -84,32 +87,40 @@ class HFRolloutEngine:
             mask_BP[b, P - len(p):] = 1
         ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
         stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_token_ids)), device=self.device)
-        tokens: list[torch.Tensor] = []
-        logprobs: list[torch.Tensor] = []
-        done_B = torch.zeros(B, dtype=torch.bool, device=self.device)
+        tok_BT = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        lp_BT = torch.zeros((B, params.max_new_tokens), device=self.device)
         finished_by_stop_B = torch.zeros(B, dtype=torch.bool, device=self.device)
+        rows_A = torch.arange(B, device=self.device)  # the rows still decoded (A of them): their index in B
+        done_A = torch.zeros(B, dtype=torch.bool, device=self.device)
         past = None
         step_ids, attn = ids_BP, mask_BP
-        pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        steps = 0
         for t in range(params.max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_BP, use_cache=True,
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: past})
             past = getattr(out, self._cache_kw)
-            logits_BV = out.logits[:, -1, :].float()
-            token_B, logprob_B = sample(logits_BV, params, uniform(stream_B, t))
-            token_B = torch.where(done_B, torch.full_like(token_B, self.pad_id), token_B)
-            tokens.append(token_B)
-            logprobs.append(torch.where(done_B, torch.zeros_like(logprob_B), logprob_B))
-            hit_B = torch.isin(token_B, stop) & ~done_B
-            finished_by_stop_B |= hit_B
-            done_B |= hit_B
-            if bool(done_B.all()):
+            token_A, logprob_A = sample(out.logits[:, -1, :].float(), params, uniform(stream_B[rows_A], t))
+            live_A = ~done_A
+            tok_BT[rows_A[live_A], t] = token_A[live_A]
+            lp_BT[rows_A[live_A], t] = logprob_A[live_A].float()
+            hit_A = torch.isin(token_A, stop) & live_A
+            finished_by_stop_B[rows_A[hit_A]] = True
+            done_A |= hit_A
+            steps = t + 1
+            if bool(done_A.all()):
                 break
-            step_ids = token_B[:, None]
+            step_ids = token_A[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # rows already done are discarded
-            pos_BP = pos_BP[:, -1:] + 1
-        tok_BT = torch.stack(tokens, dim=1).cpu()
-        lp_BT = torch.stack(logprobs, dim=1).cpu()
+            pos_AP = pos_AP[:, -1:] + 1
+            if self.config.drop_finished and 4 * int(done_A.sum()) >= len(done_A) and hasattr(
+                    past, "batch_select_indices"):  # a row's math never depends on the others: drop the done
+                keep_A = (~done_A).nonzero().squeeze(-1)
+                past.batch_select_indices(keep_A)
+                rows_A, done_A, step_ids, attn, pos_AP = (
+                    rows_A[keep_A], done_A[keep_A], step_ids[keep_A], attn[keep_A], pos_AP[keep_A])
+        tok_BT = tok_BT[:, :steps].cpu()
+        lp_BT = lp_BT[:, :steps].cpu()
         results = []
         for b, (prompt_index, _, _) in enumerate(chunk):
             row = tok_BT[b].tolist()

@@ -141,3 +141,32 @@ def test_config_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
 
     with pytest.raises(PluginConfigError, match="dtype='fp8'; valid: float32, bfloat16, float16"):
         engine(models[0], dtype="fp8")
+
+
+def test_dropping_finished_rows_gives_the_same_samples(models: tuple[Path, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``drop_finished`` (default): rows that stopped leave the batch and its KV cache; every sample, log-prob
+    and finish reason is the one decoded with the whole batch to the end."""
+    from transformers import DynamicCache
+
+    dropped: list[int] = []
+    select = DynamicCache.batch_select_indices
+
+    def spy(cache: DynamicCache, indices: torch.Tensor) -> None:
+        dropped.append(len(indices))
+        select(cache, indices)
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
+    prompts = [[5 + i, 6, 7 + 2 * i] for i in range(8)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, stop_token_ids=list(range(20, 35)))
+    seeds = list(range(100, 108))
+    dropping = engine(models[0]).generate(prompts, params, seeds=seeds)
+    assert dropped, "no row was dropped: the stop ids did not end enough rows early"
+    whole = engine(models[0], drop_finished=False).generate(prompts, params, seeds=seeds)
+    assert dropped == sorted(dropped, reverse=True) and min(dropped) < 32  # fewer and fewer rows
+    lengths = {len(g.token_ids) for g in whole}
+    assert len(lengths) > 3 and max(lengths) == 12  # a mix of early stops and a row to the limit
+    assert [(g.prompt_index, g.token_ids, g.finish_reason) for g in dropping] == [
+        (g.prompt_index, g.token_ids, g.finish_reason) for g in whole]
+    for a, b in zip(dropping, whole, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
