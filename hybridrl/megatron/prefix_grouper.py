@@ -55,40 +55,44 @@ def prompt_groups(batch: RolloutBatch) -> list[list[int]]:
 def group_rows(batch: RolloutBatch, *, max_tokens: int | None, multiple: int = 1) -> list[list[int]]:
     """The samples of each shared-prompt row: :func:`prompt_groups`, each cut (in order) so that a row's
     prompt + responses, padded to ``multiple``, fit ``max_tokens`` (None: no limit)."""
-    prompt_len = batch.prompt_mask.sum(-1).tolist()
-    response_len = batch.response_mask.sum(-1).tolist()
-    rows: list[list[int]] = []
-    for group in prompt_groups(batch):
-        row: list[int] = []
-        width = int(prompt_len[group[0]])
-        for i in group:
-            length = int(response_len[i])
-            if max_tokens is not None and padded_len(width + length, multiple) > max_tokens:
-                if not row:
-                    raise ValueError(f"a sample of {width + length} tokens (prompt + response) does not fit the "
-                                     f"token budget of {max_tokens} per micro-batch; raise the budget to at least "
-                                     f"the longest prompt + response")
-                rows.append(row)
-                row, width = [], int(prompt_len[group[0]])
-            row.append(i)
-            width += length
-        rows.append(row)
-    return rows
-
-
-def row_lengths(batch: RolloutBatch, rows: list[list[int]]) -> list[int]:
-    """Tokens of each shared-prompt row (its prompt once, plus every response)."""
-    prompt_len = batch.prompt_mask.sum(-1).tolist()
-    response_len = batch.response_mask.sum(-1).tolist()
-    return [int(prompt_len[r[0]]) + sum(int(response_len[i]) for i in r) for r in rows]
+    return _cut_rows(batch, max_tokens=max_tokens, multiple=multiple)[0]
 
 
 def partition_rows(batch: RolloutBatch, *, max_tokens: int, multiple: int = 1) -> list[list[list[int]]]:
     """Token-budget micro-batches of shared-prompt rows: each a list of rows (each a list of sample
     indices), ``rows × padded longest row ≤ max_tokens``."""
-    rows = group_rows(batch, max_tokens=max_tokens, multiple=multiple)
-    parts = token_budget_partition(row_lengths(batch, rows), max_tokens=max_tokens, multiple=multiple)
+    rows, widths = _cut_rows(batch, max_tokens=max_tokens, multiple=multiple)
+    parts = token_budget_partition(widths, max_tokens=max_tokens, multiple=multiple)
     return [[rows[r] for r in part] for part in parts]
+
+
+def _cut_rows(batch: RolloutBatch, *, max_tokens: int | None, multiple: int) -> tuple[list[list[int]], list[int]]:
+    """:func:`group_rows` and each row's tokens (its prompt once, plus every response)."""
+    prompt_len = batch.prompt_mask.sum(-1).tolist()
+    response_len = batch.response_mask.sum(-1).tolist()
+    rows: list[list[int]] = []
+    widths: list[int] = []
+    for group in prompt_groups(batch):
+        prompt = int(prompt_len[group[0]])
+        row: list[int] = []
+        width = prompt
+        for i in group:
+            length = int(response_len[i])
+            fits = max_tokens is None or padded_len(width + length, multiple) <= max_tokens
+            if row and not fits:  # this row is full: the sample starts the next one, with the prompt again
+                rows.append(row)
+                widths.append(width)
+                row, width = [], prompt
+                fits = max_tokens is None or padded_len(width + length, multiple) <= max_tokens
+            if not fits:
+                raise ValueError(f"a sample of {width + length} tokens (prompt + response) does not fit the "
+                                 f"token budget of {max_tokens} per micro-batch; raise the budget to at least "
+                                 f"the longest prompt + response")
+            row.append(i)
+            width += length
+        rows.append(row)
+        widths.append(width)
+    return rows, widths
 
 
 def pack_groups(batch: RolloutBatch, sizes: list[int], *, pad_token_id: int, multiple: int = 1) -> PackedRows:

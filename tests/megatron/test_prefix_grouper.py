@@ -86,6 +86,10 @@ def test_rows_cut_to_the_budget_and_partitioned() -> None:
     assert all(len(part) * max(4 + 3 * len(row) for row in part) <= 13 for part in parts)
     with pytest.raises(ValueError, match="does not fit the token budget of 6"):
         group_rows(batch, max_tokens=6)
+    # a sample too long even alone, after a row was already started: the same error, naming its 24 tokens
+    uneven = _batch([[1, 2, 3, 4]], [[5, 6, 7], [8] * 20], owner=[0, 0])
+    with pytest.raises(ValueError, match="a sample of 24 tokens .* token budget of 13"):
+        partition_rows(uneven, max_tokens=13)
 
 
 def test_fewer_tokens_than_one_row_per_sample() -> None:
