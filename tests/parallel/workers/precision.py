@@ -45,6 +45,9 @@ from hybridrl.megatron.weights import export_hf_weights
 
 torch.set_num_threads(1)
 
+# the ratio is clipped at 0.1 and 5: far outside every ratio of the step (fp32, seen 0.45–1.50 in the SGD mode's
+# second mini-batch), so no token sits near a clip edge; test_mixed_precision checks clipfrac = 0
+PRECISION_CLIP = {"clip_ratio_low": 0.9, "clip_ratio_high": 4.0}
 RECOMPUTE = {  # run name suffix -> override_transformer_config
     "recompute": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
@@ -59,6 +62,11 @@ def run_config(model_dir: str, run: str, mode: str) -> RLConfig:
                  dynamic_bsz=layout_name.endswith("-dyn"))
     m = cfg.actor_rollout_ref.actor.megatron
     m.dtype = dtype  # the ref runs in the actor's dtype
+    # a smooth objective: rl_step's clip range (±0.02) clips half of the second mini-batch's tokens, and a token
+    # whose ratio lies within 16-bit rounding of a clip edge is clipped in one run and not in the other — its
+    # whole gradient appears or vanishes (one token of 44 did so at TP=2 bf16 on an AVX2 CPU: grad norm 3.6 %
+    # off, 9 u). Rounding is what these runs measure, so no ratio may come near an edge.
+    cfg.algorithm.policy_loss_kwargs = dict(PRECISION_CLIP)
     for name in extra:
         m.override_transformer_config = dict(RECOMPUTE[name])
     return cfg
