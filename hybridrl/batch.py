@@ -7,8 +7,15 @@ critic → ``values``, advantage estimator → ``advantages``/``returns``).
 Shapes: ``B`` samples (prompts × n), ``P`` prompt tokens (**left**-padded), ``T`` response tokens
 (**right**-padded). So ``cat([prompt, response])`` is one contiguous run of real tokens per row.
 Padded positions hold ``pad_token_id`` in id tensors, 0 in masks and 0.0 in float tensors; always
-read them through the masks. ``response_mask`` marks the generated tokens (EOS included); in this
-single-turn batch it is both the loss mask and the attention mask of the response part.
+read them through the masks. Two masks cover the response part:
+
+- ``response_mask``: its real tokens (EOS included) — what the model attends to, and the response's length;
+- ``loss_mask``: the tokens the policy sampled and is trained on (a subset). Every loss, normaliser, advantage,
+  entropy, KL, value and rollout-vs-actor metric reads it; the sequence score sits on its last token. Tokens the
+  policy did not sample (a tool's output, an environment's message, template separators in a multi-turn
+  response) are in ``response_mask`` and not in ``loss_mask``.
+
+In a single-turn batch the two are equal; a batch built without ``loss_mask`` gets a copy of ``response_mask``.
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ class RolloutBatch:
     prompt_ids: torch.Tensor  # [B, P] long, left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
     response_ids: torch.Tensor  # [B, T] long, right-padded
-    response_mask: torch.Tensor  # [B, T] 1 on generated tokens
+    response_mask: torch.Tensor  # [B, T] 1 on real response tokens (attention, lengths)
     rollout_logprobs: torch.Tensor  # [B, T] float, log-prob of each token under the sampling engine
     weight_version: torch.Tensor  # [B] long, policy version that generated the sample
     group_index: torch.Tensor  # [B] long, which prompt the sample answers (GRPO groups)
     meta: list[SampleMeta]  # [B]
     pad_token_id: int  # fill value of padded id positions
+    # [B, T] 1 on the tokens sampled and trained on, a subset of response_mask; not given: response_mask's copy
+    loss_mask: torch.Tensor = None  # type: ignore[assignment]  # always a tensor after __post_init__
 
     token_level_scores: torch.Tensor | None = None  # [B, T] raw reward (score on the last token)
     token_level_rewards: torch.Tensor | None = None  # [B, T] scores after KL penalty etc.
@@ -55,12 +64,14 @@ class RolloutBatch:
 
     PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask")
     RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "response_ids", "response_mask", "rollout_logprobs", "token_level_scores",
+        "response_ids", "response_mask", "loss_mask", "rollout_logprobs", "token_level_scores",
         "token_level_rewards", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
     )
     SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "group_index")
 
     def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask.clone()
         b, p = self.prompt_ids.shape
         t = self.response_ids.shape[1]
         for name, shape in self._expected_shapes(b, p, t).items():

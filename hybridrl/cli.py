@@ -59,7 +59,7 @@ def _verify_model(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from hybridrl.export import main as export
+    from hybridrl.checkpoint.export import main as export
 
     return export(args)
 

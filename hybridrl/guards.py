@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridrl import host_group
+from hybridrl.distributed import host_group
 
 
 class RewardContractError(ValueError):

@@ -28,10 +28,10 @@ from hybridrl.config.schema import ActorRolloutRefConfig, CriticConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.guards import require_finite
 from hybridrl.interfaces import SamplingParams, WeightBucket
-from hybridrl.lora_config import LoRAConfig
+from hybridrl.lora.config import LoRAConfig
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
-from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, reference_policy
 from hybridrl.registry import Registry
 from hybridrl.rollout.colocated import ColocatedRollout
 
@@ -45,10 +45,8 @@ class ActorRolloutRef:
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
                                     total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id, lora=lora)
-        # LoRA: the reference is the actor's own frozen base with its adapters off (no second copy of the weights)
-        self.ref = (None if "ref" not in plan.roles else self.actor if lora is not None else
-                    MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=None, total_steps=0,
-                                   pad_token_id=pad_token_id))
+        self.ref = (reference_policy(self.actor, model_dir=model_dir, megatron=a.megatron, pad_token_id=pad_token_id)
+                    if "ref" in plan.roles else None)
         _check_plan_matches_megatron(plan)
         m = a.megatron
         self.actor_offload = PolicyOffload(self.actor, params=m.param_offload, grads=m.grad_offload,
@@ -92,17 +90,14 @@ class ActorRolloutRef:
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
         assert self.ref is not None
-        if self.actor.lora is not None:  # the base model: the actor with its adapters off
+        if self.ref_offload is None:  # LoRA: the actor's own base (megatron.policy.reference_policy)
             self.actor_offload.reload("params")
-            with self.actor.lora.disabled():
-                batch.ref_logprobs, _ = self.actor.compute_log_probs(
-                    batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
-            return
-        assert self.ref_offload is not None
-        self.ref_offload.reload()
-        batch.ref_logprobs, _ = self.ref.compute_log_probs(
-            batch, batching=self.plan.batch.ref_log_prob, temperature=self.logprob_temperature)
-        self.ref_offload.offload()  # not needed again before the next step's
+        else:
+            self.ref_offload.reload()
+        batch.ref_logprobs = reference_log_probs(self.ref, batch, batching=self.plan.batch.ref_log_prob,
+                                                 temperature=self.logprob_temperature)
+        if self.ref_offload is not None:
+            self.ref_offload.offload()  # not needed again before the next step's
 
     def compute_values(self, batch: RolloutBatch) -> None:
         """Fill ``batch.values`` (the critic's, before its update)."""

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from hybridrl.batch import RolloutBatch
+    from hybridrl.data.collate import PromptBatch
+    from hybridrl.metrics import Timer
 
 # One bucket of the weight stream: HF parameter names with full (TP-gathered) tensors.
 WeightBucket = list[tuple[str, "torch.Tensor"]]
@@ -38,9 +40,12 @@ class Generation:
 
     prompt_index: int  # which input prompt it answers
     token_ids: list[int]
-    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
+    logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (0.0 where not sampled)
     finish_reason: str  # "stop" (EOS / stop token) or "length"
     weight_version: int
+    # 1 where the policy sampled the token (trained on), 0 where it did not (a tool's output, a template
+    # separator of a multi-turn response); None: every token was sampled (an engine's own output)
+    loss_mask: list[int] | None = None
 
 
 @runtime_checkable
@@ -74,6 +79,56 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass(slots=True, kw_only=True)
+class Scored:
+    """A batch's reward as the loop receives it."""
+
+    output: RewardOutput  # scores_B: one float per sample (0.0 for a failed sample under on_error=zero)
+    errors: int  # samples that failed and scored 0.0 (always 0 under on_error=raise)
+
+
+class PendingScores(Protocol):
+    """A batch's reward on its way (it may be computed while the log-prob passes run)."""
+
+    def result(self) -> Scored:
+        """Wait for the scores (``reward.*``'s time limit and on_error applied)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class RolloutStep:
+    """What a :class:`Rollout` hands the loop for one RL step."""
+
+    batch: RolloutBatch  # this rank's DP share of the step's samples
+    scores: PendingScores  # their reward, maybe still being computed
+    metrics: dict[str, float] = field(default_factory=dict)  # the rollout's own, the same on every rank
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """The seam between the RL loop and everything that produces a step's samples: prompts, the engines (their
+    placement, routing, memory phases), sampling, submitting the reward, weight sync and weight versions.
+
+    The loop asks for a step's scored batch and never branches on how it was made. Implementations: the
+    single-turn rollout over the colocated engines (:mod:`hybridrl.rollout.single_turn`); DAPO's dynamic
+    sampling, a rollout that wraps another (:mod:`hybridrl.rollout.dynamic_sampling`). Every rank runs the same
+    calls (SPMD); a rollout's collectives are its own business.
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engines hold (0 = the start model; +1 per sync)."""
+
+    def step(self, *, seed: int, timer: Timer) -> RolloutStep:
+        """The next step's samples and their pending scores; ``timer`` records ``gen`` and ``reward`` time."""
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
+        """``params.n`` samples of each prompt of ``prompts`` (the same batch on every rank), unscored: this
+        rank's DP share. Evaluation samples through it."""
+
+    def sync_weights(self, *, version: int | None = None) -> float:
+        """Put the actor's current weights into the engines as ``version`` (default: the next one); the MB sent."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -65,9 +65,9 @@ class DPMeans:
 
 def rollout_metrics(batch: RolloutBatch, scores_B: torch.Tensor, entropy_BT: torch.Tensor) -> DPMeans:
     m = DPMeans()
-    mask_BT = batch.response_mask.float()
+    mask_BT = batch.loss_mask.float()  # the tokens trained on: entropy, log-prob agreement, advantages
     B, tokens = len(batch), mask_BT.sum()
-    lengths_B = mask_BT.sum(-1)
+    lengths_B = batch.response_mask.float().sum(-1)
     m.add("reward/mean", scores_B.sum(), B)
     m.max("reward/max", scores_B.max())  # the spread `hybridrl report` draws around the mean
     m.min("reward/min", scores_B.min())
@@ -86,7 +86,7 @@ def rollout_metrics(batch: RolloutBatch, scores_B: torch.Tensor, entropy_BT: tor
         m.min("rollout_corr/ratio_min", ratio_min)
     if batch.advantages is not None:
         m.add("critic/advantages_mean", (batch.advantages * mask_BT).sum(), tokens)
-    m.total("perf/tokens", tokens + batch.prompt_mask.sum())
+    m.total("perf/tokens", lengths_B.sum() + batch.prompt_mask.sum())
     return m
 
 

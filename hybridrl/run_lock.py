@@ -74,7 +74,7 @@ def hold_output_dir(directory: str | Path, *, key: str = "trainer.output_dir") -
     rank raises :class:`OutputDirLockedError` together."""
     import torch.distributed as dist
 
-    from hybridrl import host_group
+    from hybridrl.distributed import host_group
 
     problem: tuple[bool, str] | None = None  # (locked by another run, message)
     if dist.get_rank() == 0:

@@ -439,7 +439,7 @@ class _EngineRun:
     SEEDS = [11, 12, 13]
 
     def __init__(self, p: _Plugin, engine: Any, model_path: Path) -> None:
-        from hybridrl.hf_checkpoint import eos_token_ids
+        from hybridrl.hf.arch import eos_token_ids
 
         self.p, self.engine, self.model_path = p, engine, model_path
         vocab = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
@@ -466,7 +466,7 @@ class _EngineRun:
         self.expect_greedy("greedy (temperature 0) repeats itself", version=0)
 
     def check_weight_swap(self, storage: Callable[[Any], Mapping[str, int]], *, device: torch.device | str) -> None:
-        from hybridrl.hf_checkpoint import SafetensorsReader, tensor_files
+        from hybridrl.hf.tensors import SafetensorsReader, tensor_files
 
         p, engine = self.p, self.engine
         with SafetensorsReader(self.model_path) as reader:

@@ -23,8 +23,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from hybridrl.config.schema import TrainerConfig
-from hybridrl.config.sft_schema import SFTTrainerConfig
+
+class TrackerSettings(Protocol):
+    """What a tracker reads of a job's ``trainer`` config (RL, SFT and DPO trainers all have these keys)."""
+
+    output_dir: str
+    loggers: list[str]  # LOGGERS entries
+    project_name: str
+    experiment_name: str
+    total_training_steps: int
 
 
 class _Backend(Protocol):
@@ -92,7 +99,7 @@ def read_metrics_rows(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], str
 
 
 class WandbBackend:
-    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, config: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: TrackerSettings, config: Mapping[str, Any]) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or (None if os.environ.get("WANDB_API_KEY") else "offline")
@@ -114,7 +121,7 @@ class MlflowBackend:
     with the flattened config as its params and each step's metrics. mlflow refuses some characters in names:
     ``@`` becomes ``_at_`` (``eval/<source>/pass_at_4``, as verl does), any other one ``_``."""
 
-    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, config: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: TrackerSettings, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -205,7 +212,7 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
 
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard", "mlflow")  # trainer.loggers
+LOGGERS: tuple[str, ...] = ("console", "jsonl", "wandb", "tensorboard", "mlflow")  # trainer.loggers
 # the optional loggers: the modules each imports; `pip install 'hybridrl[<logger>]'` installs them
 LOGGER_MODULES: dict[str, tuple[str, ...]] = {"wandb": ("wandb",), "tensorboard": ("tensorboard",),
                                               "mlflow": ("mlflow",)}
@@ -228,7 +235,7 @@ def missing_logger_packages(loggers: list[str]) -> dict[str, str]:
 
 
 class Tracker:
-    def __init__(self, cfg: TrainerConfig | SFTTrainerConfig, *, config: Mapping[str, Any], rank: int,
+    def __init__(self, cfg: TrackerSettings, *, config: Mapping[str, Any], rank: int,
                  resume_step: int = 0) -> None:
         self.backends: list[_Backend] = []
         if rank != 0:

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hybridrl.config.dpo_schema import register_dpo_configs
-from hybridrl.entry import run_dpo
+from hybridrl.trainers.entry import run_dpo
 
 register_dpo_configs()
 

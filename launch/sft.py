@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hybridrl.config.compose import register_configs
-from hybridrl.entry import run_sft
+from hybridrl.trainers.entry import run_sft
 
 register_configs()
 

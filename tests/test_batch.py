@@ -142,3 +142,53 @@ def test_to_moves_every_present_tensor_once_and_keeps_the_rest() -> None:
             assert value.device.type == "meta" and value.shape == original.shape and value.dtype == original.dtype
     assert moved.meta == batch.meta and moved.pad_token_id == batch.pad_token_id
     assert batch.prompt_ids.device.type == "cpu"  # the original is untouched
+
+
+# ---- loss_mask: trained tokens, a subset of the response ----
+def test_loss_mask_defaults_to_a_copy_of_the_response_mask_and_travels_with_the_batch() -> None:
+    batch = make_batch([2, 3], [4, 2])
+    assert torch.equal(batch.loss_mask, batch.response_mask)
+    assert batch.loss_mask.data_ptr() != batch.response_mask.data_ptr()  # filled in place later: not an alias
+    batch.loss_mask[0, 1] = 0  # e.g. a tool's output inside sample 0's response
+    other = make_batch([1], [6])
+    joined = RolloutBatch.cat([batch, other])
+    assert joined.loss_mask.shape == (3, 6) and joined.loss_mask[0].tolist() == [1, 0, 1, 1, 0, 0]
+    assert joined.index([0]).loss_mask.tolist() == [[1, 0, 1, 1, 0, 0]]
+    assert torch.equal(joined.response_mask[0], torch.tensor([1, 1, 1, 1, 0, 0]))
+    with pytest.raises(ValueError, match="RolloutBatch.loss_mask has shape"):
+        dataclasses.replace(batch, loss_mask=torch.ones(2, 9, dtype=torch.long))
+
+
+def test_generations_with_a_loss_mask_make_the_batch_s_loss_mask() -> None:
+    from hybridrl.data.collate import collate_prompts
+    from hybridrl.data.dataset import PromptItem
+    from hybridrl.interfaces import Generation
+    from hybridrl.rollout.batching import rollout_batch_from_generations
+
+    prompts = collate_prompts([PromptItem(prompt_ids=[5, 6], meta=SampleMeta())], [7], pad_token_id=PAD)
+    gens = [Generation(prompt_index=0, token_ids=[1, 2, 3, 4], logprobs=[-0.5, 0.0, 0.0, -0.25], finish_reason="stop",
+                       weight_version=2, loss_mask=[1, 0, 0, 1]),
+            Generation(prompt_index=0, token_ids=[8, 9], logprobs=[-1.0, -2.0], finish_reason="length",
+                       weight_version=2)]
+    batch = rollout_batch_from_generations(prompts, gens, pad_token_id=PAD)
+    assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]  # None: every token was sampled
+    assert batch.rollout_logprobs.tolist() == [[-0.5, 0.0, 0.0, -0.25], [-1.0, -2.0, 0.0, 0.0]]
+    bad = dataclasses.replace(gens[0], loss_mask=[1, 0])
+    with pytest.raises(ValueError, match=r"sample 0: Generation.loss_mask must hold one 0/1 per token \(4 tokens\)"):
+        rollout_batch_from_generations(prompts, [bad], pad_token_id=PAD)
+
+
+def test_the_score_sits_on_the_last_trained_token() -> None:
+    from hybridrl.interfaces import RewardOutput, Scored
+    from hybridrl.rewards.execution import PendingReward
+    from hybridrl.trainers.rl import score
+
+    batch = make_batch([2, 2, 2], [4, 3, 2])
+    batch.loss_mask[0] = torch.tensor([1, 1, 0, 0])  # sample 0 ends in two untrained tokens (an observation)
+    batch.loss_mask[1] = torch.tensor([0, 1, 0, 0])
+    scored = Scored(output=RewardOutput(scores_B=torch.tensor([1.0, 2.0, 3.0])), errors=0)
+    scores_B, errors = score(batch, PendingReward.finished(scored))
+    assert errors == 0 and scores_B.tolist() == [1.0, 2.0, 3.0]
+    assert batch.token_level_scores is not None
+    assert batch.token_level_scores.tolist() == [[0, 1.0, 0, 0], [0, 2.0, 0, 0], [0, 3.0, 0, 0]]

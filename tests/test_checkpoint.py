@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hybridrl.bootstrap import write_arithmetic_task
-from hybridrl.checkpoint import LATEST, checkpoint_problem, latest_complete, step_dirs
+from hybridrl.checkpoint.rl import LATEST, checkpoint_problem, latest_complete, step_dirs
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

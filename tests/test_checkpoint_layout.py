@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import hybridrl.checkpoint as ckpt
-from hybridrl.checkpoint import (
+import hybridrl.checkpoint.rl as ckpt
+from hybridrl.checkpoint.rl import (
     LATEST,
     MANIFEST,
     changed_settings,

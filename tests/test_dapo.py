@@ -1,4 +1,4 @@
-"""DAPO: dynamic sampling (hybridrl/dynamic_sampling.py), the overlong penalty (hybridrl/rewards/overlong.py),
+"""DAPO: dynamic sampling (hybridrl/rollout/dynamic_sampling.py), the overlong penalty (hybridrl/rewards/overlong.py),
 their validation, and recipe=dapo_tiny end to end on 2 ranks."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import pytest
 import torch
 from test_train_e2e import TRAIN, base_overrides, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
+from hybridrl.algorithms.dynamic_sampling import group_signal
 from hybridrl.batch import RolloutBatch, SampleMeta
 from hybridrl.config.compose import compose_config
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.validate import validate
-from hybridrl.dynamic_sampling import GroupPool, group_signal
 from hybridrl.interfaces import RewardOutput
 from hybridrl.models.tiny import make_tiny_model
 from hybridrl.rewards.overlong import overlong_penalty, overlong_penalty_B
+from hybridrl.rollout.dynamic_sampling import GroupPool
 
 AOR = "actor_rollout_ref"
 PAD = 0
@@ -97,9 +98,10 @@ def test_overlong_penalty_from_config_counts_response_tokens() -> None:
     cfg = RLConfig()
     cfg.data.max_response_length = 8
     mask_BT = torch.tensor([[0] * 8, [1] * 4 + [0] * 4, [1] * 6 + [0] * 2, [1] * 8])  # a zero-length response too
-    assert overlong_penalty_B(cfg, mask_BT).tolist() == [0, 0, 0, 0]  # off
-    cfg.reward.overlong_buffer.enable, cfg.reward.overlong_buffer.len = True, 4
-    assert overlong_penalty_B(cfg, mask_BT).tolist() == [0, 0, -0.5, -1]
+    o = cfg.reward.overlong_buffer
+    assert overlong_penalty_B(o, mask_BT, max_length=8).tolist() == [0, 0, 0, 0]  # off
+    o.enable, o.len = True, 4
+    assert overlong_penalty_B(o, mask_BT, max_length=8).tolist() == [0, 0, -0.5, -1]
 
 
 # ---- validation ----

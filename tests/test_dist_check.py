@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybridrl import dist_check
+from hybridrl.distributed import check as dist_check
 
 
 @pytest.fixture()

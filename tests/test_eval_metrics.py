@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.eval_metrics import add_sampled_accuracy, pass_at_k, reported_ks
+from hybridrl.trainers.eval_metrics import add_sampled_accuracy, pass_at_k, reported_ks
 
 
 def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:

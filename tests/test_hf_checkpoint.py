@@ -1,5 +1,6 @@
-"""hybridrl/hf_checkpoint.py: the architecture (transformers 4.x and 5.x layouts), how TP/PP/VPP may split
-it, a checkpoint directory's problems, safetensors headers and reads (single and sharded), EOS ids."""
+"""hybridrl/hf/{arch,tensors,write}.py: the architecture (transformers 4.x and 5.x layouts), how
+TP/PP/VPP may split it, a checkpoint directory's problems, safetensors headers and reads (single and sharded), EOS
+ids, writing."""
 
 from __future__ import annotations
 
@@ -15,17 +16,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from hybridrl import hf_checkpoint
-from hybridrl.hf_checkpoint import (
-    HFArch,
-    Llama3RopeScaling,
-    SafetensorsReader,
-    checkpoint_shapes,
-    eos_token_ids,
-    inspect_model_dir,
-    save_hf_checkpoint,
-    tensor_files,
-)
+from hybridrl.hf import write as hf_write
+from hybridrl.hf.arch import HFArch, Llama3RopeScaling, eos_token_ids, inspect_model_dir
+from hybridrl.hf.tensors import SafetensorsReader, checkpoint_shapes, tensor_files
+from hybridrl.hf.write import save_hf_checkpoint
 from hybridrl.models.tiny import make_tiny_model
 
 SMALL: dict[str, Any] = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -41,7 +35,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_import_needs_no_torch() -> None:
-    code = "import sys, hybridrl.hf_checkpoint; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = ("import sys, hybridrl.hf.arch, hybridrl.hf.tensors, hybridrl.hf.write; "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
@@ -203,7 +198,7 @@ def test_checkpoint_shapes_single_file(tiny: Path) -> None:
 
 def test_sharded_save_reads_back_the_same(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = load_file(tiny / "model.safetensors")
-    monkeypatch.setattr(hf_checkpoint, "SHARD_BYTES", 20_000)
+    monkeypatch.setattr(hf_write, "SHARD_BYTES", 20_000)
     out = tmp_path / "sharded"
     save_hf_checkpoint([list(state.items())[:5], list(state.items())[5:]], out, source_dir=tiny)
     assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()

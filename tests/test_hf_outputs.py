@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from hybridrl.export import export_hf
-from hybridrl.hf_checkpoint import SNAPSHOT_MARKER, SafetensorsReader, save_hf_checkpoint
+from hybridrl.checkpoint.export import export_hf
+from hybridrl.hf.tensors import SafetensorsReader
+from hybridrl.hf.write import SNAPSHOT_MARKER, save_hf_checkpoint
 from hybridrl.models.tiny import make_tiny_model
 
 

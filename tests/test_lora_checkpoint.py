@@ -23,7 +23,7 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file
 
 from hybridrl.bootstrap import write_arithmetic_task
-from hybridrl.lora_checkpoint import LORA_RECORD, base_fingerprint, check_base, read_record, record_config
+from hybridrl.lora.checkpoint import LORA_RECORD, base_fingerprint, check_base, read_record, record_config
 from hybridrl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

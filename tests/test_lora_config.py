@@ -10,7 +10,7 @@ import pytest
 from hybridrl.config.compose import compose_config
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.validate import validate, validate_sft
-from hybridrl.lora_config import HF_PROJECTIONS, LoRAConfig, resolve_targets
+from hybridrl.lora.config import HF_PROJECTIONS, LoRAConfig, resolve_targets
 from hybridrl.models.tiny import make_tiny_model
 
 

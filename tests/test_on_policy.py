@@ -61,10 +61,10 @@ def _batch(model_dir: str):
 def _step(model_dir: str, pp: int, *, shortcut: bool, shared: bool = False) -> dict:
     import torch.distributed as dist
 
-    from hybridrl.components import actor_objective
     from hybridrl.config.plan import Plan
     from hybridrl.hybrid import ActorRolloutRef
     from hybridrl.megatron.parallel import seed_everything
+    from hybridrl.trainers.components import actor_objective
 
     seed_everything(1)
     cfg = _config(model_dir, pp=pp, mini_prompts=4, shared=shared)
@@ -87,9 +87,9 @@ def _step(model_dir: str, pp: int, *, shortcut: bool, shared: bool = False) -> d
 def _refusals(model_dir: str) -> list[str]:
     import torch.distributed as dist
 
-    from hybridrl.components import actor_objective
     from hybridrl.config.plan import Plan
     from hybridrl.hybrid import ActorRolloutRef
+    from hybridrl.trainers.components import actor_objective
 
     said = []
     for mini, epochs in ((2, 1), (4, 2)):
@@ -181,7 +181,7 @@ def test_shortcut_refuses_an_update_that_is_not_provably_on_policy(torchrun, mod
 def test_the_loop_runs_the_pass_only_when_needed(mini: int, epochs: int, kl_in_reward: bool, needed: bool) -> None:
     from hybridrl.config.plan import Plan
     from hybridrl.hybrid import ActorRolloutRef
-    from hybridrl.trainer import old_log_prob_pass_needed
+    from hybridrl.trainers.rl import old_log_prob_pass_needed
 
     cfg = _config("unused", pp=1, mini_prompts=mini, epochs=epochs)
     cfg.algorithm.use_kl_in_reward = kl_in_reward

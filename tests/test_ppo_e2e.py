@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_train_e2e import TRAIN, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
-from hybridrl.checkpoint import LATEST
+from hybridrl.checkpoint.rl import LATEST
 
 CRITIC_KEYS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/vf_explained_var",
                "critic/grad_norm", "timing/values", "timing/update_critic"}

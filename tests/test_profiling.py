@@ -87,7 +87,7 @@ def test_profile_steps_outside_the_run_are_a_config_error(tiny: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: a GPU check (tests/gpu/run_all.sh)")
 def test_on_cuda_kernels_are_traced_and_the_table_is_by_self_cuda_time(tmp_path: Path) -> None:
-    from hybridrl.profiling import StepProfiler
+    from hybridrl.trainers.profiling import StepProfiler
 
     profiler = StepProfiler([1], tmp_path)
     x = torch.randn(1024, 1024, device="cuda")

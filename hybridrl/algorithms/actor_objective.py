@@ -52,7 +52,7 @@ class ActorObjective:
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
                  normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert mb.old_logprobs is not None and mb.advantages is not None
-        mask_BT = mb.response_mask.float()
+        mask_BT = mb.loss_mask.float()
         advantages_BT = mb.advantages
         rc_metrics: dict[str, torch.Tensor] = {}
         if self.rollout_correction is not None:  # IS weights into A, rejected tokens out of the mask

@@ -23,10 +23,20 @@ Deviations and choices:
 from __future__ import annotations
 
 import math
-
-from hybridrl.config.schema import KLControlConfig
+from dataclasses import dataclass
 
 KL_CTRL_TYPES: tuple[str, ...] = ("fixed", "adaptive")
+
+
+@dataclass(kw_only=True, slots=True)
+class KLControlConfig:
+    """β of the KL-in-reward penalty (``algorithm.use_kl_in_reward``), as verl's ``algorithm.kl_ctrl``;
+    the controller below."""
+
+    type: str = "fixed"  # KL_CTRL_TYPES: fixed (β = kl_coef throughout) or adaptive (Ziegler et al. 2019's)
+    kl_coef: float = 0.001  # β (adaptive: its initial value)
+    target_kl: float = 0.1  # adaptive: the KL per token that β steers towards
+    horizon: int = 10000  # adaptive: samples over which β may change by a factor of up to e^±0.2
 PROPORTIONAL_ERROR_CLIP = 0.2  # Ziegler et al.'s clip of e_t
 
 

@@ -47,18 +47,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from hybridrl.algorithms.masked import masked_mean
 
-if TYPE_CHECKING:
-    from hybridrl.config.schema import RolloutCorrectionConfig
-
 LEVELS: tuple[str, ...] = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
 KEY = "algorithm.rollout_correction"
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Correction of the rollout-engine / trainer mismatch π_old / π_rollout, as verl's
+    ``algorithm.rollout_correction`` (decoupled mode); off while both levels are null. Formulas,
+    papers and deviations: the module docstring."""
+
+    rollout_is: str | None = None  # truncated IS weight min(ρ, rollout_is_threshold): a LEVELS entry | null (off)
+    rollout_is_threshold: float = 2.0  # C, the truncation of the IS weight (> 0)
+    rollout_rs: str | None = None  # masked IS, drop tokens / sequences whose ρ leaves the band: LEVELS | null
+    rollout_rs_threshold: float | None = None  # upper edge of the kept band; null: rollout_is_threshold
+    rollout_rs_threshold_lower: float | None = None  # lower edge of the kept band (0: none); null: 1 / upper
 
 
 def config_problems(cfg: RolloutCorrectionConfig) -> list[tuple[str, object, str]]:

@@ -49,7 +49,7 @@ class DPODataConfig:
 class DPOAlgorithmConfig:
     beta: float = 0.1  # β: scale of the implicit reward β (log π − log π_ref)
     label_smoothing: float = 0.0  # cDPO's ε in [0, 0.5): the chance that a label is flipped (sigmoid only)
-    loss_type: str = "sigmoid"  # sigmoid (DPO, cDPO) | ipo
+    loss_type: str = "sigmoid"  # one of DPO_LOSS_TYPES: sigmoid (DPO, cDPO), ipo
 
 
 @dataclass(kw_only=True, slots=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9

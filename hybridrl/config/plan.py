@@ -30,20 +30,21 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.memory import BYTES, MemoryEstimate
 from hybridrl.config.memory import estimate as estimate_memory
-from hybridrl.config.schema import MegatronConfig, RLConfig
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.config.schema import RLConfig
+from hybridrl.hf.arch import HFArch
+from hybridrl.megatron.config import (
+    MegatronConfig,
+    MicroBatching,
+    divisors,
+    interleaved_micro_batches_problem,
+)
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED
 
 AOR = "actor_rollout_ref"
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n >= 1 else []
 
 
 def shares(total: int, parts: int) -> list[range]:
@@ -94,61 +95,6 @@ class RoleLayout:
         return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}"
 
 
-class ParallelSizes(Protocol):
-    """A role's Megatron sizes: ``MegatronConfig`` (config) and ``ParallelConfig`` (runtime) both are."""
-
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
-    context_parallel_size: int
-    sequence_parallel: bool
-
-
-def layout_problems(m: ParallelSizes, *, world_size: int | None,
-                    transformer_engine: bool | None = None) -> list[tuple[str, object, str]]:
-    """Megatron's rules for one role's sizes, as ``(key under megatron, value, message)``; the runtime's
-    ``ParallelConfig`` raises from the same list. ``world_size=None``: skip the world-size rule;
-    ``transformer_engine=None``: skip the rule that needs to know whether TE is installed."""
-    out: list[tuple[str, object, str]] = []
-    sizes = {"tensor_model_parallel_size": m.tensor_model_parallel_size,
-             "pipeline_model_parallel_size": m.pipeline_model_parallel_size,
-             "context_parallel_size": m.context_parallel_size}
-    out += [(k, v, "must be ≥ 1") for k, v in sizes.items() if v < 1]
-    tp, pp, cp = (max(v, 1) for v in sizes.values())
-    if world_size is not None and world_size % (tp * pp * cp):
-        valid = divisors(world_size // (pp * cp)) if world_size % (pp * cp) == 0 else []
-        out.append(("tensor_model_parallel_size", tp,
-                    f"TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp} must divide the world size {world_size} "
-                    f"(valid TP for PP={pp}, CP={cp}: {valid})"))
-    vpp = m.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp < 2:
-        out.append(("virtual_pipeline_model_parallel_size", vpp,
-                    "must be null (one model chunk per stage, plain 1F1B) or ≥ 2 chunks per stage"))
-    if vpp is not None and pp < 2:
-        out.append(("virtual_pipeline_model_parallel_size", vpp,
-                    f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
-                    "set null or raise PP"))
-    if m.sequence_parallel and tp == 1:
-        out.append(("sequence_parallel", True, "needs tensor_model_parallel_size > 1"))
-    if m.sequence_parallel and transformer_engine is False:
-        out.append(("sequence_parallel", True,
-                    "needs Transformer Engine (Megatron's torch-norm fallback does not support it); set false"))
-    return out
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MicroBatching:
-    """How one pass cuts a DP rank's samples: fixed-size micro-batches, or a token budget each."""
-
-    micro_batch_size: int  # samples per micro-batch (unused with a token budget)
-    max_tokens: int | None = None  # use_dynamic_bsz: padded tokens per micro-batch (rows × longest row)
-    shared_prompts: bool = False  # use_prefix_grouper: a prompt's samples share one row (prefix_grouper)
-
-    def __str__(self) -> str:
-        size = f"≤ {self.max_tokens} padded tokens" if self.max_tokens else f"{self.micro_batch_size} samples"
-        return size + (", shared-prompt rows" if self.shared_prompts else "")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CriticBatchPlan:
     """The critic's updates (its own mini-batches and epochs over the step's samples) and values pass."""
@@ -175,7 +121,7 @@ class BatchPlan:
     n: int  # samples per prompt
     prompts_per_step: int
     # prompts per generation round: prompts_per_step, or data.gen_batch_size under algorithm.filter_groups
-    # (rounds repeat until prompts_per_step groups with signal are kept: hybridrl/dynamic_sampling.py)
+    # (rounds repeat until prompts_per_step groups with signal are kept: hybridrl/rollout/dynamic_sampling.py)
     prompts_per_generation: int
     filter_groups: bool  # algorithm.filter_groups.enable
     dp: int
@@ -485,14 +431,6 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                      prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
                      total_steps=max(cfg.trainer.total_training_steps, 1), update=update,
                      old_log_prob=passes["rollout"], ref_log_prob=passes["ref"], critic=critic)
-
-
-def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:
-    """Megatron's interleaved schedule (0.16.1, ``forward_backward_pipelining_with_interleaving``) runs
-    micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default PP) and refuses a count
-    that is not a multiple of it. Log-prob passes are padded by the policy; optimizer steps can't be."""
-    return (f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) needs a multiple of "
-            f"PP={pp} micro-batches per optimizer step")
 
 
 def _prefix_grouper_problems(cfg: RLConfig, actor: RoleLayout, add) -> None:  # type: ignore[no-untyped-def]

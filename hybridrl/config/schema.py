@@ -16,53 +16,18 @@ and checked against the chosen plugin's own ``Config`` dataclass by ``validate.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
 
+from hybridrl.algorithms.dynamic_sampling import FilterGroupsConfig
+from hybridrl.algorithms.kl_controller import KLControlConfig
+from hybridrl.algorithms.rollout_correction import RolloutCorrectionConfig
+from hybridrl.megatron.config import CriticMegatronConfig, MegatronConfig, OptimConfig, RefMegatronConfig
+from hybridrl.rewards.execution import RewardConfig
 
-@dataclass(kw_only=True, slots=True)
-class MegatronConfig:
-    """Megatron-core parallel layout of the actor (the ref shares it)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    # virtual pipeline stages per rank (interleaved 1F1B); null = plain 1F1B
-    virtual_pipeline_model_parallel_size: int | None = None
-    # verl and Megatron both call this context_parallel_size
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    # parameters and compute: float32 | bfloat16 | float16 (the last two keep fp32 main weights and grads in
-    # the optimizer; float16 adds dynamic loss scaling); the ref runs in the actor's dtype
-    dtype: str = "float32"
-    # memory phases (colocated rollout): move this state to host memory while the engine generates
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-    # the fused log-prob + entropy kernels of hybridrl/ops (C++ on CPU, Triton on CUDA; verl's name for the
-    # switch): null = use them when they build (else the plain-PyTorch path, one warning); true = required
-    use_fused_kernels: bool | None = None
-    # with the fused kernels: the policy's model returns hidden states and its head multiplies them by the LM-head
-    # weight in vocabulary chunks, so the [tokens, vocab] logits never exist (recomputed in the backward)
-    fused_lm_head: bool = False
-    # Megatron TransformerConfig fields set verbatim, e.g. recompute_granularity: full, recompute_method:
-    # uniform, recompute_num_layers: 1 (activation recompute); unknown keys are an error
-    override_transformer_config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    optimizer: str = "adam"  # adam | sgd
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # trainer.device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,7 +37,7 @@ class ModelConfig:
     # build the checkpoint at `path` when it does not exist: "tiny" (random tiny model) or
     # "sft:<recipe>" (run that SFT recipe, saving to `path`); see hybridrl/bootstrap.py
     build_if_missing: str | None = None
-    # LoRA (verl's keys; hybridrl/lora_config.py): rank 0 = off (full fine-tuning); scale = alpha / rank;
+    # LoRA (verl's keys; hybridrl/lora/config.py): rank 0 = off (full fine-tuning); scale = alpha / rank;
     # target_modules: a list of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or Megatron's
     # linear_qkv linear_proj linear_fc1 linear_fc2), or "all-linear"
     lora_rank: int = 0
@@ -96,52 +61,11 @@ class ActorConfig:
     use_prefix_grouper: bool = False
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle samples between PPO epochs
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    loss_agg_mode: str = "token-mean"  # one of hybridrl.algorithms.loss_agg.LOSS_AGG_MODES
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False  # KL(actor || ref) as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | abs
-
-
-LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "context_parallel_size", "sequence_parallel")
-
-
-@dataclass(kw_only=True, slots=True)
-class RefMegatronConfig:
-    """The ref shares the actor's Megatron process groups, so its layout *is* the actor's: every size
-    follows the actor (null); an explicit value must equal the actor's (validation says so otherwise)."""
-
-    tensor_model_parallel_size: int | None = None
-    pipeline_model_parallel_size: int | None = None
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int | None = None
-    sequence_parallel: bool | None = None
-    param_offload: bool = False  # the ref's own: its weights wait in host memory outside its log-prob pass
-
-    def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
-        """``(key, ref value, actor value)`` for every explicit size that differs from the actor's."""
-        out = []
-        for name in LAYOUT_SIZES:
-            mine, theirs = getattr(self, name), getattr(actor, name)
-            if mine is not None and mine != theirs:
-                out.append((name, mine, theirs))
-        return out
-
-
-@dataclass(kw_only=True, slots=True)
-class CriticMegatronConfig(RefMegatronConfig):
-    """The critic shares the actor's Megatron process groups too: sizes follow the actor (null) or must equal
-    it; ``dtype``, ``use_distributed_optimizer`` and ``override_transformer_config`` are the actor's. The
-    memory phases are the critic's own (verl's keys, as the actor's)."""
-
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-
-    def resolve(self, actor: MegatronConfig) -> MegatronConfig:
-        """The critic's full Megatron config: the actor's, with the critic's own offload switches."""
-        return replace(actor, param_offload=self.param_offload, grad_offload=self.grad_offload,
-                       optimizer_offload=self.optimizer_offload)
+    kl_loss_type: str = "low_var_kl"  # one of hybridrl.algorithms.kl.KL_KINDS
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,71 +136,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     shuffle: bool = False
     cliprange_value: float = 0.5  # ε of the clipped value loss: V stays within V_old ± ε (verl's default)
-    loss_agg_mode: str = "token-mean"
-
-
-@dataclass(kw_only=True, slots=True)
-class OverlongBufferConfig:
-    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): a response longer than
-    data.max_response_length − len loses up to penalty_factor of its score, linearly over the last len
-    tokens (``hybridrl/rewards/overlong.py``)."""
-
-    enable: bool = False
-    len: int = 0  # L_cache: tokens before data.max_response_length where the penalty ramps from 0 to −1
-    penalty_factor: float = 1.0  # the penalty at data.max_response_length (the paper: 1)
-
-
-@dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
-    # one scoring pass over a rank's batch (null: no limit); past it a worker is killed, a thread abandoned and the
-    # run stopped (see hybridrl/rewards/execution.py)
-    timeout_s: float | None = 600.0
-    # a reward call that raises, times out in a worker or crashes it: raise = stop the run naming the plugin, the
-    # sample and the traceback; zero = re-score that part one sample at a time, failing samples score 0.0 and are
-    # counted in reward/errors
-    on_error: str = "raise"
-    # 0: score in a thread of the trainer process; N > 0: in N spawned worker processes (killable; the plugin is
-    # rebuilt in each from reward.name, reward.kwargs and the tokenizer path)
-    num_workers: int = 0
-    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
-
-
-@dataclass(kw_only=True, slots=True)
-class KLControlConfig:
-    """β of the KL-in-reward penalty (``algorithm.use_kl_in_reward``), as verl's ``algorithm.kl_ctrl``;
-    the controller is ``hybridrl/algorithms/kl_controller.py``."""
-
-    type: str = "fixed"  # fixed: β = kl_coef throughout | adaptive: Ziegler et al. 2019's controller
-    kl_coef: float = 0.001  # β (adaptive: its initial value)
-    target_kl: float = 0.1  # adaptive: the KL per token that β steers towards
-    horizon: int = 10000  # adaptive: samples over which β may change by a factor of up to e^±0.2
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutCorrectionConfig:
-    """Correction of the rollout-engine / trainer mismatch π_old / π_rollout, as verl's
-    ``algorithm.rollout_correction`` (decoupled mode); off while both levels are null. Formulas,
-    papers and deviations: ``hybridrl/algorithms/rollout_correction.py``."""
-
-    rollout_is: str | None = None  # truncated IS weight min(ρ, rollout_is_threshold): token | sequence | null (off)
-    rollout_is_threshold: float = 2.0  # C, the truncation of the IS weight (> 0)
-    rollout_rs: str | None = None  # masked IS, drop tokens / sequences whose ρ leaves the band: token | sequence | null
-    rollout_rs_threshold: float | None = None  # upper edge of the kept band; null: rollout_is_threshold
-    rollout_rs_threshold_lower: float | None = None  # lower edge of the kept band (0: none); null: 1 / upper
-
-
-@dataclass(kw_only=True, slots=True)
-class FilterGroupsConfig:
-    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): groups whose samples all have the same
-    metric are dropped and further rounds of data.gen_batch_size prompts are generated until
-    data.train_batch_size groups are kept (``hybridrl/dynamic_sampling.py``)."""
-
-    enable: bool = False
-    metric: str = "acc"  # acc (the reward's correct_B; score > 0 without one) | score | seq_reward (+ overlong)
-    # generation rounds per step at most (0: no limit); at the limit the step is filled up with dropped groups
-    max_num_gen_batches: int = 0
+    loss_agg_mode: str = "token-mean"  # one of hybridrl.algorithms.loss_agg.LOSS_AGG_MODES
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,7 +147,7 @@ class AlgorithmConfig:
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     use_kl_in_reward: bool = False  # PPO-style KL penalty subtracted from token rewards
-    kl_penalty: str = "k1"  # estimator for the in-reward KL
+    kl_penalty: str = "k1"  # estimator for the in-reward KL: one of hybridrl.algorithms.kl.KL_KINDS
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # the coefficient β (verl's keys)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
@@ -316,14 +176,14 @@ class TrainerConfig:
     total_training_steps: int = 100
     seed: int = 1
     output_dir: str = "outputs/run"
-    # console, jsonl, wandb, tensorboard, mlflow (the last three: pip install 'hybridrl[<name>]')
+    # entries of hybridrl.tracking.LOGGERS (wandb, tensorboard, mlflow: pip install 'hybridrl[<name>]')
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # steps (1..total_training_steps) traced with torch.profiler, per rank, into <output_dir>/profile/
-    # (Chrome trace + a top-ops table printed at the end; hybridrl/profiling.py)
+    # (Chrome trace + a top-ops table printed at the end; hybridrl/trainers/profiling.py)
     profile_steps: list[int] = field(default_factory=list)
     project_name: str = "hybridrl"
     experiment_name: str = "run"
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # one of DEVICES
     nnodes: int = 1
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
     # memory of one GPU for the plan's memory check; null: the visible GPU's (80 when planning without one)

@@ -16,30 +16,34 @@ import os
 from pathlib import Path
 
 from hybridrl import bootstrap
+from hybridrl.algorithms.dynamic_sampling import config_problems as dynamic_sampling_problems
 from hybridrl.algorithms.kl import KL_KINDS
 from hybridrl.algorithms.kl_controller import config_problems as kl_ctrl_problems
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.algorithms.rollout_correction import config_problems as rollout_correction_problems
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
-from hybridrl.config.plan import AOR, Plan, RoleLayout, interleaved_micro_batches_problem, layout_problems
-from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig, RLConfig, TrainerConfig
+from hybridrl.config.plan import AOR, Plan, RoleLayout
+from hybridrl.config.schema import DEVICES, ModelConfig, RLConfig, TrainerConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
 from hybridrl.data.sources import VALID as VALID_DATA
 from hybridrl.data.sources import is_hf, source_problem
-from hybridrl.dynamic_sampling import config_problems as dynamic_sampling_problems
-from hybridrl.hf_checkpoint import HFArch, inspect_model_dir
-from hybridrl.lora_config import lora_problems
+from hybridrl.hf.arch import HFArch, inspect_model_dir
+from hybridrl.lora.config import lora_problems
+from hybridrl.megatron.config import (
+    LR_DECAY_STYLES,
+    OPTIMIZERS,
+    MegatronConfig,
+    OptimConfig,
+    interleaved_micro_batches_problem,
+    layout_problems,
+)
 from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
 from hybridrl.rewards.execution import config_problems as reward_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 from hybridrl.run_lock import output_dir_problem
 from hybridrl.tracking import LOGGERS, missing_logger_packages
-
-OPTIMIZERS = ("adam", "sgd")  # Megatron's OptimizerConfig.optimizer
-LR_DECAY_STYLES = ("constant", "linear", "cosine")  # Megatron's OptimizerParamScheduler
-DEVICES = ("auto", "cpu", "cuda")
 
 
 class _Issues(list[ConfigIssue]):
@@ -107,7 +111,10 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     steps = plan.batch.total_optimizer_steps
     _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     _check_algorithm(cfg, issues)
-    for key, value, message in dynamic_sampling_problems(cfg) + overlong_problems(cfg):  # DAPO's two
+    overlong = overlong_problems(cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
+    sampling = dynamic_sampling_problems(cfg.algorithm.filter_groups, train_batch_size=cfg.data.train_batch_size,
+                                         gen_batch_size=cfg.data.gen_batch_size, n=aor.rollout.n)
+    for key, value, message in sampling + overlong:  # DAPO's two
         issues.add(key, value, message)
     _check_rollout_correction(cfg, issues)
     _check_plugins(cfg, plan, issues)

@@ -11,7 +11,7 @@ columns go to :class:`SampleMeta` (``data_source``, ``extra``). Entries are file
 
 Start-up that scales with the dataset: the rows are tokenized once per run, not once per rank. Under
 ``torch.distributed`` each rank tokenizes a contiguous 1/world share of the rows and the token arrays are
-all-gathered (over gloo, :mod:`hybridrl.host_group`), so every rank ends with the same compact int32 arrays
+all-gathered (over gloo, :mod:`hybridrl.distributed.host_group`), so every rank ends with the same compact int32 arrays
 (:class:`TokenTable`) instead of a Python list per prompt; a row's metadata is read from its table when the
 row is drawn (parquet: from the Arrow table, never turned into one dict per row up front). The length
 filter is exact — a prompt is kept iff its token count is ≤ ``max_prompt_length``, as before — and is
@@ -37,10 +37,10 @@ import pyarrow.parquet as pq
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from hybridrl import host_group
 from hybridrl.batch import SampleMeta
 from hybridrl.data.rows import Row
 from hybridrl.data.sources import is_hf, read_source, source_stem
+from hybridrl.distributed import host_group
 from hybridrl.tracking import say
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 Row = dict[str, Any]
 SUFFIXES = (".parquet", ".jsonl")
 
@@ -21,6 +18,8 @@ def read_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, Row]]:
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist")
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # here: static validation reads this module's rules, not parquet
+
         yield from enumerate(pq.read_table(path).to_pylist())
     elif path.suffix == ".jsonl":
         yield from _read_jsonl(path)
@@ -50,6 +49,9 @@ def write_rows(rows: Sequence[Row], path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         pq.write_table(pa.Table.from_pylist(list(rows)), path)
     elif path.suffix == ".jsonl":
         with path.open("w", encoding="utf-8") as f:

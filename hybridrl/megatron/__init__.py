@@ -2,7 +2,7 @@
 
 Model and weights:
 
-- (the HF architecture, :class:`HFArch`, is read by :mod:`hybridrl.hf_checkpoint`, torch-free)
+- (the HF architecture, :class:`HFArch`, is read by :mod:`hybridrl.hf.arch`, torch-free)
 - ``cpu``: every CPU adaptation of megatron-core, applied by ``apply_cpu_adaptations()``.
 - ``parallel``: :class:`ParallelConfig`, ``init_parallel``, ``seed_everything``, ``destroy_parallel``.
 - ``model``: ``build_model_chunks`` (TE spec on GPU, local spec otherwise), vocab padding, logits gather.

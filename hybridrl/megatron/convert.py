@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 
 Kind = Literal["replicated", "row", "vocab", "qkv", "fc1"]
 # Reads part of an HF tensor: ``read(name, (slice(lo, hi),))`` rows, ``(slice(None), slice(lo, hi))``

@@ -37,9 +37,9 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from hybridrl.algorithms.value_loss import clipped_value_loss
 from hybridrl.batch import RolloutBatch
-from hybridrl.config.plan import MicroBatching
-from hybridrl.config.schema import MegatronConfig, OptimConfig
-from hybridrl.hf_checkpoint import HFArch, SafetensorsReader
+from hybridrl.hf.arch import HFArch
+from hybridrl.hf.tensors import SafetensorsReader
+from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig
 from hybridrl.megatron.context_parallel import gather_sequence
 from hybridrl.megatron.model import build_model_chunks, unwrap_model
 from hybridrl.megatron.runner import Head, MegatronRunner, _Micro, parallel_config
@@ -110,7 +110,7 @@ class MegatronCritic(MegatronRunner):
             def loss(mb: _Micro, values_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 b = mb.batch
                 assert b.values is not None and b.returns is not None
-                return clipped_value_loss(values_BT, b.values, b.returns, b.response_mask, cliprange=cliprange,
+                return clipped_value_loss(values_BT, b.values, b.returns, b.loss_mask, cliprange=cliprange,
                                           loss_agg_mode=loss_agg_mode, global_normalizer=normalizer)
             return partial(self._values, loss)
 

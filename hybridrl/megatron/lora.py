@@ -59,8 +59,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-from hybridrl.hf_checkpoint import HFArch
-from hybridrl.lora_config import HF_PROJECTIONS, MEGATRON_LINEARS, LoRAConfig
+from hybridrl.hf.arch import HFArch
+from hybridrl.lora.config import HF_PROJECTIONS, MEGATRON_LINEARS, LoRAConfig
 from hybridrl.megatron.convert import all_units, full_shape
 from hybridrl.megatron.model import unwrap_model
 

@@ -52,7 +52,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
 from hybridrl.megatron.parallel import ParallelConfig

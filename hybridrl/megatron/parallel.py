@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from hybridrl import dist_check, host_group
-from hybridrl.config.plan import layout_problems
+from hybridrl.distributed import check as dist_check
+from hybridrl.distributed import host_group
+from hybridrl.megatron.config import layout_problems
 from hybridrl.megatron.cpu import apply_cpu_adaptations, cuda_available
 from hybridrl.megatron.fallbacks import say_fallbacks
 

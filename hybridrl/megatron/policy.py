@@ -14,6 +14,7 @@ HF saving) carry the model parameters as they are, i.e. in the run's dtype.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Protocol
@@ -23,12 +24,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from hybridrl.batch import RolloutBatch
-from hybridrl.config.plan import MicroBatching
-from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.guards import agree
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import WeightBucket
-from hybridrl.lora_config import LoRAConfig
+from hybridrl.lora.config import LoRAConfig
+from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.hidden_states import output_weight
 from hybridrl.megatron.lora import LoRAModel, apply_lora
@@ -182,3 +182,21 @@ class MegatronPolicy(MegatronRunner):
         """HF-named full tensors in buckets, the same stream on every rank (TP-gathered, PP-broadcast)."""
         return export_hf_weights(self.chunks, self.arch, bucket_bytes=bucket_bytes,
                                  merge=None if self.lora is None else self.lora.merger())  # LoRA: W + s·B·A
+
+
+def reference_policy(actor: MegatronPolicy, *, model_dir: str, megatron: MegatronConfig,
+                     pad_token_id: int) -> MegatronPolicy:
+    """π_ref of ``actor`` (the RL ref, DPO's reference): under LoRA the actor itself — its frozen base, scored with
+    the adapters off (:func:`reference_log_probs`), no second copy of the weights; else a frozen copy of the start
+    model (no gradients, no optimizer) in the actor's layout and dtype."""
+    if actor.lora is not None:
+        return actor
+    return MegatronPolicy(model_dir=model_dir, megatron=megatron, optim=None, total_steps=0, pad_token_id=pad_token_id)
+
+
+def reference_log_probs(ref: MegatronPolicy, batch: RolloutBatch, *, batching: MicroBatching,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` log π_ref of every response token of ``batch`` (a LoRA policy with its adapters off)."""
+    with ref.lora.disabled() if ref.lora is not None else contextlib.nullcontext():
+        logp_BT, _ = ref.compute_log_probs(batch, batching=batching, temperature=temperature)
+    return logp_BT

@@ -56,10 +56,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from hybridrl.algorithms.loss_agg import local_normalizer
 from hybridrl.batch import RolloutBatch
-from hybridrl.config.plan import MicroBatching, interleaved_micro_batches_problem
-from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.guards import agree
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
+from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig, interleaved_micro_batches_problem
 from hybridrl.megatron.context_parallel import shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
@@ -290,7 +289,7 @@ class MegatronRunner:
             raise ValueError(f"mini-batch share of {len(batch)} samples is not a multiple of the "
                              f"micro-batch size {batching.micro_batch_size}")
         batch = batch.to(self.device)
-        normalizer = local_normalizer(batch.response_mask, loss_agg_mode).double()
+        normalizer = local_normalizer(batch.loss_mask, loss_agg_mode).double()
         dist.all_reduce(normalizer, group=parallel_state.get_data_parallel_group())
         head = head_for(normalizer.clamp_min(1).float())
         for chunk in self.chunks:
@@ -311,7 +310,7 @@ class MegatronRunner:
                 chunk.zero_grad_buffer()  # type: ignore[operator]
         if ok:  # as Megatron-LM: a skipped update does not advance the LR schedule
             self.scheduler.step(increment=1)
-        metrics = self._reduce_metrics(outputs, [float(m.batch.response_mask.sum()) for m in micros])
+        metrics = self._reduce_metrics(outputs, [float(m.batch.loss_mask.sum()) for m in micros])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)  # for any reason, fp16 overflows included

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridrl.hf_checkpoint import WEIGHT_FILES, HFArch, SafetensorsReader
+from hybridrl.hf.arch import WEIGHT_FILES, HFArch
+from hybridrl.hf.tensors import SafetensorsReader
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 

@@ -1,6 +1,6 @@
 """HF safetensors -> this rank's Megatron shards, and Megatron -> a bucketed stream of HF tensors.
 
-Loading: each rank opens the checkpoint lazily (:class:`hybridrl.hf_checkpoint.SafetensorsReader`)
+Loading: each rank opens the checkpoint lazily (:class:`hybridrl.hf.tensors.SafetensorsReader`)
 and reads only the slices of the tensors its TP rank and PP stage hold. Both directions take this
 rank's model chunks (one, or VPP under the interleaved schedule); parameters are named by global
 layer number, so a chunk's layers map to HF layers wherever interleaving put them. Export:
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from hybridrl.hf_checkpoint import HFArch, SafetensorsReader
+from hybridrl.hf.arch import HFArch
+from hybridrl.hf.tensors import SafetensorsReader
 from hybridrl.interfaces import WeightBucket
 from hybridrl.megatron.convert import (
     TE_TO_LOCAL,

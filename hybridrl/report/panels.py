@@ -1,7 +1,7 @@
 """What the report draws: figures of panels, each panel naming the metric keys it plots.
 
-The keys are the ones the trainer logs (:mod:`hybridrl.trainer`, :mod:`hybridrl.metrics`,
-:mod:`hybridrl.eval_metrics`, :mod:`hybridrl.sft`). A panel whose keys no run logged is left out and
+The keys are the ones the trainer logs (:mod:`hybridrl.trainers.rl`, :mod:`hybridrl.metrics`,
+:mod:`hybridrl.trainers.eval_metrics`, :mod:`hybridrl.trainers.sft`). A panel whose keys no run logged is left out and
 noted; groups that depend on what a run has (data sources, a critic, SFT) are built from the keys seen.
 """
 

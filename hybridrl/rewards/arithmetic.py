@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import RewardOutput
 from hybridrl.rewards.response_text import cut_at_end, decode, response_tokens
+
+if TYPE_CHECKING:  # annotations only: static validation loads these classes without transformers
+    from transformers import PreTrainedTokenizerBase
 
 EXTRACTORS = ("before_eos", "last_number")
 _INTEGER = re.compile(r"-?\d+")

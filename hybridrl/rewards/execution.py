@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from hybridrl.batch import RolloutBatch
-from hybridrl.config.schema import RewardConfig
 from hybridrl.guards import RewardContractError, check_reward_scores
-from hybridrl.interfaces import RewardOutput
+from hybridrl.interfaces import RewardOutput, Scored
 from hybridrl.registry import PluginError, PluginLoadError, Registry
+from hybridrl.rewards.overlong import OverlongBufferConfig
 from hybridrl.rewards.pool import PluginSpec, WorkerPool, start_timeout_s
 from hybridrl.rewards.scoring import Failure, Part, RewardError, RewardTimeoutError
 from hybridrl.rewards.thread import InThread
@@ -52,6 +52,23 @@ if TYPE_CHECKING:
 
 ON_ERROR = ("raise", "zero")
 OVERLAP_FLAG = "overlaps_compute"
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    name: str = "arithmetic"  # reward manager plugin (group hybridrl.reward_managers)
+    # one scoring pass over a rank's batch (null: no limit); past it a worker is killed, a thread abandoned and the
+    # run stopped (the module docstring)
+    timeout_s: float | None = 600.0
+    # one of ON_ERROR, for a reward call that raises, times out in a worker or crashes it: raise = stop the run naming
+    # the plugin, the sample and the traceback; zero = re-score that part one sample at a time, failing samples score
+    # 0.0 and are counted in reward/errors
+    on_error: str = "raise"
+    # 0: score in a thread of the trainer process; N > 0: in N spawned worker processes (killable; the plugin is
+    # rebuilt in each from reward.name, reward.kwargs and the tokenizer path)
+    num_workers: int = 0
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward plugin's Config
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
 
 
 class Job(Protocol):
@@ -64,12 +81,6 @@ class Backend(Protocol):
     def start(self, batch: RolloutBatch, indices: list[int], *, each: bool) -> Job: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(slots=True, kw_only=True)
-class Scored:
-    output: RewardOutput  # scores_B: one float per sample (0.0 for a failed sample under on_error=zero)
-    errors: int  # samples that failed and scored 0.0 (always 0 under on_error=raise)
 
 
 class RewardRunner:
@@ -103,6 +114,11 @@ class RewardRunner:
 
     def score(self, batch: RolloutBatch) -> Scored:
         return self.submit(batch).result()
+
+    @staticmethod
+    def empty() -> Scored:
+        """The scores of a batch without samples (a rank whose share of a round is empty)."""
+        return Scored(output=RewardOutput(scores_B=torch.zeros(0), correct_B=None), errors=0)
 
     def close(self) -> None:
         self.backend.close()
@@ -162,6 +178,13 @@ class PendingReward:
     def __init__(self, runner: RewardRunner, batch: RolloutBatch, job: Job) -> None:
         self._runner, self._batch, self._job = runner, batch, job
         self._scored: Scored | None = None
+
+    @classmethod
+    def finished(cls, scored: Scored) -> PendingReward:
+        """Scores already in hand (dynamic sampling scores each round before it keeps groups)."""
+        pending = cls.__new__(cls)
+        pending._scored = scored
+        return pending
 
     def result(self) -> Scored:
         if self._scored is None:

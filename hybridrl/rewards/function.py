@@ -37,14 +37,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import RewardOutput
 from hybridrl.rewards.response_text import decode, response_tokens
+
+if TYPE_CHECKING:  # annotations only: static validation loads these classes without transformers
+    from transformers import PreTrainedTokenizerBase
 
 GRANULARITIES = ("sample", "batch")
 KEY = "reward.kwargs.path"

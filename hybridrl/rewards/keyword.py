@@ -12,14 +12,16 @@ The result is multiplied by ``scale``. ``correct_B``: every keyword occurs; per-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import RewardOutput
 from hybridrl.rewards.response_text import decode, response_tokens
+
+if TYPE_CHECKING:  # annotations only: static validation loads these classes without transformers
+    from transformers import PreTrainedTokenizerBase
 
 MODES = ("fraction", "any", "all")
 

@@ -17,9 +17,22 @@ training scores only (``trainer.score``), not to evaluation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from hybridrl.config.schema import RLConfig
+KEY = "reward.overlong_buffer"
+
+
+@dataclass(kw_only=True, slots=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's ``reward_model.overlong_buffer``): a response longer than
+    data.max_response_length − len loses up to penalty_factor of its score, linearly over the last len
+    tokens (the module docstring)."""
+
+    enable: bool = False
+    len: int = 0  # L_cache: tokens before data.max_response_length where the penalty ramps from 0 to −1
+    penalty_factor: float = 1.0  # the penalty at data.max_response_length (the paper: 1)
 
 
 def overlong_penalty(lengths_B: torch.Tensor, *, max_length: int, buffer: int, factor: float) -> torch.Tensor:
@@ -28,18 +41,17 @@ def overlong_penalty(lengths_B: torch.Tensor, *, max_length: int, buffer: int, f
     return -(over_B / buffer).clamp(max=1.0) * factor
 
 
-def overlong_penalty_B(cfg: RLConfig, response_mask_BT: torch.Tensor) -> torch.Tensor:
-    """``[B]``: each sample's penalty as ``reward.overlong_buffer`` says (zeros when it is off)."""
-    o = cfg.reward.overlong_buffer
+def overlong_penalty_B(o: OverlongBufferConfig, response_mask_BT: torch.Tensor, *, max_length: int) -> torch.Tensor:
+    """``[B]``: each sample's penalty as ``reward.overlong_buffer`` says (zeros when it is off); ``max_length`` is
+    ``data.max_response_length``."""
     if not o.enable:
         return torch.zeros(response_mask_BT.shape[0], dtype=torch.float32, device=response_mask_BT.device)
-    return overlong_penalty(response_mask_BT.sum(-1), max_length=cfg.data.max_response_length, buffer=o.len,
-                            factor=o.penalty_factor)
+    return overlong_penalty(response_mask_BT.sum(-1), max_length=max_length, buffer=o.len, factor=o.penalty_factor)
 
 
-def config_problems(cfg: RLConfig) -> list[tuple[str, object, str]]:
+def config_problems(o: OverlongBufferConfig, *, max_response_length: int) -> list[tuple[str, object, str]]:
     """``(key, value, message)`` for every problem of ``reward.overlong_buffer`` (checked when enabled)."""
-    o, longest, key = cfg.reward.overlong_buffer, cfg.data.max_response_length, "reward.overlong_buffer"
+    longest, key = max_response_length, KEY
     if not o.enable:
         return []
     out: list[tuple[str, object, str]] = []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from hybridrl.batch import RolloutBatch
+
+if TYPE_CHECKING:  # annotations only: static validation loads these classes without transformers
+    from transformers import PreTrainedTokenizerBase
 
 
 def response_tokens(batch: RolloutBatch) -> list[list[int]]:

@@ -14,23 +14,31 @@ from hybridrl.interfaces import Generation
 
 def rollout_batch_from_generations(prompts: PromptBatch, gens: Sequence[Generation], *,
                                    pad_token_id: int) -> RolloutBatch:
-    """Samples in engine order; ``group_index`` is the prompt's dataset index (GRPO groups)."""
+    """Samples in engine order; ``group_index`` is the prompt's dataset index (GRPO groups). A generation's
+    ``loss_mask`` (None: every token was sampled) becomes the batch's ``loss_mask``; its tokens outside it
+    carry log-prob 0."""
     B = len(gens)
     T = max((len(g.token_ids) for g in gens), default=0) or 1
     response_ids_BT = torch.full((B, T), pad_token_id, dtype=torch.long)
     response_mask_BT = torch.zeros((B, T), dtype=torch.long)
+    loss_mask_BT = torch.zeros((B, T), dtype=torch.long)
     logprobs_BT = torch.zeros((B, T), dtype=torch.float32)
     for b, g in enumerate(gens):
         n = len(g.token_ids)
         if len(g.logprobs) != n:
             raise ValueError(f"engine returned {len(g.logprobs)} log-probs for {n} tokens (sample {b})")
+        if g.loss_mask is not None and (len(g.loss_mask) != n or not set(g.loss_mask) <= {0, 1}):
+            raise ValueError(f"sample {b}: Generation.loss_mask must hold one 0/1 per token ({n} tokens), "
+                             f"got {len(g.loss_mask)} values {sorted(set(g.loss_mask))[:4]}")
         response_ids_BT[b, :n] = torch.tensor(g.token_ids, dtype=torch.long)
         response_mask_BT[b, :n] = 1
+        loss_mask_BT[b, :n] = 1 if g.loss_mask is None else torch.tensor(g.loss_mask, dtype=torch.long)
         logprobs_BT[b, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
     idx_B = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
     return RolloutBatch(
         prompt_ids=prompts.input_ids[idx_B], prompt_mask=prompts.attention_mask[idx_B],
-        response_ids=response_ids_BT, response_mask=response_mask_BT, rollout_logprobs=logprobs_BT,
+        response_ids=response_ids_BT, response_mask=response_mask_BT, loss_mask=loss_mask_BT,
+        rollout_logprobs=logprobs_BT * loss_mask_BT,
         weight_version=torch.tensor([g.weight_version for g in gens], dtype=torch.long),
         group_index=prompts.index[idx_B],
         meta=[dataclasses.replace(prompts.meta[g.prompt_index], finish_reason=g.finish_reason) for g in gens],

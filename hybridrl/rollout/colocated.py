@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybridrl import host_group
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
 from hybridrl.data.collate import PromptBatch
+from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.rollout.batching import rollout_batch_from_generations
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from hybridrl.hf_checkpoint import eos_token_ids
+from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -47,7 +47,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.hf_checkpoint import checkpoint_shapes, eos_token_ids
+from hybridrl.hf.arch import eos_token_ids
+from hybridrl.hf.tensors import checkpoint_shapes
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
 from hybridrl.rollout import sglang_compat as compat
 from hybridrl.rollout import sglang_process as process

@@ -79,7 +79,7 @@ def test_actor_objective_uses_the_constant_for_every_term() -> None:
                          use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl", norm_constant=8)
     old_BT = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
     mb = SimpleNamespace(old_logprobs=old_BT, advantages=torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]),
-                         response_mask=torch.tensor([[1, 1, 0], [1, 0, 0]]), ref_logprobs=None)
+                         loss_mask=torch.tensor([[1, 1, 0], [1, 0, 0]]), ref_logprobs=None)
     loss, metrics = obj(old_BT.clone(), torch.zeros(2, 3), mb, normalizer=torch.tensor(2.0))  # type: ignore[arg-type]
     # on-policy PPO per-token loss = -A: sums -2 and +1; (-2/8 + 1/8) / 2 = -1/16
     assert loss.item() == pytest.approx(-1 / 16)

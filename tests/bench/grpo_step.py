@@ -28,12 +28,13 @@ torch.set_num_threads(1)
 
 
 def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int) -> list[dict[str, float]]:
-    from hybridrl.components import build_components
     from hybridrl.config.compose import compose_config
     from hybridrl.config.validate import validate
     from hybridrl.megatron.parallel import destroy_parallel
     from hybridrl.metrics import Timer
-    from hybridrl.trainer import compute_advantages, sampling_params, score
+    from hybridrl.rollout.build import sampling_params
+    from hybridrl.trainers.components import build_components
+    from hybridrl.trainers.rl import compute_advantages, score
 
     cfg = compose_config(["recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}",
                           "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{train}]",
@@ -52,7 +53,7 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
             timer = Timer()
             with timer("step"):
                 with timer("gen"):
-                    batch = c.hybrid.generate(next(prompts), sampling_params(c), seed=step)
+                    batch = c.hybrid.generate(next(prompts), sampling_params(cfg), seed=step)
                 with timer("reward"):
                     score(batch, c.reward.submit(batch))
                 with timer("old_log_prob"):

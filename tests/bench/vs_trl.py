@@ -92,11 +92,11 @@ def _composes(compose_config: Callable[[list[str]], object], override: str) -> b
 
 
 def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int, before: bool = False) -> dict:
-    from hybridrl.components import build_components
     from hybridrl.config.compose import compose_config
     from hybridrl.config.validate import validate
     from hybridrl.megatron.parallel import destroy_parallel
-    from hybridrl.trainer import fit
+    from hybridrl.trainers.components import build_components
+    from hybridrl.trainers.rl import fit
 
     B = wl.prompts * wl.n
     overrides = wl.hybridrl_overrides
@@ -139,7 +139,7 @@ def run_trl(wl: Workload, model: Path, train: Path, out: Path, steps: int) -> di
     from trl import GRPOConfig, GRPOTrainer
     from w2_task import keyword_reward
 
-    from hybridrl.hf_checkpoint import eos_token_ids
+    from hybridrl.hf.arch import eos_token_ids
 
     def arithmetic_reward(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
         return [float(c.strip() == g.strip()) for c, g in zip(completions, ground_truth, strict=True)]
@@ -184,7 +184,7 @@ def heldout_accuracy(model: Path, weights: dict, test: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.hf_checkpoint import eos_token_ids
+    from hybridrl.hf.arch import eos_token_ids
 
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

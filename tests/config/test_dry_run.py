@@ -1,5 +1,6 @@
 """``hybridrl validate`` on a fresh machine: what the run will build is pending, not an error."""
 
+import glob
 import os
 import re
 import shlex
@@ -46,8 +47,10 @@ def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_pa
 
 
 def test_every_run_command_in_the_readme_validates(tmp_path: Path) -> None:
-    """The README's ``torchrun ... launch/train.py`` lines pass ``hybridrl validate`` at their world size."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    """The ``torchrun ... launch/train.py`` lines of README.md and every docs/*.md page pass ``hybridrl validate``
+    at their world size (the same files, in the same order, as the project's before-stop hook reads)."""
+    files = [REPO / "README.md", *sorted(glob.glob(str(REPO / "docs" / "*.md")))]
+    text = "\n".join(open(f).read() for f in files).replace("\\\n", " ")
     runs = [m for m in re.finditer(r"torchrun\s+(.*?)launch/train\.py\s+(.*)", text)]
     assert len(runs) >= 3
     env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(tmp_path / "cache"))
@@ -57,3 +60,16 @@ def test_every_run_command_in_the_readme_validates(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *args, "--world-size",
                             n.group(1) if n else "1"], capture_output=True, text=True, env=env)
         assert r.returncode == 0, (m.group(0), r.stderr)
+
+
+def test_planning_for_another_machine_imports_no_backend() -> None:
+    """``hybridrl validate --model-config``: config, plan and the plugins' own config checks — no Megatron,
+    transformers or pyarrow (they cost seconds, and the planning machine may not even have them working)."""
+    code = ("import sys\nfrom hybridrl.cli import main\n"
+            "try:\n    main(['validate', 'recipe=grpo_qwen7b', '--model-config', "
+            f"{str(REPO / 'recipes' / 'model_configs' / 'qwen2.5-7b.json')!r}, '--world-size', '8'])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('IMPORTED', sorted(m for m in ('megatron.core', 'transformers', 'pyarrow') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "config OK" in r.stdout and "IMPORTED []" in r.stdout, r.stdout[-2000:]

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hybridrl.config.memory import GB, estimate, parameter_count
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 from hybridrl.models.tiny import make_tiny_model
 
 QWEN7B = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"

@@ -98,12 +98,12 @@ def test_rl_step(model: Path, engine: str) -> None:
     from safetensors import safe_open
 
     from hybridrl.bootstrap import write_arithmetic_task
-    from hybridrl.components import build_components
     from hybridrl.config.compose import compose_config
     from hybridrl.config.validate import validate
     from hybridrl.megatron.model import use_transformer_engine
     from hybridrl.megatron.parallel import destroy_parallel
-    from hybridrl.trainer import fit
+    from hybridrl.trainers.components import build_components
+    from hybridrl.trainers.rl import fit
 
     work = work_dir()
     if not (work / "data" / "train.parquet").exists():

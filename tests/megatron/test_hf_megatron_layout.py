@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.convert import (
     all_units,
     full_from_shards,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.lora_config import LoRAConfig
-from hybridrl.lora_peft import write_peft_adapter
+from hybridrl.lora.config import LoRAConfig
+from hybridrl.lora.peft import write_peft_adapter
 from hybridrl.models.tiny import make_tiny_model
 
 WORKER = str(Path(__file__).parent / "workers" / "lora_step.py")

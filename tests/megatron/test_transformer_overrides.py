@@ -72,7 +72,7 @@ def test_rules_import_neither_torch_nor_megatron() -> None:
 
 @pytest.fixture(scope="module")
 def arch(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from hybridrl.hf_checkpoint import HFArch
+    from hybridrl.hf.arch import HFArch
 
     return HFArch.from_hf(make_tiny_model(tmp_path_factory.mktemp("overrides") / "model", layers=4))
 

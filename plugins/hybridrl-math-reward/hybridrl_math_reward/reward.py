@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import RewardOutput
 from hybridrl.rewards.response_text import cut_at_end, decode, response_tokens
 from hybridrl_math_reward.equivalence import Parsed, equivalent, parse_math
+
+if TYPE_CHECKING:  # static validation loads this class to check reward.kwargs: no transformers import for that
+    from transformers import PreTrainedTokenizerBase
 from hybridrl_math_reward.extraction import FORMATS, Answer, Format, extract_answer
 
 EXTRACTORS = ("auto", *FORMATS)

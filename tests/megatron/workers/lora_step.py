@@ -25,14 +25,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.checkpoint import _model_and_optimizer_state, _restore
+from hybridrl.checkpoint.rl import _model_and_optimizer_state, _restore
 from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
-from hybridrl.lora_config import LoRAConfig, resolve_targets
+from hybridrl.lora.config import LoRAConfig, resolve_targets
 from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
-from hybridrl.sft import nll_loss
+from hybridrl.trainers.sft import nll_loss
 
 torch.set_num_threads(1)
 LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-qv)?")

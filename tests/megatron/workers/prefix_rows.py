@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.hf_checkpoint import HFArch
+from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel, seed_everything

@@ -19,10 +19,10 @@ from rl_step import config, fixed_batch  # noqa: E402
 
 import hybridrl.megatron.policy as policy  # noqa: E402
 import hybridrl.megatron.vocab_parallel as vocab_parallel  # noqa: E402
-from hybridrl.components import actor_objective  # noqa: E402
 from hybridrl.config.plan import Plan  # noqa: E402
 from hybridrl.hybrid import ActorRolloutRef  # noqa: E402
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything  # noqa: E402
+from hybridrl.trainers.components import actor_objective  # noqa: E402
 
 torch.set_num_threads(1)
 calls = {"fused": 0, "fused_lm_head": 0}

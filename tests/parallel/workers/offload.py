@@ -34,7 +34,6 @@ from megatron.core.distributed import DistributedDataParallel
 from rl_step import N, config, fixed_batch, global_order, parse_layout
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.components import actor_objective
 from hybridrl.config.plan import Plan
 from hybridrl.data.collate import PromptBatch
 from hybridrl.hybrid import ActorRolloutRef
@@ -42,6 +41,7 @@ from hybridrl.interfaces import SamplingParams
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.trainers.components import actor_objective
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ PPO mini-batch steps) for ``token-mean`` (Adam) and, except under the distribute
 plus ``main_weights`` (the optimizer's fp32 main weights after the step, HF-named; the parameters when
 they are fp32) and ``forwards`` (forward calls of the layers, core attentions and MLPs during the update).
 
-A resume run (Adam) takes the two mini-batch steps, saving a checkpoint (``hybridrl.checkpoint``) after the
+A resume run (Adam) takes the two mini-batch steps, saving a checkpoint (``hybridrl.checkpoint.rl``) after the
 first; a fresh actor built from the HF model loads it and retakes the second step. ``OUT_DIR/<run>.pt``
 holds both second steps (metrics, weights, main weights), the weights at the checkpoint and its path.
 """
@@ -33,8 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from rl_step import config, fixed_batch, global_order, modes, parse_layout
 
-from hybridrl.checkpoint import load_checkpoint, save_checkpoint
-from hybridrl.components import actor_objective
+from hybridrl.checkpoint.rl import load_checkpoint, save_checkpoint
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.hybrid import ActorRolloutRef
@@ -42,6 +41,7 @@ from hybridrl.megatron.model import build_model_chunks, unwrap_model
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.megatron.weights import export_hf_weights
+from hybridrl.trainers.components import actor_objective
 
 torch.set_num_threads(1)
 

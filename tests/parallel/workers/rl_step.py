@@ -36,11 +36,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.components import actor_objective
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.hybrid import ActorRolloutRef
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
+from hybridrl.trainers.components import actor_objective
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ Layout of ``<trainer.output_dir>/checkpoints/``:
 - ``step_<k>/critic/``: with a critic, its model + optimizer, the same way;
 - ``step_<k>/lora.json``: with LoRA (``model.lora_rank`` > 0), whose ``megatron/`` then holds only the adapters
   and their optimizer state: the base model's path and SHA-256 (resuming onto another base is an error) and
-  the LoRA settings (:mod:`hybridrl.lora_checkpoint`);
+  the LoRA settings (:mod:`hybridrl.lora.checkpoint`);
 - ``step_<k>/trainer_state.pt``: step, weight version, LR scheduler positions (actor, critic), data-sampler
   position, KL-controller β;
 - ``step_<k>/rng/rank_<r>.pt``: each rank's Python/NumPy/torch(/CUDA)/Megatron-tracker RNG states;
@@ -65,10 +65,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import DictConfig, OmegaConf
 
-from hybridrl import host_group
 from hybridrl.config.schema import OptimConfig, RLConfig
-from hybridrl.hf_checkpoint import copy_side_files, save_hf_checkpoint
-from hybridrl.lora_checkpoint import check_base, read_record, write_record
+from hybridrl.distributed import host_group
+from hybridrl.hf.write import copy_side_files, save_hf_checkpoint
+from hybridrl.lora.checkpoint import check_base, read_record, write_record
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model

@@ -1,7 +1,10 @@
 """The RL loop. Every rank runs this same code; data movement lives in the components.
 
-    generate → reward → old / ref log-probs (+ values) → advantages → (critic update →) actor update → weight sync
-    → eval, log
+    rollout (generate → reward, submitted) → old / ref log-probs (+ values) → scores → advantages
+    → (critic update →) actor update → weight sync → eval, log
+
+The step's samples come from a :class:`~hybridrl.interfaces.Rollout` (single-turn, dynamic sampling, …): the
+loop does not know which.
 
 With a critic (PPO with ``gae``) the order is verl's: the critic's values before the advantages, its update
 before the actor's (both train on the batch as scored, so the order does not change either update).
@@ -9,36 +12,32 @@ before the actor's (both train on the batch as scored, so the order does not cha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from hybridrl import dynamic_sampling
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.masked import masked_mean
 from hybridrl.batch import RolloutBatch
-from hybridrl.components import Components
-from hybridrl.data.collate import PromptBatch
-from hybridrl.eval_metrics import add_sampled_accuracy
 from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
-from hybridrl.interfaces import RewardOutput, SamplingParams
+from hybridrl.interfaces import PendingScores, RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
-from hybridrl.profiling import StepProfiler
-from hybridrl.rewards.execution import PendingReward
 from hybridrl.rewards.overlong import overlong_penalty_B
 from hybridrl.tracking import say
+from hybridrl.trainers.components import Components
+from hybridrl.trainers.eval_metrics import add_sampled_accuracy
+from hybridrl.trainers.profiling import StepProfiler
 
 
 def fit(c: Components) -> dict[str, float]:
     hybrid, t = c.hybrid, c.cfg.trainer
     if t.val_before_train and c.val_dataset is not None and c.resume_step == 0:
         c.tracker.log(evaluate(c), step=0)
-    prompts, metrics, skips = c.prompts(), {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
+    metrics, skips = {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
     profiler = StepProfiler(t.profile_steps, t.output_dir)
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
         with profiler.step(step), timer("step"):
-            batch, pending, sampled = rollout(c, prompts, timer, seed=t.seed * 1_000_003 + step)
+            rolled = c.rollout.step(seed=t.seed * 1_000_003 + step, timer=timer)
+            batch = rolled.batch
             old_pass = old_log_prob_pass_needed(c)
             entropy_BT = None
             if old_pass:
@@ -51,7 +50,9 @@ def fit(c: Components) -> dict[str, float]:
                 with timer("values"):
                     hybrid.compute_values(batch)
             with timer("reward"):
-                scores_B, reward_errors = score(batch, pending, overlong_penalty_B(c.cfg, batch.response_mask))
+                penalty_B = overlong_penalty_B(c.cfg.reward.overlong_buffer, batch.response_mask,
+                                               max_length=c.cfg.data.max_response_length)
+                scores_B, reward_errors = score(batch, rolled.scores, penalty_B)
             with timer("adv"):
                 adv_metrics = compute_advantages(c, batch)
             if (cause := skip_cause(c, batch)) is not None:  # decided on every rank together: no update, no sync
@@ -70,11 +71,11 @@ def fit(c: Components) -> dict[str, float]:
                     updates, entropy_BT = hybrid.update_actor_on_policy(batch, seed=t.seed * 7919 + step)
             skips.record(update_skip_cause(updates))
             with timer("sync_weights"):
-                sync_mb = hybrid.sync_weights()
+                sync_mb = c.rollout.sync_weights()
         assert entropy_BT is not None
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
-        metrics = m.reduce() | sampled | adv_metrics | actor_metrics(updates) | critic | timer.times
+        metrics = m.reduce() | rolled.metrics | adv_metrics | actor_metrics(updates) | critic | timer.times
         metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
@@ -96,37 +97,24 @@ def old_log_prob_pass_needed(c: Components) -> bool:
     return not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward
 
 
-def sampling_params(c: Components) -> SamplingParams:
-    r = c.cfg.actor_rollout_ref.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                          max_new_tokens=c.cfg.data.max_response_length)
-
-
-def rollout(c: Components, prompts: Iterator[PromptBatch], timer: Timer, *,
-            seed: int) -> tuple[RolloutBatch, PendingReward, dict[str, float]]:
-    """The step's samples (this rank's DP share), their scores on the way (during the log-prob passes where the
-    reward allows it) and sampling metrics; under ``algorithm.filter_groups``, DAPO's rounds of generation and
-    scoring until the step holds ``data.train_batch_size`` groups with signal (:mod:`hybridrl.dynamic_sampling`)."""
-    if c.cfg.algorithm.filter_groups.enable:
-        return dynamic_sampling.sample(c, prompts, sampling_params(c), timer, seed=seed)
-    with timer("gen"):
-        batch = c.hybrid.generate(next(prompts), sampling_params(c), seed=seed)
-    with timer("reward"):
-        return batch, c.reward.submit(batch), {}
-
-
-def score(batch: RolloutBatch, pending: PendingReward,
+def score(batch: RolloutBatch, pending: PendingScores,
           penalty_B: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The batch's sequence scores (checked: one float per sample) plus ``penalty_B`` (the overlong penalty:
-    :mod:`hybridrl.rewards.overlong`), also put on each response's last token; and how many samples failed to
+    :mod:`hybridrl.rewards.overlong`), also put on each response's last trained token (``loss_mask``); and how
+    many samples failed to
     score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
     scored = pending.result()
     scores_B = scored.output.scores_B + (0.0 if penalty_B is None else penalty_B.to(scored.output.scores_B.device))
-    last_B = (batch.response_mask.sum(-1) - 1).clamp(min=0)
-    scores_BT = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-    scores_BT[torch.arange(len(batch)), last_B] = scores_B
-    batch.token_level_scores = scores_BT * batch.response_mask
+    scores_BT = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+    scores_BT[torch.arange(len(batch)), last_trained_B(batch.loss_mask)] = scores_B
+    batch.token_level_scores = scores_BT * batch.loss_mask
     return scores_B, scored.errors
+
+
+def last_trained_B(loss_mask_BT: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the index of each row's last 1 in ``loss_mask_BT`` (0 for a row without one)."""
+    T = loss_mask_BT.shape[-1]
+    return (T - 1 - loss_mask_BT.flip(-1).argmax(-1)) * loss_mask_BT.any(-1)
 
 
 def reward(c: Components, batch: RolloutBatch) -> RewardOutput:
@@ -155,15 +143,15 @@ def compute_advantages(c: Components, batch: RolloutBatch) -> dict[str, float]:
         kl_BT = kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
         rewards_BT = rewards_BT - c.kl_ctrl.value * kl_BT
         m = DPMeans()  # the step's KL: mean over all DP ranks' sequences of each one's token mean
-        m.add("actor/reward_kl_penalty", masked_mean(kl_BT, batch.response_mask, dim=-1).sum(), len(batch))
+        m.add("actor/reward_kl_penalty", masked_mean(kl_BT, batch.loss_mask, dim=-1).sum(), len(batch))
         m.total("samples", len(batch))
         step = m.reduce()
         metrics = {"actor/reward_kl_penalty": step["actor/reward_kl_penalty"],
                    "actor/reward_kl_penalty_coeff": c.kl_ctrl.value}
         c.kl_ctrl.update(step["actor/reward_kl_penalty"], n_samples=round(step["samples"]))
-    batch.token_level_rewards = rewards_BT * batch.response_mask
+    batch.token_level_rewards = rewards_BT * batch.loss_mask
     batch.advantages, batch.returns = c.estimator(
-        token_rewards_BT=batch.token_level_rewards, response_mask_BT=batch.response_mask.float(),
+        token_rewards_BT=batch.token_level_rewards, response_mask_BT=batch.loss_mask.float(),
         group_index_B=batch.group_index, values_BT=batch.values)
     return metrics
 
@@ -181,7 +169,7 @@ def critic_metrics(updates: list[dict[str, float]], batch: RolloutBatch) -> dict
     values the advantages used, over the response tokens of all DP ranks (population variances)."""
     out = {f"critic/{k}": sum(u[k] for u in updates) / len(updates) for k in updates[0]}
     assert batch.values is not None and batch.returns is not None
-    mask_BT = batch.response_mask.float()
+    mask_BT = batch.loss_mask.float()
     r_BT, d_BT = batch.returns * mask_BT, (batch.returns - batch.values) * mask_BT
     m, tokens = DPMeans(), mask_BT.sum()
     for key, x_BT in (("r", r_BT), ("r2", r_BT.square()), ("d", d_BT), ("d2", d_BT.square())):
@@ -194,13 +182,13 @@ def critic_metrics(updates: list[dict[str, float]], batch: RolloutBatch) -> dict
 
 def evaluate(c: Components) -> dict[str, float]:
     """Accuracy over the whole validation split, sampled as ``rollout.val_kwargs`` says (greedy by default):
-    overall, and mean@n / pass@k per data source (:mod:`hybridrl.eval_metrics`)."""
+    overall, and mean@n / pass@k per data source (:mod:`hybridrl.trainers.eval_metrics`)."""
     v = c.cfg.actor_rollout_ref.rollout.val_kwargs
     params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
                             max_new_tokens=c.cfg.data.max_response_length)
     m = DPMeans()
     for k, prompts in enumerate(c.val_batches()):
-        batch = c.hybrid.generate(prompts, params, seed=c.cfg.trainer.seed * 1_000_003 - k - 1)
+        batch = c.rollout.generate(prompts, params, seed=c.cfg.trainer.seed * 1_000_003 - k - 1)
         out = reward(c, batch)
         correct_B = out.correct_B if out.correct_B is not None else out.scores_B > 0
         m.add("eval/accuracy", correct_B.sum(), len(batch))

@@ -1,39 +1,32 @@
-"""A Hugging Face checkpoint directory: its architecture, its problems, its tensors, and writing one.
+"""A Hugging Face checkpoint directory's architecture and problems (``config.json`` and what lies beside it).
 
 - :class:`HFArch`: the part of ``config.json`` that decides the Megatron model, and how TP/PP/VPP may
   split it (:meth:`HFArch.split_problems`, the one statement of those rules).
-- :func:`inspect_model_dir`: every problem with a checkpoint directory, as strings (static validation).
-- :func:`tensor_files`, :func:`checkpoint_shapes`, :class:`SafetensorsReader`: safetensors files,
-  single or sharded (``model.safetensors.index.json``); :func:`eos_token_ids`.
-- :func:`save_hf_checkpoint`: write the bucketed weight stream as safetensors + config + tokenizer, never
-  over something it did not write (:func:`output_problem`).
+- :func:`inspect_model_dir`: every problem with a checkpoint directory, as strings (static validation);
+  :func:`eos_token_ids`.
+
+Its tensors are :mod:`hybridrl.hf.tensors`; writing a checkpoint is :mod:`hybridrl.hf.write`.
 
 Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
 (RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings). Anything else is an error that names the
 file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
-Importing this module imports neither torch nor transformers (static validation runs without them);
-functions that read or write tensors import torch/safetensors themselves.
+Importing this module imports neither torch nor transformers (static validation runs without them).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-from collections.abc import Iterable, Mapping
-from contextlib import ExitStack
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    import torch
 
-    from hybridrl.interfaces import WeightBucket
+    pass
 
 Family = Literal["qwen2", "qwen3", "llama"]
 FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
@@ -44,10 +37,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# non-weight files of an HF checkpoint that travel with it
-SIDE_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
-SHARD_BYTES = 4 << 30
 
 _TP, _PP, _VPP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"
 
@@ -132,7 +121,7 @@ class HFArch:
             path = path / CONFIG_FILE if path.is_dir() else path
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: no such file; a HF checkpoint dir holds {CONFIG_FILE}")
-            return cls.from_hf(_read_json(path), source=str(path))
+            return cls.from_hf(read_json(path), source=str(path))
         if not isinstance(config, Mapping):
             config = config.to_dict()  # PretrainedConfig: carries its class defaults
         return _parse(config, source)
@@ -238,7 +227,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -288,223 +277,11 @@ def eos_token_ids(model_dir: str | Path) -> list[int]:
     root = Path(model_dir)
     eos = None
     if (root / GENERATION_CONFIG_FILE).is_file():
-        eos = _read_json(root / GENERATION_CONFIG_FILE).get("eos_token_id")
+        eos = read_json(root / GENERATION_CONFIG_FILE).get("eos_token_id")
     if eos is None:
         if not (root / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"{root}: no {CONFIG_FILE} (nor an eos_token_id in {GENERATION_CONFIG_FILE})")
-        eos = _read_json(root / CONFIG_FILE).get("eos_token_id")
+        eos = read_json(root / CONFIG_FILE).get("eos_token_id")
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-# --- safetensors --------------------------------------------------------------------------------
-
-
-def tensor_files(model_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file, from ``model.safetensors`` or its sharded index."""
-    root = Path(model_dir)
-    if (root / INDEX_FILE).is_file():
-        weight_map = _read_json(root / INDEX_FILE).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{root / INDEX_FILE}: no 'weight_map' object (tensor name -> file)")
-        return {name: root / file for name, file in weight_map.items()}
-    if (root / SINGLE_FILE).is_file():
-        return dict.fromkeys(_header_shapes(root / SINGLE_FILE), root / SINGLE_FILE)
-    raise FileNotFoundError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; a HF checkpoint dir holds its "
-                            "weights in one of them")
-
-
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, from the safetensors headers only (no weights are read). With tied
-    embeddings (no ``lm_head.weight``), ``lm_head.weight`` maps to the embedding's shape too."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(set(tensor_files(model_dir).values())):
-        shapes.update(_header_shapes(file))
-    if "model.embed_tokens.weight" in shapes:
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
-    return shapes
-
-
-def _header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open  # the numpy framework reads headers without importing torch
-
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types (missing file, bad header)
-        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
-
-
-class SafetensorsReader:
-    """Lazy, sliced reads from a (possibly sharded) safetensors checkpoint; a context manager."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self.files = tensor_files(model_dir)
-        self._stack = ExitStack()
-        self._open: dict[Path, Any] = {}
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._stack.close()
-
-    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """The tensor ``name`` (only ``index`` of it when given: a slice per leading dim)."""
-        if name not in self.files:
-            raise KeyError(f"{self.model_dir}: the checkpoint has no tensor {name!r}")
-        path = self.files[name]
-        try:
-            if path not in self._open:
-                from safetensors import safe_open
-
-                self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            handle = self._open[path]
-            return handle.get_slice(name)[index] if index else handle.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types (missing file, bad header, bad data)
-            raise ValueError(f"{path}: tensor {name!r} is not readable: not a usable safetensors file "
-                             f"({type(e).__name__}: {e})") from e
-
-
-# --- writing ------------------------------------------------------------------------------------
-
-
-def copy_side_files(source_dir: str | Path, out_dir: str | Path) -> None:
-    """Copy the checkpoint's non-weight files (:data:`SIDE_FILES`, those present) into ``out_dir``."""
-    for f in SIDE_FILES:
-        if (Path(source_dir) / f).is_file():
-            shutil.copy2(Path(source_dir) / f, Path(out_dir) / f)
-
-
-SNAPSHOT_MARKER = ".hybridrl-snapshot.json"  # in each directory save_hf_checkpoint writes: its path and files
-
-
-def output_problem(out_dir: str | Path, *, key: str, overwrite: bool = False,
-                   overwrite_option: str | None = None, protect: Iterable[str | Path] = ()) -> str | None:
-    """Why :func:`save_hf_checkpoint` must not write ``out_dir`` (None: it may). Reads only.
-
-    Never a directory that is, lies inside or contains one of ``protect`` (e.g. the checkpoint exported
-    from). Otherwise a missing or empty target is fine, and so is one that holds exactly the snapshot
-    hybridrl wrote at this same path (replaced atomically); anything else only with ``overwrite``
-    (``overwrite_option``: how the user says so, e.g. ``--overwrite``)."""
-    given = Path(out_dir)
-    out = given.resolve()
-    for p in protect:
-        kept = Path(p).resolve()
-        if out == kept or kept in out.parents or out in kept.parents:
-            where = "is" if out == kept else "is inside" if kept in out.parents else "contains"
-            return (f"{key}={str(given)!r} {where} {kept}, which the save must leave as it is; "
-                    "choose a directory outside it")
-    if not os.path.lexists(given) or given.is_dir() and not any(given.iterdir()):
-        return None
-    if overwrite or _own_snapshot(given):
-        return None
-    entries = sorted(p.name for p in given.iterdir()) if given.is_dir() else []
-    what = (f"holds {len(entries)} entries ({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''})"
-            if given.is_dir() else "is a file")
-    how = f", or {overwrite_option} to replace it" if overwrite_option else ""
-    return (f"{key}={str(given)!r} {what} that hybridrl did not write there; refusing to replace it: choose a "
-            f"new or empty directory{how}")
-
-
-def _own_snapshot(d: Path) -> bool:
-    """``d`` holds exactly an HF snapshot that save_hf_checkpoint wrote at this path (its marker says so)."""
-    try:
-        marker = json.loads((d / SNAPSHOT_MARKER).read_text())
-        return (marker["path"] == str(d.resolve())
-                and {p.name for p in d.iterdir()} <= {*marker["files"], SNAPSHOT_MARKER})
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return False
-
-
-def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, source_dir: str | Path,
-                       key: str = "out_dir", overwrite: bool = False, overwrite_option: str | None = None,
-                       protect: Iterable[str | Path] = ()) -> None:
-    """Write an HF checkpoint (safetensors, shards of ≤ 4 GiB, + ``source_dir``'s side files) from the
-    bucketed weight stream.
-
-    Every rank must consume the stream (it is made of collectives); rank 0 writes. ``out_dir`` is checked
-    first (:func:`output_problem`, decided by rank 0: every rank raises ``FileExistsError`` together, before
-    streaming). The checkpoint is written into a temporary sibling directory, fsynced and renamed into
-    place, so a crash mid-save never leaves a half-written directory at ``out_dir``; what was there is
-    renamed aside and deleted only once the new one is in place.
-    """
-    import torch.distributed as dist
-
-    out = Path(out_dir)
-    distributed = dist.is_initialized()
-    writer = dist.get_rank() == 0 if distributed else True
-    problem = output_problem(out, key=key, overwrite=overwrite, overwrite_option=overwrite_option,
-                             protect=protect) if writer else None
-    if distributed:
-        from hybridrl import host_group
-
-        box = [problem]
-        dist.broadcast_object_list(box, src=0, group=host_group.get())
-        problem = box[0]
-    if problem is not None:
-        raise FileExistsError(problem)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for bucket in stream:
-        if not writer:
-            continue
-        for name, tensor in bucket:
-            nbytes = tensor.numel() * tensor.element_size()
-            if size and size + nbytes > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][name] = tensor.detach().to("cpu").contiguous().clone()
-            size += nbytes
-    if writer:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        _write(shards, tmp)
-        copy_side_files(source_dir, tmp)
-        files = sorted(p.name for p in tmp.iterdir())
-        (tmp / SNAPSHOT_MARKER).write_text(json.dumps({"path": str(out.resolve()), "files": files}) + "\n")
-        _fsync_tree(tmp)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if os.path.lexists(out):
-            os.rename(out, old)
-        os.rename(tmp, out)
-        _fsync_tree(out.parent, files=False)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        elif os.path.lexists(old):
-            old.unlink()
-    if distributed:
-        dist.barrier()
-
-
-def _fsync_tree(d: Path, *, files: bool = True) -> None:
-    """fsync ``d``'s files (when ``files``; one level: an HF snapshot is flat) and then ``d`` itself."""
-    if files:
-        for p in d.iterdir():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(shards: list[dict[str, torch.Tensor]], d: Path) -> None:
-    from safetensors.torch import save_file
-
-    if len(shards) == 1:
-        save_file(shards[0], str(d / SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(d / fname), metadata={"format": "pt"})
-        weight_map |= {n: fname for n in shard}
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (d / INDEX_FILE).write_text(json.dumps(index, indent=2))

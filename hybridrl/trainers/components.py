@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from hybridrl.algorithms.actor_objective import ActorObjective
 from hybridrl.algorithms.kl_controller import KLController
 from hybridrl.algorithms.rollout_correction import RolloutCorrection
-from hybridrl.checkpoint import load_checkpoint, resume_point, save_checkpoint
+from hybridrl.checkpoint.rl import load_checkpoint, resume_point, save_checkpoint
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.collate import PromptBatch
@@ -22,11 +22,12 @@ from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
 from hybridrl.guards import require_finite
 from hybridrl.hybrid import ActorRolloutRef
-from hybridrl.interfaces import AdvantageEstimator
+from hybridrl.interfaces import AdvantageEstimator, Rollout
 from hybridrl.megatron.parallel import init_parallel, rank_device, seed_everything
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
+from hybridrl.rollout.build import build_rollout
 from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
@@ -39,6 +40,7 @@ class Components:
     loader: PromptLoader
     val_dataset: PromptDataset | None
     hybrid: ActorRolloutRef
+    rollout: Rollout  # the step's samples and their pending scores; weight sync (rollout/build.py picks the kind)
     reward: RewardRunner  # the reward manager, run as reward.* says (thread or workers, time limit, on_error)
     estimator: AdvantageEstimator
     kl_ctrl: KLController  # β of algorithm.use_kl_in_reward (saved with checkpoints)
@@ -47,11 +49,8 @@ class Components:
     resume_step: int = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
 
     def prompts(self) -> Iterator[PromptBatch]:
-        """Each step's whole prompt batch (the same on every rank; under ``algorithm.filter_groups`` each
-        generation round's), epoch after epoch (resumable through ``loader``); the rollout hands each rank its
-        DP share of the samples."""
-        while True:
-            yield from self.loader
+        """A new stream over the training prompts (the rollout holds its own: :func:`_prompt_stream`)."""
+        return _prompt_stream(self.loader)
 
     def val_batches(self) -> Iterator[PromptBatch]:
         """The validation set in batches of ``data.val_batch_size`` prompts (each prompt exactly once)."""
@@ -69,7 +68,7 @@ class Components:
             self.hybrid.critic_offload.reload()
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
-                               weight_version=self.hybrid.weight_version, sampler_state=self.loader.state_dict(),
+                               weight_version=self.rollout.weight_version, sampler_state=self.loader.state_dict(),
                                kl_ctrl_state=self.kl_ctrl.state_dict(),
                                model_dir=self.model_path, critic=self.hybrid.critic)
         say(f"saved checkpoint {path}")
@@ -103,12 +102,13 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
+    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=_prompt_stream(loader), reward=reward)
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
         state = load_checkpoint(resume_from, cfg=cfg, policy=hybrid.actor, critic=hybrid.critic)
         loader.load_state_dict(state["sampler"])
-        hybrid.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
+        rollout.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
         resume_step = state["step"]
         if state.get("kl_ctrl") is not None:  # else saved without one: β starts again at kl_ctrl.kl_coef
             kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -116,8 +116,16 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     tracker = Tracker(cfg.trainer, config=_flat(dataclasses.asdict(cfg)), rank=dist.get_rank(),
                       resume_step=resume_step)
     return Components(cfg=cfg, plan=plan, tokenizer=tokenizer, loader=loader, val_dataset=val,
-                      hybrid=hybrid, reward=reward, estimator=estimator, kl_ctrl=kl_ctrl, tracker=tracker,
-                      model_path=model_path, resume_step=resume_step)
+                      hybrid=hybrid, rollout=rollout, reward=reward, estimator=estimator, kl_ctrl=kl_ctrl,
+                      tracker=tracker, model_path=model_path, resume_step=resume_step)
+
+
+def _prompt_stream(loader: PromptLoader) -> Iterator[PromptBatch]:
+    """Each step's whole prompt batch (the same on every rank; under ``algorithm.filter_groups`` each generation
+    round's), epoch after epoch (resumable through ``loader``: nothing is drawn before the first ``next``); the
+    rollout hands each rank its DP share of the samples."""
+    while True:
+        yield from loader
 
 
 def actor_objective(cfg: RLConfig) -> ActorObjective:

@@ -1,20 +1,10 @@
-"""Dynamic sampling (DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", §3.2).
-
-A GRPO group whose samples all score the same (all right or all wrong) has advantage 0: it adds no policy
-gradient and only dilutes the batch. DAPO over-samples and trains on the groups that carry a signal::
-
-    repeat  (round r = 0, 1, …)
-        generate data.gen_batch_size prompts × rollout.n samples and score them
-        keep each group whose algorithm.filter_groups.metric is not the same for all of its samples
-    until data.train_batch_size groups are kept
-    train on the first data.train_batch_size kept groups (generation order: round, then position)
+"""The dynamic-sampling rollout (DAPO, Yu et al. 2025, §3.2): rounds of another rollout's steps until the step
+holds ``data.train_batch_size`` groups with signal (the rule and its settings:
+:mod:`hybridrl.algorithms.dynamic_sampling`); the step trains on the first ``data.train_batch_size`` kept groups
+(generation order: round, then position).
 
 Choices and deviations:
-- ``metric``: ``acc`` — the reward's ``correct_B`` (a reward without one: score > 0, as evaluation counts it);
-  ``score`` — the reward's score; ``seq_reward`` — the score plus the overlong penalty
-  (:mod:`hybridrl.rewards.overlong`), i.e. what the advantages see. verl's ``seq_final_reward`` (after the
-  in-reward KL) is not offered: the KL needs log-probs, which are computed for the kept batch only. A
-  non-finite value makes its group count as unequal: it is kept, and the step guard sees it.
+- A non-finite metric value makes its group count as unequal: it is kept, and the step guard sees it.
 - **The cap** (``max_num_gen_batches`` > 0): when the last allowed round leaves fewer than ``train_batch_size``
   groups with signal, the step is topped up with dropped groups, first generated first
   (``dynamic_sampling/refilled_groups``). Their GRPO advantage is 0, so they dilute the step but keep its
@@ -40,32 +30,26 @@ Choices and deviations:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from hybridrl.algorithms.dynamic_sampling import group_signal
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.collate import PromptBatch
-from hybridrl.interfaces import RewardOutput, SamplingParams
-from hybridrl.rewards.execution import PendingReward, Scored
+from hybridrl.interfaces import RewardOutput, Rollout, RolloutStep, SamplingParams, Scored
+from hybridrl.rewards.execution import PendingReward
 from hybridrl.rewards.overlong import overlong_penalty_B
 from hybridrl.tracking import say
 
 if TYPE_CHECKING:
-    from hybridrl.components import Components
+    from hybridrl.config.plan import Plan
     from hybridrl.metrics import Timer
 
-FILTER_METRICS = ("acc", "score", "seq_reward")
 ROUND_SEED_STRIDE = 2**32  # round r samples with seed + r·stride (steps differ by 1 in the seed)
-
-
-def group_signal(values_B: torch.Tensor, n: int) -> torch.Tensor:
-    """``[G]`` bool: the group of ``n`` consecutive samples has values that are not all equal (NaN ≠ NaN)."""
-    values_GN = values_B.reshape(-1, n)
-    return ~(values_GN == values_GN[:, :1]).all(-1)
 
 
 class GroupPool:
@@ -112,61 +96,52 @@ class GroupPool:
         return batch.index(rows), index_output(cat_outputs([o for _, o in parts]), rows), refilled
 
 
-def sample(c: Components, prompts: Iterator[PromptBatch], params: SamplingParams, timer: Timer, *,
-           seed: int) -> tuple[RolloutBatch, PendingReward, dict[str, float]]:
-    """Rounds of generation and scoring until the step is full; this rank's DP share of the step's groups,
-    their scores (already in hand) and the step's counts."""
-    f, b = c.cfg.algorithm.filter_groups, c.plan.batch
-    pool = GroupPool(want=b.prompts_per_step, n=b.n, refill=f.max_num_gen_batches > 0)
-    rounds, errors = 0, 0
-    while not pool.full and (f.max_num_gen_batches == 0 or rounds < f.max_num_gen_batches):
-        with timer("gen"):
-            local = c.hybrid.generate(next(prompts), params, seed=seed + rounds * ROUND_SEED_STRIDE)
-        with timer("reward"):
-            scored = c.reward.score(local) if len(local) else Scored(output=_empty_output(), errors=0)
-            errors += scored.errors
-            pool.add(*_gather(local, scored.output, metric_values(c.cfg, local, scored.output)))
-        rounds += 1
-    if not pool.can_fill:  # validation keeps gen_batch_size × max_num_gen_batches ≥ train_batch_size
-        raise RuntimeError(f"dynamic sampling: {pool.num_kept + pool.num_spare} groups after {rounds} rounds, "
-                           f"fewer than data.train_batch_size={b.prompts_per_step}")
-    batch, output, refilled = pool.take()
-    if refilled:
-        say(f"dynamic sampling: {pool.num_kept} groups with signal after algorithm.filter_groups."
-            f"max_num_gen_batches={f.max_num_gen_batches} rounds; {refilled} dropped groups fill the step")
-    mine = b.dp_prompts(c.plan.dp_rank_of(dist.get_rank()))
-    rows = list(range(mine.start * b.n, mine.stop * b.n))
-    counts = {"dynamic_sampling/gen_rounds": rounds, "dynamic_sampling/kept_groups": pool.signal_groups,
-              "dynamic_sampling/dropped_groups": pool.no_signal_groups, "dynamic_sampling/refilled_groups": refilled}
-    return (batch.index(rows), ScoresInHand(Scored(output=index_output(output, rows), errors=errors)),
-            {k: float(v) for k, v in counts.items()})
+class DynamicSamplingRollout:
+    """:class:`~hybridrl.interfaces.Rollout` that wraps another: its steps are rounds of ``inner``'s steps until
+    the step holds ``data.train_batch_size`` groups with signal (the module docstring). Evaluation and weight
+    sync are the inner rollout's."""
 
+    def __init__(self, inner: Rollout, *, cfg: RLConfig, plan: Plan) -> None:
+        self.inner, self.cfg, self.plan = inner, cfg, plan
 
-def config_problems(cfg: RLConfig) -> list[tuple[str, object, str]]:
-    """``(key, value, message)`` for every problem of ``algorithm.filter_groups`` and ``data.gen_batch_size``."""
-    f, d, n = cfg.algorithm.filter_groups, cfg.data, cfg.actor_rollout_ref.rollout.n
-    key, out = "algorithm.filter_groups", list[tuple[str, object, str]]()
-    if f.metric not in FILTER_METRICS:
-        out.append((f"{key}.metric", f.metric, f"valid: {', '.join(FILTER_METRICS)}"))
-    if f.max_num_gen_batches < 0:
-        out.append((f"{key}.max_num_gen_batches", f.max_num_gen_batches, "must be ≥ 0 (0: no limit)"))
-    if d.gen_batch_size is not None and d.gen_batch_size < 1:
-        out.append(("data.gen_batch_size", d.gen_batch_size, "must be ≥ 1 (or null: data.train_batch_size)"))
-    if not f.enable:
-        if d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size:
-            out.append(("data.gen_batch_size", d.gen_batch_size, f"is used by dynamic sampling only: set "
-                        f"{key}.enable=true, or null (each step generates data.train_batch_size={d.train_batch_size})"))
-        return out
-    if n < 2:
-        out.append(("actor_rollout_ref.rollout.n", n, f"{key}.enable=true drops groups whose samples all score the "
-                    f"same: a group of one always does; needs rollout.n ≥ 2 (or {key}.enable=false)"))
-    per_round = d.train_batch_size if d.gen_batch_size is None else d.gen_batch_size
-    if f.max_num_gen_batches > 0 and per_round >= 1 and per_round * f.max_num_gen_batches < d.train_batch_size:
-        out.append((f"{key}.max_num_gen_batches", f.max_num_gen_batches,
-                    f"{f.max_num_gen_batches} rounds of data.gen_batch_size={per_round} prompts cannot fill a step of "
-                    f"data.train_batch_size={d.train_batch_size}; at least "
-                    f"{-(-d.train_batch_size // per_round)} (or 0: no limit)"))
-    return out
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
+        return self.inner.generate(prompts, params, seed=seed)
+
+    def sync_weights(self, *, version: int | None = None) -> float:
+        return self.inner.sync_weights(version=version)
+
+    def step(self, *, seed: int, timer: Timer) -> RolloutStep:
+        """Rounds of generation and scoring until the step is full; this rank's DP share of the step's groups,
+        their scores (already in hand) and the step's counts."""
+        f, b = self.cfg.algorithm.filter_groups, self.plan.batch
+        pool = GroupPool(want=b.prompts_per_step, n=b.n, refill=f.max_num_gen_batches > 0)
+        rounds, errors = 0, 0
+        while not pool.full and (f.max_num_gen_batches == 0 or rounds < f.max_num_gen_batches):
+            round_ = self.inner.step(seed=seed + rounds * ROUND_SEED_STRIDE, timer=timer)
+            with timer("reward"):
+                scored = round_.scores.result()
+                errors += scored.errors
+                pool.add(*_gather(round_.batch, scored.output, metric_values(self.cfg, round_.batch, scored.output)))
+            rounds += 1
+        if not pool.can_fill:  # validation keeps gen_batch_size × max_num_gen_batches ≥ train_batch_size
+            raise RuntimeError(f"dynamic sampling: {pool.num_kept + pool.num_spare} groups after {rounds} rounds, "
+                               f"fewer than data.train_batch_size={b.prompts_per_step}")
+        batch, output, refilled = pool.take()
+        if refilled:
+            say(f"dynamic sampling: {pool.num_kept} groups with signal after algorithm.filter_groups."
+                f"max_num_gen_batches={f.max_num_gen_batches} rounds; {refilled} dropped groups fill the step")
+        mine = b.dp_prompts(self.plan.dp_rank_of(dist.get_rank()))
+        rows = list(range(mine.start * b.n, mine.stop * b.n))
+        counts = {"dynamic_sampling/gen_rounds": rounds, "dynamic_sampling/kept_groups": pool.signal_groups,
+                  "dynamic_sampling/dropped_groups": pool.no_signal_groups,
+                  "dynamic_sampling/refilled_groups": refilled}
+        return RolloutStep(batch=batch.index(rows),
+                           scores=PendingReward.finished(Scored(output=index_output(output, rows), errors=errors)),
+                           metrics={k: float(v) for k, v in counts.items()})
 
 
 def metric_values(cfg: RLConfig, batch: RolloutBatch, output: RewardOutput) -> torch.Tensor:
@@ -177,15 +152,9 @@ def metric_values(cfg: RLConfig, batch: RolloutBatch, output: RewardOutput) -> t
     scores_B = output.scores_B.float().cpu()
     if metric == "score":
         return scores_B
-    assert metric == "seq_reward", metric  # validation lists FILTER_METRICS
-    return scores_B + overlong_penalty_B(cfg, batch.response_mask).cpu()
-
-
-class ScoresInHand(PendingReward):
-    """Scores already computed (dynamic sampling scores every round before it keeps groups)."""
-
-    def __init__(self, scored: Scored) -> None:  # no runner, batch or job: ``result()`` returns ``scored``
-        self._scored = scored
+    assert metric == "seq_reward", metric  # validation checks it is one of FILTER_METRICS
+    return scores_B + overlong_penalty_B(cfg.reward.overlong_buffer, batch.response_mask,
+                                         max_length=cfg.data.max_response_length).cpu()
 
 
 def index_output(out: RewardOutput, rows: Sequence[int]) -> RewardOutput:
@@ -210,10 +179,6 @@ def _select(batch: RolloutBatch, output: RewardOutput, groups: torch.Tensor, n: 
                                                                                                RewardOutput]:
     rows = (groups[:, None] * n + torch.arange(n)).flatten().tolist()
     return batch.index(rows), index_output(output, rows)
-
-
-def _empty_output() -> RewardOutput:
-    return RewardOutput(scores_B=torch.zeros(0), correct_B=None)
 
 
 def _gather(local: RolloutBatch, output: RewardOutput, metric_B: torch.Tensor) -> tuple[RolloutBatch, RewardOutput,

@@ -8,10 +8,10 @@ Memory: the whole model in fp32 on this machine's CPU.
 OUT must be new or empty, or hold an earlier export to the same path (replaced atomically); anything
 else needs ``--overwrite``, and OUT may never be, lie inside or contain CKPT.
 
-A LoRA checkpoint (``lora.json``: adapters only, :mod:`hybridrl.lora_checkpoint`) is loaded onto the base model
+A LoRA checkpoint (``lora.json``: adapters only, :mod:`hybridrl.lora.checkpoint`) is loaded onto the base model
 it names, after checking the base's SHA-256; ``--merged`` (default) writes W + (alpha/r)·B·A through the same
 stream as the engine's weight sync (bitwise the engine's weights), ``--adapter`` a peft adapter folder
-(:mod:`hybridrl.lora_peft`).
+(:mod:`hybridrl.lora.peft`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
-from hybridrl.hf_checkpoint import HFArch, output_problem, save_hf_checkpoint
-from hybridrl.lora_checkpoint import LORA_RECORD, check_base, read_record, record_config
-from hybridrl.lora_peft import write_peft_adapter
+from hybridrl.hf.arch import HFArch
+from hybridrl.hf.write import output_problem, save_hf_checkpoint
+from hybridrl.lora.checkpoint import LORA_RECORD, check_base, read_record, record_config
+from hybridrl.lora.peft import write_peft_adapter
 from hybridrl.megatron.lora import apply_lora, is_lora_name
 from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel

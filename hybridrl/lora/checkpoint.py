@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hybridrl.hf_checkpoint import tensor_files
-from hybridrl.lora_config import LoRAConfig
+from hybridrl.hf.tensors import tensor_files
+from hybridrl.lora.config import LoRAConfig
 
 LORA_RECORD = "lora.json"
 

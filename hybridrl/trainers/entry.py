@@ -8,7 +8,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from hybridrl import dist_check
 from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
@@ -16,6 +15,7 @@ from hybridrl.config.errors import ConfigError
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.config.validate import validate, validate_sft, world_from_env
+from hybridrl.distributed import check as dist_check
 from hybridrl.tracking import say
 
 
@@ -32,9 +32,9 @@ def run_rl(dcfg: DictConfig) -> dict[str, float]:
         print(f"hybridrl: {e}", file=sys.stderr)
         sys.exit(2)
     say("config OK\n" + plan.render())
-    from hybridrl.components import build_components  # heavy imports (Megatron) only after validation
     from hybridrl.megatron.parallel import destroy_parallel
-    from hybridrl.trainer import fit
+    from hybridrl.trainers.components import build_components  # heavy imports (Megatron) only after validation
+    from hybridrl.trainers.rl import fit
 
     c = build_components(cfg, plan)
     try:
@@ -49,13 +49,13 @@ def run_rl(dcfg: DictConfig) -> dict[str, float]:
 def run_sft(dcfg: DictConfig) -> dict[str, float]:
     cfg = _typed(to_typed, dcfg)
     assert isinstance(cfg, SFTConfig)
-    return _run_offline(cfg, validate_sft, "hybridrl.sft", "fit_sft")
+    return _run_offline(cfg, validate_sft, "hybridrl.trainers.sft", "fit_sft")
 
 
 def run_dpo(dcfg: DictConfig) -> dict[str, float]:
     cfg = _typed(to_typed_dpo, dcfg)
     assert isinstance(cfg, DPOConfig)
-    return _run_offline(cfg, validate_dpo, "hybridrl.dpo", "fit_dpo")
+    return _run_offline(cfg, validate_dpo, "hybridrl.trainers.dpo", "fit_dpo")
 
 
 def _typed(convert: Callable[[DictConfig], Any], dcfg: DictConfig) -> Any:

@@ -1,0 +1,110 @@
+"""The offline trainers' skeleton (SFT, DPO): a fixed dataset, one optimizer step per loader batch, held-out metrics
+every ``trainer.test_freq`` steps and at the end, an HF checkpoint at ``trainer.save_path``.
+
+    start (process groups, the output-dir lock, seeds, tokenizer, datasets, loader, the policy)
+    for each step: metrics = job.step(policy, batch); + job.validate(...) when due; log
+    save the policy as an HF checkpoint (LoRA: the merged weights)
+
+A job (:class:`OfflineJob`) says what differs: its datasets, how a loader batch becomes one optimizer step, and its
+held-out metrics. The policy is the RL actor's ``MegatronPolicy`` (every TP/PP/CP/DP layout, LoRA); a job that
+needs a reference builds it with :func:`hybridrl.megatron.policy.reference_policy`, as the RL loop does.
+Unlike the RL trainer, there is no mid-run checkpoint or resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from hybridrl.config.sft_schema import SFTTrainerConfig
+from hybridrl.data.collate import PromptBatch
+from hybridrl.data.loader import PromptLoader
+from hybridrl.data.sampler import SamplerConfig
+from hybridrl.hf.write import save_hf_checkpoint
+from hybridrl.lora.config import LoRAConfig
+from hybridrl.megatron.parallel import init_parallel, seed_everything
+from hybridrl.megatron.policy import MegatronPolicy, parallel_config
+from hybridrl.run_lock import hold_output_dir
+from hybridrl.tracking import Tracker, say
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from hybridrl.config.schema import ModelConfig
+    from hybridrl.megatron.config import MegatronConfig, OptimConfig
+
+
+class OfflineConfig(Protocol):
+    """What the skeleton reads of an SFT or DPO config (``data`` as far as the loader goes)."""
+
+    model: ModelConfig
+    megatron: MegatronConfig
+    optim: OptimConfig
+    trainer: SFTTrainerConfig
+
+
+class OfflineJob(Protocol):
+    name: str  # "SFT", "DPO": the start of its log lines
+
+    def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, Dataset | None]:
+        """The training rows and the held-out ones (None: no validation)."""
+
+    def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
+              train: Dataset) -> str:
+        """Called once the policy is built (a reference, loss settings); returns the start line's text."""
+
+    def step(self, policy: MegatronPolicy, prompts: PromptBatch) -> dict[str, float]:
+        """One optimizer step on one loader batch; its metrics, as logged."""
+
+    def validate(self, policy: MegatronPolicy, val: Dataset) -> dict[str, float]:
+        """The held-out metrics (every DP rank scores its share: :func:`dp_strided_passes`)."""
+
+
+def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, shuffle: bool) -> dict[str, float]:
+    init_parallel(parallel_config(cfg.megatron))
+    t = cfg.trainer
+    hold_output_dir(t.output_dir)  # before anything is written: a second run on it fails here
+    seed_everything(t.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    train, val = job.datasets(tokenizer)
+    loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=train_batch_size, shuffle=shuffle,
+                                                       seed=t.seed),
+                          dp_rank=parallel_state.get_data_parallel_rank(),
+                          dp_size=parallel_state.get_data_parallel_world_size())
+    policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
+                            total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id,
+                            lora=LoRAConfig.from_model(cfg.model, key="model"))  # LoRA: saves the merged weights
+    say(f"{job.name}: " + job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
+    tracker = Tracker(t, config={}, rank=dist.get_rank())
+    metrics: dict[str, float] = {}
+    for step, prompts in zip(range(1, t.total_training_steps + 1), _epochs(loader), strict=False):
+        metrics = job.step(policy, prompts)
+        if val is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
+            metrics |= job.validate(policy, val)
+        tracker.log(metrics, step=step)
+    say(f"{job.name}: saving the HF checkpoint to {t.save_path}")
+    save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
+                       key="trainer.save_path", overwrite=t.overwrite_save_path,
+                       overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path])
+    tracker.close()
+    return metrics
+
+
+def _epochs(loader: PromptLoader) -> Iterator[PromptBatch]:
+    while True:
+        yield from loader
+
+
+def dp_strided_passes(n: int, rows: int) -> Iterator[tuple[list[int], float]]:
+    """This DP rank's share of ``n`` held-out rows (every DP-size-th one), in passes of at most ``rows``:
+    ``(indices, weight)``. Every rank runs the same number of passes (their forwards are collectives); a rank with
+    nothing left gets row 0 with weight 0, a pass that counts for nothing."""
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mine = list(range(dp_rank, n, dp_size))
+    for start in range(0, -(-n // dp_size), rows):
+        idx = mine[start:start + rows]
+        yield (idx, 1.0) if idx else ([0], 0.0)

@@ -1,0 +1,92 @@
+"""Supervised fine-tuning of the Megatron actor on prompt → response pairs; saves an HF checkpoint.
+
+    L = -(1/N) Σ_i Σ_t m_{i,t} log π(y_{i,t} | x_i, y_{i,<t}),   N = Σ m over the global batch
+
+Loss on the response tokens only (EOS appended to each target), token-mean over the whole
+optimizer batch across micro-batches and DP ranks (the same normalisation as the RL actor).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from hybridrl.algorithms.loss_agg import aggregate
+from hybridrl.batch import RolloutBatch
+from hybridrl.config.sft_schema import SFTConfig
+from hybridrl.data.collate import PromptBatch, collate_prompts
+from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
+from hybridrl.megatron.config import MicroBatching
+from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.metrics import DPMeans
+from hybridrl.trainers.offline import dp_strided_passes, fit_offline
+
+
+def sft_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, max_response_length: int) -> RolloutBatch:
+    """Targets = tokenized ground truth + EOS, right-padded, as a RolloutBatch the actor can train on."""
+    eos = tokenizer.eos_token_id
+    targets = []
+    for meta in prompts.meta:
+        if meta.ground_truth is None:
+            raise ValueError("an SFT row has no response (data.response_key)")
+        ids = tokenizer(meta.ground_truth, add_special_tokens=False)["input_ids"][:max_response_length - 1]
+        targets.append(ids + [eos])
+    B, T = len(targets), max(len(t) for t in targets)
+    response_ids_BT = torch.full((B, T), prompts.pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros((B, T), dtype=torch.long)
+    for b, ids in enumerate(targets):
+        response_ids_BT[b, :len(ids)] = torch.tensor(ids)
+        mask_BT[b, :len(ids)] = 1
+    return RolloutBatch(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
+                        response_ids=response_ids_BT, response_mask=mask_BT, rollout_logprobs=torch.zeros(B, T),
+                        weight_version=torch.zeros(B, dtype=torch.long), group_index=prompts.index,
+                        meta=prompts.meta, pad_token_id=prompts.pad_token_id)
+
+
+def nll_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
+             normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's share of the token-mean NLL of the whole batch (``normalizer``: its token count)."""
+    loss = -aggregate(logprobs_BT, mb.loss_mask, "token-mean", global_normalizer=normalizer)
+    return loss, {"loss_sum": loss.detach()}
+
+
+class SFTJob:
+    """:class:`~hybridrl.trainers.offline.OfflineJob` of supervised fine-tuning."""
+
+    name = "SFT"
+
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg = cfg
+        self.micro = MicroBatching(micro_batch_size=cfg.data.micro_batch_size_per_gpu)
+
+    def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[PromptDataset, PromptDataset | None]:
+        d = self.cfg.data
+        config = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.response_key,
+                                     apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length)
+        train = PromptDataset(d.train_files, tokenizer=tokenizer, config=config)
+        return train, PromptDataset(d.val_files, tokenizer=tokenizer, config=config) if d.val_files else None
+
+    def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
+              train: PromptDataset) -> str:
+        self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
+        return (f"{len(train)} pairs, {self.cfg.trainer.total_training_steps} steps of "
+                f"{self.cfg.data.train_batch_size} samples")
+
+    def step(self, policy: MegatronPolicy, prompts: PromptBatch) -> dict[str, float]:
+        batch = sft_batch(prompts, self.tokenizer, max_response_length=self.cfg.data.max_response_length)
+        metrics = policy.train_step(batch, nll_loss, batching=self.micro, loss_agg_mode="token-mean")
+        return {f"sft/{k}": v for k, v in metrics.items()}
+
+    def validate(self, policy: MegatronPolicy, val: PromptDataset) -> dict[str, float]:
+        """Token-mean NLL of the held-out pairs (``data.val_files``), each DP rank scoring its share."""
+        m = DPMeans()
+        for idx, weight in dp_strided_passes(len(val), rows=256):  # pairs per forward-only pass
+            batch = sft_batch(collate_prompts([val[i] for i in idx], idx, pad_token_id=self.pad_token_id),
+                              self.tokenizer, max_response_length=self.cfg.data.max_response_length)
+            logp_BT, _ = policy.compute_log_probs(batch, batching=self.micro)
+            m.add("val/loss", -(logp_BT * batch.loss_mask).sum() * weight, batch.loss_mask.sum() * weight)
+        return {"val/loss": m.reduce()["val/loss"]}
+
+
+def fit_sft(cfg: SFTConfig) -> dict[str, float]:
+    return fit_offline(cfg, SFTJob(cfg), train_batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle)
