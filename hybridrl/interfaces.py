@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from hybridrl.batch import RolloutBatch
+    from hybridrl.batch import RolloutBatch, SampleMeta
     from hybridrl.data.collate import PromptBatch
     from hybridrl.metrics import Timer
 
@@ -133,7 +133,7 @@ class Rollout(Protocol):
 
 @dataclass(slots=True, kw_only=True)
 class RewardOutput:
-    scores_B: torch.Tensor  # [B] sequence-level score, placed on the last response token by the loop
+    scores_B: torch.Tensor  # [B] sequence-level score, placed on the last trained (loss_mask) token by the loop
     # [B] bool: the sample's answer is right (accuracy metrics); None: the reward has no notion of
     # correctness, and accuracy counts score > 0
     correct_B: torch.Tensor | None = None
@@ -199,3 +199,48 @@ class PolicyLoss(Protocol):
         ``global_normalizer`` replaces the batch's own denominator of ``loss_agg_mode`` (see
         ``hybridrl.algorithms.loss_agg``), so micro-batch losses add up to the mini-batch loss.
         """
+
+
+@dataclass(slots=True, kw_only=True)
+class EnvStep:
+    """What an environment says after the assistant's turn."""
+
+    messages: list[dict[str, Any]]  # chat messages ({"role": ..., "content": ...}) appended to the conversation
+    done: bool  # the episode is over (no further assistant turn)
+    reward: float | None = None  # this step's reward (None: none)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A function the policy can call by ``schema["function"]["name"]`` in a multi-turn rollout (group
+    ``hybridrl.tools``, config key ``actor_rollout_ref.rollout.multi_turn.tools``). Built with no ctx (a tool
+    takes ``**ctx`` so that later context keys do not break it).
+
+    ``schema`` is an OpenAI function schema ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``. ``__call__`` returns the observation text the policy reads next; it may be a coroutine
+    function. An exception is an error observation for the policy, never a crash of the run.
+    """
+
+    Config: ClassVar[type]
+    schema: dict[str, Any]
+
+    def __call__(self, arguments: dict[str, Any]) -> str: ...
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One environment episode: :meth:`step` answers each assistant turn (``{"role": "assistant", "content": str}``);
+    it may be a coroutine function. ``close()`` is optional."""
+
+    def step(self, message: dict[str, Any]) -> EnvStep: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Opens an episode per sample (group ``hybridrl.environments``, config key
+    ``actor_rollout_ref.rollout.multi_turn.environment``). Built with no ctx (takes ``**ctx``)."""
+
+    Config: ClassVar[type]
+
+    def open(self, meta: SampleMeta, *, seed: int) -> Episode: ...

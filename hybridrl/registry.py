@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from hybridrl.interfaces import AdvantageEstimator, PolicyLoss, RewardManager, RolloutEngine
+from hybridrl.interfaces import AdvantageEstimator, Environment, PolicyLoss, RewardManager, RolloutEngine, Tool
 
 GROUPS: dict[str, str] = {
     "rollout_engines": "hybridrl.rollout_engines",
     "reward_managers": "hybridrl.reward_managers",
     "advantage_estimators": "hybridrl.advantage_estimators",
     "policy_losses": "hybridrl.policy_losses",
+    "tools": "hybridrl.tools",
+    "environments": "hybridrl.environments",
 }
 # the protocol that the plugins of each group implement
 PROTOCOLS: dict[str, type] = {
@@ -39,6 +41,8 @@ PROTOCOLS: dict[str, type] = {
     "reward_managers": RewardManager,
     "advantage_estimators": AdvantageEstimator,
     "policy_losses": PolicyLoss,
+    "tools": Tool,
+    "environments": Environment,
 }
 
 

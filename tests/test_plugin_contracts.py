@@ -24,7 +24,7 @@ from hybridrl import testing
 from hybridrl.interfaces import RewardOutput
 from hybridrl.models.char_tokenizer import make_char_tokenizer
 from hybridrl.models.tiny import make_tiny_model, make_tiny_reward_model
-from hybridrl.registry import PluginEntry, all_entries, make_plugin_config
+from hybridrl.registry import GROUPS, PluginEntry, all_entries, make_plugin_config
 from hybridrl.testing import ContractViolation
 
 torch.set_num_threads(1)
@@ -111,10 +111,22 @@ def test_rollout_engine(entry: PluginEntry, policy_model: Path, monkeypatch: pyt
     testing.check_rollout_engine(cls, config=config, model_path=policy_model, **options)
 
 
+@pytest.mark.parametrize("entry", _cases("tools"))
+def test_tool(entry: PluginEntry) -> None:
+    cls, config = _config(entry, {})
+    testing.check_tool(cls, config=config)
+
+
+@pytest.mark.parametrize("entry", _cases("environments"))
+def test_environment(entry: PluginEntry) -> None:
+    cls, config = _config(entry, {})
+    testing.check_environment(cls, config=config)
+
+
 def test_every_installed_plugin_is_covered() -> None:
     covered = {p.values[0] for group in testing.CHECKS for p in _cases(group)}  # type: ignore[attr-defined]
     assert set(ENTRIES) == covered
-    assert {e.group for e in ENTRIES} == set(testing.CHECKS)
+    assert {e.group for e in ENTRIES} == set(testing.CHECKS) == set(GROUPS)  # every group has a check and a plugin
 
 
 # ---- the kit catches broken plugins -------------------------------------------------------------------
@@ -265,3 +277,82 @@ def test_the_kit_catches_a_broken_policy_loss(cls: type, check: str) -> None:
     with pytest.raises(ContractViolation) as err:
         testing.check_policy_loss(cls)
     assert repr(check) in str(err.value), err.value
+
+
+class _Echo:
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class Config:
+        pass
+
+    schema: ClassVar[dict[str, Any]] = {"type": "function", "function": {
+        "name": "echo", "description": "says it back", "parameters": {
+            "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+    def __init__(self, config: Any = None, **ctx: Any) -> None:
+        pass
+
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        return str(arguments["text"])
+
+
+class _NotText(_Echo):
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        return 42  # type: ignore[return-value]
+
+
+class _NoSchema(_Echo):
+    schema: ClassVar[dict[str, Any]] = {"name": "echo"}
+
+
+class _Drifting(_Echo):
+    calls = 0
+
+    def __call__(self, arguments: dict[str, Any]) -> str:
+        _Drifting.calls += 1
+        return str(_Drifting.calls)
+
+
+class _AsyncEcho(_Echo):
+    async def __call__(self, arguments: dict[str, Any]) -> str:  # type: ignore[override]
+        return "async " + str(arguments["text"])
+
+
+def test_the_kit_passes_good_tools_sync_or_async_and_catches_broken_ones() -> None:
+    testing.check_tool(_Echo)
+    testing.check_tool(_AsyncEcho)
+    for cls, check in ((_NotText, "returns str"), (_NoSchema, "schema"), (_Drifting, "same call, same text")):
+        with pytest.raises(ContractViolation, match=check):
+            testing.check_tool(cls)
+
+
+class _Guess:
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class Config:
+        pass
+
+    def __init__(self, config: Any = None, **ctx: Any) -> None:
+        pass
+
+    def open(self, meta: Any, *, seed: int) -> Any:
+        from hybridrl.interfaces import EnvStep
+
+        class Episode:
+            def step(self, message: dict[str, Any]) -> EnvStep:
+                return EnvStep(messages=[{"role": "user", "content": "again"}], done=message["content"] == "4")
+        return Episode()
+
+
+class _BadMessages(_Guess):
+    def open(self, meta: Any, *, seed: int) -> Any:
+        from hybridrl.interfaces import EnvStep
+
+        class Episode:
+            def step(self, message: dict[str, Any]) -> EnvStep:
+                return EnvStep(messages=["again"], done=True)  # type: ignore[list-item]
+        return Episode()
+
+
+def test_the_kit_passes_a_good_environment_and_catches_bad_messages() -> None:
+    testing.check_environment(_Guess)
+    with pytest.raises(ContractViolation, match="EnvStep.messages"):
+        testing.check_environment(_BadMessages)

@@ -26,6 +26,7 @@ from hybridrl.algorithms.kl_controller import KLControlConfig
 from hybridrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from hybridrl.megatron.config import CriticMegatronConfig, MegatronConfig, OptimConfig, RefMegatronConfig
 from hybridrl.rewards.execution import RewardConfig
+from hybridrl.tools.config import MultiTurnConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # trainer.device
 
@@ -100,6 +101,7 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     val_kwargs: RolloutValConfig = field(default_factory=RolloutValConfig)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the engine plugin's Config
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tool-calling, multi-turn rollouts
 
 
 @dataclass(kw_only=True, slots=True)

@@ -43,6 +43,7 @@ from hybridrl.registry import PluginError, Registry
 from hybridrl.rewards.execution import config_problems as reward_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 from hybridrl.run_lock import output_dir_problem
+from hybridrl.tools.config import config_problems as multi_turn_problems
 from hybridrl.tracking import LOGGERS, missing_logger_packages
 
 
@@ -118,6 +119,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         issues.add(key, value, message)
     _check_rollout_correction(cfg, issues)
     _check_plugins(cfg, plan, issues)
+    _check_multi_turn(cfg, issues)
     if "critic" in plan.roles:
         _check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
     _check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
@@ -303,6 +305,17 @@ def _check_rollout_correction(cfg: RLConfig, issues: _Issues) -> None:
     # RolloutEngine contract, and the batch builder rejects a missing one), so no engine capability is checked
     for key, value, message in rollout_correction_problems(cfg.algorithm.rollout_correction):
         issues.add(key, value, message)
+
+
+def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:
+    key = f"{AOR}.rollout.multi_turn"
+    problems = multi_turn_problems(
+        cfg.actor_rollout_ref.rollout.multi_turn,
+        load_tool=lambda name: Registry("tools").load(name, key=f"{key}.tools"),
+        environments=lambda name: Registry("environments").load(name, key=f"{key}.environment"),
+        check_kwargs=lambda group, name, kwargs, kwargs_key: Registry(group).make_config(name, kwargs, key=kwargs_key))
+    for k, value, message in problems:
+        issues.add(k, value, message)
 
 
 def _check_plugins(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:

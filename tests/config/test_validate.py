@@ -313,3 +313,29 @@ def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
     assert all("must be below trainer.dist_timeout_s=100.0" in m for m in found)
     assert issues(base, "trainer.dist_timeout_s=100", "reward.timeout_s=30") == []
     assert only(base, "reward.timeout_s=null").startswith("reward.timeout_s: must be below")  # no limit: too long
+
+
+# ---- actor_rollout_ref.rollout.multi_turn ----
+MT = f"{AOR}.rollout.multi_turn"
+
+
+def test_multi_turn_settings_name_their_keys_and_the_installed_plugins(base: list[str]) -> None:
+    found = issues(base, f"{MT}.enable=true", f"{MT}.tools=[calculator,calculatr,calculator]",
+                   f"+{MT}.tool_kwargs.calculator.max_digit=3", f"+{MT}.tool_kwargs.python.timeout=1",
+                   f"{MT}.environment=arith", f"{MT}.format=xml", f"{MT}.tool_timeout_s=0",
+                   f"{MT}.max_assistant_turns=0", f"{MT}.max_tool_response_length=0")
+    text = "\n".join(found)
+    assert f"{MT}.max_assistant_turns=0: must be ≥ 1" in text and f"{MT}.tool_timeout_s=0" in text
+    assert f"{MT}.max_tool_response_length=0" in text and f"{MT}.format='xml'" in text and "valid: hermes" in text
+    assert f"{MT}.tool_kwargs=['python']: names tools that are not in" in text
+    assert "'calculatr'" in text and "installed: calculator" in text  # an unknown tool lists the installed ones
+    assert f"unknown key {MT}.tool_kwargs.calculator.max_digit" in text and "max_digits" in text
+    assert "'calculator' is listed twice" in text
+    assert f"{MT}.environment='arith'" in text and "arithmetic_feedback" in text
+    assert f"{MT}.enable=True: the multi-turn rollout is not in this build yet" in text
+
+
+def test_multi_turn_off_by_default_and_valid_settings_pass(base: list[str]) -> None:
+    assert issues(base) == []
+    assert issues(base, f"{MT}.tools=[calculator]", f"{MT}.environment=arithmetic_feedback",
+                  f"+{MT}.tool_kwargs.calculator.max_digits=50", f"+{MT}.environment_kwargs.max_tries=3") == []

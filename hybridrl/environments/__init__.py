@@ -1,0 +1,1 @@
+"""Built-in environments of multi-turn rollouts (entry-point group ``hybridrl.environments``)."""
