@@ -565,7 +565,7 @@ def _run(fn: Callable[..., Any], *args: Any) -> Any:
     import inspect
 
     out = fn(*args)
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
 
 
 def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str, Any]] = ()) -> None:

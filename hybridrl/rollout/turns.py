@@ -43,11 +43,12 @@ class TurnRenderer:
         if tokenizer.eos_token_id is None:
             raise TemplateError("the tokenizer has no eos_token: it ends the policy's turns")
         self.tokenizer, self.tools = tokenizer, list(tools)
-        self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+        self.eos_text = str(tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id))
 
     def render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tools=self.tools or None, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        tools: Any = self.tools or None
+        return str(self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -61,7 +62,7 @@ class TurnRenderer:
         ids = list(sampled_ids)
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def appended_ids(self, history: Sequence[Message], new: Sequence[Message], *, sampled_ids: Sequence[int],
                      generation_prompt: bool = True) -> list[int]:

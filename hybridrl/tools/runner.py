@@ -116,7 +116,7 @@ class ToolRunner:
 
 def _call(tool: Callable[[dict[str, Any]], Any], arguments: dict[str, Any]) -> Any:
     result = tool(arguments)
-    return asyncio.run(result) if inspect.isawaitable(result) else result  # a coroutine tool: its own loop
+    return asyncio.run(result) if inspect.iscoroutine(result) else result  # a coroutine tool: its own loop
 
 
 def _error(message: str) -> Observation:

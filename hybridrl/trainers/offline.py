@@ -14,7 +14,7 @@ Unlike the RL trainer, there is no mid-run checkpoint or resume.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -32,8 +32,6 @@ from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset
-
     from hybridrl.config.schema import ModelConfig
     from hybridrl.megatron.config import MegatronConfig, OptimConfig
 
@@ -50,17 +48,17 @@ class OfflineConfig(Protocol):
 class OfflineJob(Protocol):
     name: str  # "SFT", "DPO": the start of its log lines
 
-    def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, Dataset | None]:
-        """The training rows and the held-out ones (None: no validation)."""
+    def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Any, Any]:
+        """The training rows (a ``PromptDataset``) and the held-out ones (None: no validation)."""
 
     def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
-              train: Dataset) -> str:
+              train: Any) -> str:
         """Called once the policy is built (a reference, loss settings); returns the start line's text."""
 
     def step(self, policy: MegatronPolicy, prompts: PromptBatch) -> dict[str, float]:
         """One optimizer step on one loader batch; its metrics, as logged."""
 
-    def validate(self, policy: MegatronPolicy, val: Dataset) -> dict[str, float]:
+    def validate(self, policy: MegatronPolicy, val: Any) -> dict[str, float]:
         """The held-out metrics (every DP rank scores its share: :func:`dp_strided_passes`)."""
 
 
