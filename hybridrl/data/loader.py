@@ -31,6 +31,11 @@ class PromptLoader:
         for indices in self.sampler:
             yield collate_prompts([self.dataset[i] for i in indices], indices, pad_token_id=self.pad_token_id)
 
+    def forever(self) -> Iterator[PromptBatch]:
+        """Batch after batch, epoch after epoch (nothing is drawn before the first ``next``)."""
+        while True:
+            yield from self
+
     @property
     def epoch(self) -> int:
         return self.sampler.epoch

@@ -1,4 +1,4 @@
-"""Everything the RL loop needs, built from a validated config (the loop itself is ``trainer.py``)."""
+"""Everything the RL loop needs, built from a validated config (the loop itself is ``rl.py``)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ class Components:
     resume_step: int = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
 
     def prompts(self) -> Iterator[PromptBatch]:
-        """A new stream over the training prompts (the rollout holds its own: :func:`_prompt_stream`)."""
-        return _prompt_stream(self.loader)
+        """A new stream over the training prompts (the rollout holds its own)."""
+        return self.loader.forever()
 
     def val_batches(self) -> Iterator[PromptBatch]:
         """The validation set in batches of ``data.val_batch_size`` prompts (each prompt exactly once)."""
@@ -102,7 +102,9 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
-    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=_prompt_stream(loader), reward=reward)
+    # each step's whole prompt batch, the same on every rank (under algorithm.filter_groups: each round's); the
+    # rollout hands each rank its DP share of the samples; resumable through the loader
+    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), reward=reward)
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
@@ -118,14 +120,6 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     return Components(cfg=cfg, plan=plan, tokenizer=tokenizer, loader=loader, val_dataset=val,
                       hybrid=hybrid, rollout=rollout, reward=reward, estimator=estimator, kl_ctrl=kl_ctrl,
                       tracker=tracker, model_path=model_path, resume_step=resume_step)
-
-
-def _prompt_stream(loader: PromptLoader) -> Iterator[PromptBatch]:
-    """Each step's whole prompt batch (the same on every rank; under ``algorithm.filter_groups`` each generation
-    round's), epoch after epoch (resumable through ``loader``: nothing is drawn before the first ``next``); the
-    rollout hands each rank its DP share of the samples."""
-    while True:
-        yield from loader
 
 
 def actor_objective(cfg: RLConfig) -> ActorObjective:

@@ -79,7 +79,7 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
     say(f"{job.name}: " + job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     metrics: dict[str, float] = {}
-    for step, prompts in zip(range(1, t.total_training_steps + 1), _epochs(loader), strict=False):
+    for step, prompts in zip(range(1, t.total_training_steps + 1), loader.forever(), strict=False):
         metrics = job.step(policy, prompts)
         if val is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
             metrics |= job.validate(policy, val)
@@ -90,11 +90,6 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
                        overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path])
     tracker.close()
     return metrics
-
-
-def _epochs(loader: PromptLoader) -> Iterator[PromptBatch]:
-    while True:
-        yield from loader
 
 
 def dp_strided_passes(n: int, rows: int) -> Iterator[tuple[list[int], float]]:
