@@ -33,7 +33,7 @@ from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, reference_policy
 from hybridrl.registry import Registry
-from hybridrl.rollout.colocated import ColocatedRollout
+from hybridrl.rollout.colocated import ColocatedEngines
 
 
 class ActorRolloutRef:
@@ -63,14 +63,14 @@ class ActorRolloutRef:
             self.critic_offload = PolicyOffload(self.critic, params=cm.param_offload, grads=cm.grad_offload,
                                                 optimizer=cm.optimizer_offload)
         r = config.rollout
-        self.rollout = ColocatedRollout(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
+        self.engines = ColocatedEngines(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
             "rollout_engines").build(r.name, r.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
                                      model_path=model_dir, **where))
         self.logprob_temperature = r.temperature if r.temperature > 0 else 1.0  # engines: T=0 is untempered
 
     @property
     def weight_version(self) -> int:
-        return self.rollout.weight_version
+        return self.engines.weight_version
 
     # ---- generate phase ----
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
@@ -78,7 +78,7 @@ class ActorRolloutRef:
         for offload in (self.actor_offload, self.ref_offload, self.critic_offload):
             if offload is not None:
                 offload.offload()
-        return self.rollout.generate(prompts, params, seed=seed)
+        return self.engines.generate(prompts, params, seed=seed)
 
     # ---- train phase ----
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -163,12 +163,12 @@ class ActorRolloutRef:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
                 yield bucket
 
-        self.rollout.update_weights(counted(self.actor.export_weights(bucket_bytes=bucket_bytes)),
+        self.engines.update_weights(counted(self.actor.export_weights(bucket_bytes=bucket_bytes)),
                                     version=self.weight_version + 1 if version is None else version)
         return sent / 2**20
 
     def shutdown(self) -> None:
-        self.rollout.shutdown()
+        self.engines.shutdown()
 
 
 def _epochs(batch: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]], *, epochs: int, mini_batch: int,

@@ -1,4 +1,4 @@
-"""Colocated rollout: the engines of a run placed as the plan says, and the samples routed to the trainers.
+"""Colocated engines: the rollout engines of a run placed as the plan says, and their samples routed to the trainers.
 
 Every rank runs this same code. The plan (:mod:`hybridrl.config.plan`) puts one engine on each group of
 ``rollout.tensor_model_parallel_size`` consecutive ranks; the group's first rank builds it on the
@@ -31,7 +31,7 @@ from hybridrl.rollout.batching import rollout_batch_from_generations
 EngineFactory = Callable[..., RolloutEngine]
 
 
-class ColocatedRollout:
+class ColocatedEngines:
     def __init__(self, plan: Plan, *, build_engine: EngineFactory, pad_token_id: int) -> None:
         self.plan = plan
         self.rank = dist.get_rank()

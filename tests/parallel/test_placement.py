@@ -1,7 +1,7 @@
 """The engines the runtime starts are the ones ``hybridrl validate`` prints — or the layout is rejected.
 
 For each layout of the table, the plan comes from ``hybridrl validate`` (its printed engine lines are
-parsed) and the runtime's :class:`ColocatedRollout` is built from it on that many gloo ranks
+parsed) and the runtime's :class:`ColocatedEngines` is built from it on that many gloo ranks
 (``workers/placement.py``, one torchrun launch per world size): each rank reports the engine it
 started (device, TP size), which prompts that engine generated, and the samples it got back. Checked:
 started engines == printed engines; the engines' shares cover the batch once; every rank holds exactly

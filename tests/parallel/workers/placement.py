@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hybridrl.batch import SampleMeta
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import Generation, SamplingParams
-from hybridrl.rollout.colocated import ColocatedRollout
+from hybridrl.rollout.colocated import ColocatedEngines
 
 STARTED: list[dict[str, Any]] = []
 
@@ -54,7 +54,7 @@ def main() -> None:
     rank, report = dist.get_rank(), []
     for name, plan in plans:
         STARTED.clear()
-        rollout = ColocatedRollout(plan, build_engine=RecordingEngine, pad_token_id=0)
+        rollout = ColocatedEngines(plan, build_engine=RecordingEngine, pad_token_id=0)
         num = plan.batch.prompts_per_step
         prompts = PromptBatch(input_ids=torch.arange(1, num + 1)[:, None], attention_mask=torch.ones(num, 1).long(),
                               index=torch.arange(num), meta=[SampleMeta()] * num, pad_token_id=0)
