@@ -109,7 +109,7 @@ class DPOJob:
         self.ref = reference_policy(policy, model_dir=self.cfg.model.path, megatron=self.cfg.megatron,
                                     pad_token_id=pad_token_id)
         a, t = self.cfg.algorithm, self.cfg.trainer
-        return (f"({a.loss_type}, beta={a.beta}, label_smoothing={a.label_smoothing}) {len(train)} pairs, "
+        return (f"DPO ({a.loss_type}, beta={a.beta}, label_smoothing={a.label_smoothing}): {len(train)} pairs, "
                 f"{t.total_training_steps} steps of {self.cfg.data.train_batch_size} pairs")
 
     def _batch(self, prompts: PromptBatch) -> RolloutBatch:

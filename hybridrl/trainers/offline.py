@@ -53,7 +53,7 @@ class OfflineJob(Protocol):
 
     def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
               train: Any) -> str:
-        """Called once the policy is built (a reference, loss settings); returns the start line's text."""
+        """Called once the policy is built (a reference, loss settings); returns the start line, name first."""
 
     def step(self, policy: MegatronPolicy, prompts: PromptBatch) -> dict[str, float]:
         """One optimizer step on one loader batch; its metrics, as logged."""
@@ -76,7 +76,7 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
     policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
                             total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id,
                             lora=LoRAConfig.from_model(cfg.model, key="model"))  # LoRA: saves the merged weights
-    say(f"{job.name}: " + job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
+    say(job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     metrics: dict[str, float] = {}
     for step, prompts in zip(range(1, t.total_training_steps + 1), loader.forever(), strict=False):

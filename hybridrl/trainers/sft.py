@@ -69,7 +69,7 @@ class SFTJob:
     def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
               train: PromptDataset) -> str:
         self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
-        return (f"{len(train)} pairs, {self.cfg.trainer.total_training_steps} steps of "
+        return (f"SFT: {len(train)} pairs, {self.cfg.trainer.total_training_steps} steps of "
                 f"{self.cfg.data.train_batch_size} samples")
 
     def step(self, policy: MegatronPolicy, prompts: PromptBatch) -> dict[str, float]:
