@@ -56,7 +56,7 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
     monkeypatch.setenv("HYBRIDRL_CHECK_COLLECTIVES", "1")  # every collective checks its tensors' device
     # a random model never solves arithmetic; a keyword reward gives it a learning signal
     keyword = ["reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any"]
-    proc = torchrun([TRAIN, *overrides(tiny, out, *keyword)], nproc=1)
+    proc = torchrun([TRAIN, *overrides(tiny, out, *keyword, f"trainer.rollout_data_dir={out / 'rollouts'}")], nproc=1)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # eval at start, then each step
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[3]
@@ -76,6 +76,14 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
     # every step's log-prob reductions, loss normaliser and metric all-reduces went through the check (46 calls
     # with the fused log-prob kernels, which reduce max and sums in two calls; 82 without them)
     assert checked and int(checked[1]) > 30, proc.stdout[-2000:]
+    # trainer.rollout_data_dir: every step's 16 samples, their score the one the step's reward/mean averages
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
+    for r in rows[1:]:
+        dumped = [json.loads(line) for line in (out / "rollouts" / f"{r['step']}.jsonl").read_text().splitlines()]
+        assert len(dumped) == 16 and {d["step"] for d in dumped} == {r["step"]}
+        assert abs(sum(d["score"] for d in dumped) / 16 - r["reward/mean"]) <= 1e-6
+        assert all(d["turns"] == 1 and d["loss_mask"] == [1] * len(d["response_ids"]) for d in dumped)
+        assert all(d["input"].endswith("=") and d["data_source"] for d in dumped), dumped[0]
 
 
 @pytest.mark.distributed

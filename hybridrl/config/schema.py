@@ -201,6 +201,8 @@ class TrainerConfig:
     max_checkpoints_to_keep: int = 3  # older complete checkpoints are deleted (0 = keep all)
     resume: str = "auto"  # auto (newest complete checkpoint in output_dir, if any) | never | <checkpoint dir>
     save_hf_weights: bool = False  # also write the actor as an HF checkpoint into each checkpoint's hf/
+    # every step's samples as <dir>/<step>.jsonl (text, score, turns, response ids and loss mask); null: none
+    rollout_data_dir: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)

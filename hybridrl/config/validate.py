@@ -433,8 +433,9 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
         issues.add("trainer.profile_steps", list(t.profile_steps),
                    f"step(s) {bad} outside the run: valid steps are 1..{t.total_training_steps} "
                    "(trainer.total_training_steps)")
-    if not planning and (problem := output_dir_problem(t.output_dir)) is not None:
-        issues.add("trainer.output_dir", t.output_dir, problem.removeprefix(f"trainer.output_dir={t.output_dir!r} "))
+    for key, directory in (("trainer.output_dir", t.output_dir), ("trainer.rollout_data_dir", t.rollout_data_dir)):
+        if directory is not None and not planning and (problem := output_dir_problem(directory, key=key)) is not None:
+            issues.add(key, directory, problem.removeprefix(f"{key}={directory!r} "))
     if t.save_every < 0:
         issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
     if t.max_checkpoints_to_keep < 0:

@@ -22,6 +22,7 @@ from hybridrl.interfaces import PendingScores, RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
 from hybridrl.rewards.overlong import overlong_penalty_B
 from hybridrl.tracking import say
+from hybridrl.trainers import rollout_dump
 from hybridrl.trainers.components import Components
 from hybridrl.trainers.eval_metrics import add_sampled_accuracy
 from hybridrl.trainers.profiling import StepProfiler
@@ -85,6 +86,8 @@ def fit(c: Components) -> dict[str, float]:
         if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
             metrics |= evaluate(c)
         c.tracker.log(metrics, step=step)
+        if t.rollout_data_dir is not None:
+            rollout_dump.dump(t.rollout_data_dir, step, batch, scores_B, c.tokenizer)
         if t.save_every and (step % t.save_every == 0 or step == t.total_training_steps):
             c.save(step)
     return metrics
