@@ -54,12 +54,15 @@ def test_every_run_command_in_the_readme_validates(tmp_path: Path) -> None:
     runs = [m for m in re.finditer(r"torchrun\s+(.*?)launch/train\.py\s+(.*)", text)]
     assert len(runs) >= 3
     env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(tmp_path / "cache"))
+    commands: dict[tuple[str, ...], str] = {}  # each distinct command once (pages repeat the quick starts)
     for m in runs:
         n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1))
         args = [a for a in shlex.split(m.group(2).split("#")[0]) if "=" in a and not a.startswith("--")]
-        r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *args, "--world-size",
-                            n.group(1) if n else "1"], capture_output=True, text=True, env=env)
-        assert r.returncode == 0, (m.group(0), r.stderr)
+        commands.setdefault((*args, "--world-size", n.group(1) if n else "1"), m.group(0))
+    for command, line in commands.items():
+        r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *command], capture_output=True,
+                           text=True, env=env)
+        assert r.returncode == 0, (line, r.stderr)
 
 
 def test_planning_for_another_machine_imports_no_backend() -> None:
