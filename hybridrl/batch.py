@@ -38,6 +38,13 @@ class SampleMeta:
     data_source: str = ""  # dataset name, for per-source metrics
     finish_reason: str = ""  # "stop" (EOS / stop token) or "length"; "" before generation
     extra: Mapping[str, Any] = field(default_factory=dict)  # other dataset columns, untouched
+    # the chat messages the prompt was rendered from (None: a plain-text prompt); a multi-turn rollout renders
+    # its turns after them
+    messages: list[dict[str, Any]] | None = None
+    # Σ of the sample's environment rewards (a multi-turn rollout's environment; None: none): the reward runner
+    # adds it to reward.name's score
+    env_reward: float | None = None
+    env_error: str | None = None  # the sample's environment failed (reward.on_error=zero: it scores 0.0)
 
 
 @dataclass(slots=True, kw_only=True)

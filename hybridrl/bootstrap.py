@@ -24,18 +24,24 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridrl.paths import cache_dir, in_cache, recipes_dir
 from hybridrl.tracking import say
+
+if TYPE_CHECKING:
+    from hybridrl.data.rows import Row
 
 TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_positions=256, tie=True, seed=0)
 ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
@@ -48,7 +54,7 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
-DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny")
+DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft")
 MODEL_KINDS = ("tiny", "tiny_bpe", "sft:<recipe>")
 
 
@@ -85,7 +91,8 @@ def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) 
         if (problem := outside_cache_problem(kind, str(path))) is not None:
             raise ValueError(f"{key}: {path}: {problem}")
     write = {"arithmetic": write_arithmetic_task, "arithmetic_preference": write_arithmetic_preference,
-             "gsm8k_tiny": write_gsm8k_tiny_task}[kind]
+             "gsm8k_tiny": write_gsm8k_tiny_task, "products": write_products_task,
+             "arithmetic_tool_sft": write_tool_sft_task}[kind]
     _once(targets, lambda: write(*targets))
 
 
@@ -97,6 +104,37 @@ def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
     targets = [Path(train)] + ([Path(test)] if test is not None else [])
     say(f"writing the arithmetic task ({ARITHMETIC}) to {', '.join(map(str, targets))}")
     for rows, path in zip(arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC)), targets, strict=False):
+        tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+        write_rows(rows, tmp)
+        tmp.rename(path)
+
+
+def write_products_task(train: Path, test: Path | None = None) -> None:
+    """2-digit products (:data:`hybridrl.data.tool_arithmetic.PRODUCTS`): ``grpo_tool_tiny``'s task."""
+    from hybridrl.data.tool_arithmetic import PRODUCTS, product_splits
+
+    say(f"writing the products task ({PRODUCTS}) to {train}" + (f", {test}" if test else ""))
+    _write_splits(product_splits(), [Path(train)] + ([Path(test)] if test is not None else []))
+
+
+def write_tool_sft_task(train: Path, test: Path | None = None) -> None:
+    """The arithmetic splits (``ARITHMETIC``) as SFT transcripts, half through the calculator
+    (:func:`hybridrl.data.tool_arithmetic.tool_sft_rows`): ``sft_tool_tiny``'s data."""
+    from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
+    from hybridrl.data.tool_arithmetic import tool_sft_rows
+
+    say(f"writing the arithmetic task ({ARITHMETIC}) as calculator transcripts to {train}"
+        + (f", {test}" if test else ""))
+    splits = arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC))  # type: ignore[arg-type]
+    _write_splits([tool_sft_rows(rows, seed=i) for i, rows in enumerate(splits)],
+                  [Path(train)] + ([Path(test)] if test is not None else []))
+
+
+def _write_splits(splits: Sequence[list[Row]], targets: list[Path]) -> None:
+    """Each split at its target, written atomically (a temporary file renamed into place)."""
+    from hybridrl.data.rows import write_rows
+
+    for rows, path in zip(splits, targets, strict=False):
         tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
         write_rows(rows, tmp)
         tmp.rename(path)
@@ -208,6 +246,8 @@ def _sft_build_key(recipe: str) -> str:
     # the settings of the builds the recipe names (so a change to one task does not rebuild the other's models)
     extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE))
                     if kind in text)
+    if "arithmetic_tool_sft" in text:  # the transcripts' layout is part of the warm start
+        extra += "\n" + inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic"))
     return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}{extra}".encode()).hexdigest()[:16]
 
 

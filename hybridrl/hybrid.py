@@ -16,6 +16,7 @@ Who does what (every rank runs this same code):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -75,10 +76,18 @@ class ActorRolloutRef:
     # ---- generate phase ----
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """Samples of the whole batch ``prompts``; this rank gets its DP rank's share."""
+        with self.generating() as engines:
+            return engines.generate(prompts, params, seed=seed)
+
+    @contextmanager
+    def generating(self) -> Iterator[ColocatedEngines]:
+        """The generate phase: the trainers' state waits in host memory as the ``*_offload`` keys say, the engines
+        hold theirs (over all the calls inside: a multi-turn rollout's turns)."""
         for offload in (self.actor_offload, self.ref_offload, self.critic_offload):
             if offload is not None:
                 offload.offload()
-        return self.engines.generate(prompts, params, seed=seed)
+        with self.engines.awake():
+            yield self.engines
 
     # ---- train phase ----
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:

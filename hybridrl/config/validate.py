@@ -316,6 +316,9 @@ def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:
         check_kwargs=lambda group, name, kwargs, kwargs_key: Registry(group).make_config(name, kwargs, key=kwargs_key))
     for k, value, message in problems:
         issues.add(k, value, message)
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable and not cfg.data.apply_chat_template:
+        issues.add("data.apply_chat_template", False, f"{key}.enable renders every turn with the tokenizer's chat "
+                   "template, the prompt too: set data.apply_chat_template=true (the rows' prompts: text or messages)")
 
 
 def _check_plugins(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:

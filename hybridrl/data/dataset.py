@@ -28,7 +28,7 @@ import os
 import time
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,8 @@ class PromptDatasetConfig:
     ground_truth_key: str | None = "ground_truth"  # None: the rows carry no reference answer
     apply_chat_template: bool = True  # when the tokenizer has a chat template
     max_prompt_length: int = 64  # tokens; longer prompts are dropped
+    # OpenAI function schemas the chat template renders into the prompt (a multi-turn rollout's tools)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:
@@ -240,8 +242,17 @@ class PromptDataset:
         return SampleMeta(
             ground_truth=ground_truth,
             data_source=str(row.get("data_source") or stem),
+            messages=self._messages(_lookup(row, cfg.prompt_key, where=where, config_key="data.prompt_key"))
+            if self.use_chat_template else None,
             extra={k: v for k, v in row.items() if k not in used},
         )
+
+    @staticmethod
+    def _messages(prompt: Any) -> list[dict[str, Any]] | None:
+        """The chat messages the prompt is rendered from (a multi-turn rollout renders its turns after them)."""
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt] if _is_messages(prompt) else None
 
     def _tokenize(self, prompt: Any, *, where: str) -> list[int]:
         key = self.config.prompt_key
@@ -261,7 +272,8 @@ class PromptDataset:
         else:
             raise ValueError(f"{where}: {key!r} (data.prompt_key) must be a string or a list of "
                              f"{{'role', 'content'}} messages, got {type(prompt).__name__}: {prompt!r:.80}")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=list(self.config.tools) or None,  # type: ignore[arg-type]
+                                                  add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

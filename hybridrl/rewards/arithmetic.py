@@ -1,6 +1,7 @@
 """Reward for verifiable arithmetic: exact match of the extracted answer with ``ground_truth``.
 
-The answer is extracted from the decoded response in one of two ways (``extract``):
+The answer is extracted from the decoded response — its policy's last turn, in a multi-turn sample (the tool
+results and turns before it are not the answer) — in one of two ways (``extract``):
 - ``before_eos`` (default): the text before the first special token (EOS, ``<|endoftext|>``, ...).
   A response that never emits one (cut by ``max_response_length``) has no answer.
 - ``last_number``: the last integer (``-?\\d+``) in the text before the first special token, or in
@@ -20,7 +21,7 @@ import torch
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import RewardOutput
-from hybridrl.rewards.response_text import cut_at_end, decode, response_tokens
+from hybridrl.rewards.response_text import cut_at_end, decode, last_turn_tokens
 
 if TYPE_CHECKING:  # annotations only: static validation loads these classes without transformers
     from transformers import PreTrainedTokenizerBase
@@ -54,7 +55,7 @@ class ArithmeticReward:
         scores: list[float] = []
         correct: list[bool] = []
         has_answer: list[bool] = []
-        for i, (tokens, meta) in enumerate(zip(response_tokens(batch), batch.meta, strict=True)):
+        for i, (tokens, meta) in enumerate(zip(last_turn_tokens(batch), batch.meta, strict=True)):
             if meta.ground_truth is None:
                 raise ValueError(f"arithmetic reward: sample {i} has no ground truth; the dataset must "
                                  f"provide one (data.ground_truth_key)")

@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class RewardRunner:
         if failures:
             warn(f"{self.what}: {errors} of {len(batch)} samples failed and score 0.0 (reward.on_error=zero; "
                  f"counted in reward/errors): " + _describe(failures, batch))
-        return Scored(output=merge(parts, batch), errors=errors)
+        env_failed = sum(m.env_error is not None for m in batch.meta)
+        return Scored(output=with_env_rewards(merge(parts, batch), batch), errors=errors + env_failed)
 
     def _checked(self, parts: list[Part]) -> list[Part]:
         """``parts``, every output checked against the reward contract (a broken plugin stops the run)."""
@@ -218,6 +220,20 @@ def merge(parts: list[Part], batch: RolloutBatch) -> RewardOutput:
             for i, v in zip(p.indices, values, strict=True):
                 column[i] = v
     return RewardOutput(scores_B=scores_B, correct_B=correct_B, info=info)
+
+
+def with_env_rewards(out: RewardOutput, batch: RolloutBatch) -> RewardOutput:
+    """``out`` with each sample's environment rewards (``SampleMeta.env_reward``, Σ over its episode) added to its
+    score: a multi-turn sample scores reward.name's score + its environment's (reward ``environment`` scores 0, so
+    the environment's rewards alone). A sample whose environment failed (``env_error``; reward.on_error=zero)
+    scores 0.0 and is not correct."""
+    if all(m.env_reward is None and m.env_error is None for m in batch.meta):
+        return out
+    kw = dict(dtype=out.scores_B.dtype, device=out.scores_B.device)
+    env_B = torch.tensor([m.env_reward or 0.0 for m in batch.meta], **kw)  # type: ignore[arg-type]
+    ok_B = torch.tensor([m.env_error is None for m in batch.meta], device=out.scores_B.device)
+    correct_B = None if out.correct_B is None else out.correct_B & ok_B.to(out.correct_B.device)
+    return dataclasses.replace(out, scores_B=(out.scores_B + env_B) * ok_B, correct_B=correct_B)
 
 
 def overlaps_compute(cls: type, name: str) -> bool:

@@ -1,6 +1,8 @@
 """Which :class:`~hybridrl.interfaces.Rollout` a run uses, decided from its config in this one place.
 
 - the single-turn rollout over the colocated engines (:mod:`hybridrl.rollout.single_turn`);
+- the multi-turn rollout when ``actor_rollout_ref.rollout.multi_turn.enable`` (:mod:`hybridrl.rollout.multi_turn`):
+  its tools and environment built from their plugin groups, its chat template proven token-exact first;
 - wrapped in DAPO's dynamic sampling when ``algorithm.filter_groups.enable`` (:mod:`hybridrl.rollout.dynamic_sampling`).
 
 Rollout kinds are chosen by the config keys their users already know (verl's), not by a plugin name: a kind
@@ -11,17 +13,26 @@ below it are engines, rewards, tools and environments (their entry-point groups)
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import Rollout, SamplingParams
+from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
 from hybridrl.rollout.dynamic_sampling import DynamicSamplingRollout
-from hybridrl.rollout.single_turn import ColocatedWorkers, SingleTurnRollout
+from hybridrl.rollout.episodes import EpisodeActors
+from hybridrl.rollout.multi_turn import MultiTurnRollout
+from hybridrl.rollout.single_turn import SingleTurnRollout
+from hybridrl.rollout.turns import TurnRenderer
+from hybridrl.tools.config import KEY
+from hybridrl.tools.runner import ToolRunner, tokenizer_cut
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from hybridrl.config.plan import Plan
+    from hybridrl.hybrid import ActorRolloutRef
 
 
 def sampling_params(cfg: RLConfig) -> SamplingParams:
@@ -31,9 +42,41 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
                           max_new_tokens=cfg.data.max_response_length)
 
 
-def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ColocatedWorkers, prompts: Iterator[PromptBatch],
-                  reward: RewardRunner) -> Rollout:
-    rollout: Rollout = SingleTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg))
+def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts: Iterator[PromptBatch],
+                  reward: RewardRunner, tokenizer: PreTrainedTokenizerBase) -> Rollout:
+    rollout: Rollout
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        rollout = MultiTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg),
+                                   actors=episode_actors(cfg, tokenizer), on_error=cfg.reward.on_error,
+                                   environment=cfg.actor_rollout_ref.rollout.multi_turn.environment)
+    else:
+        rollout = SingleTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg))
     if cfg.algorithm.filter_groups.enable:
         rollout = DynamicSamplingRollout(rollout, cfg=cfg, plan=plan)
     return rollout
+
+
+def tool_schemas(cfg: RLConfig) -> list[dict[str, Any]]:
+    """The schemas of ``multi_turn.tools`` (the chat template renders them into the prompt), [] when off."""
+    return [t.schema for t in build_tools(cfg)] if cfg.actor_rollout_ref.rollout.multi_turn.enable else []
+
+
+def build_tools(cfg: RLConfig) -> list[Any]:
+    """``multi_turn.tools``, built with their ``tool_kwargs`` (a tool may make its schema from its config)."""
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = Registry("tools")
+    return [tools.build(name, m.tool_kwargs.get(name), key=f"{KEY}.tool_kwargs.{name}") for name in m.tools]
+
+
+def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> EpisodeActors:
+    """The multi-turn rollout's tools, environment and turn renderer; refuses a template that is not token-exact."""
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    built = build_tools(cfg)
+    renderer = TurnRenderer(tokenizer, tools=[t.schema for t in built])
+    renderer.check()
+    runner = ToolRunner({t.schema["function"]["name"]: t for t in built}, timeout_s=m.tool_timeout_s,
+                        max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer))
+    env = None if m.environment is None else Registry("environments").build(
+        m.environment, m.environment_kwargs, key=f"{KEY}.environment_kwargs")
+    return EpisodeActors(renderer, runner, format=m.format, environment=env,
+                         environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns)

@@ -15,7 +15,8 @@ engines, i.e. on the parallel layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -40,26 +41,56 @@ class ColocatedEngines:
         self.pad_token_id = pad_token_id
         self.weight_version = 0
         self.engine: RolloutEngine | None = None
+        self._awake = 0  # nesting depth of awake()
         if self.rank == self.placement.leader:
             self.engine = build_engine(device=self.placement.devices[0], tp_size=plan.rollout_tp)
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
         returns this rank's DP share of them."""
-        share = self.plan.engine_prompts(self.placement.index, len(prompts))
+        with self.awake():
+            gens = self.generate_ids(prompts.token_lists(), params,
+                                     seeds=[prompt_seed(seed, i) for i in range(len(prompts))])
+        return self.dp_share(prompts, gens)
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """The engines hold their memory inside (resumed once, released at the end: a multi-turn rollout keeps
+        its KV/prefix cache over its turns); calls nest."""
+        self._awake += 1
+        if self._awake == 1 and self.engine is not None:
+            self.engine.resume_memory()
+        try:
+            yield
+        finally:
+            self._awake -= 1
+            if self._awake == 0 and self.engine is not None:
+                self.engine.release_memory()
+
+    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *,
+                     seeds: Sequence[int]) -> list[Generation]:
+        """``params.n`` samples of each token-id context (the same list on every rank; ``seeds[i]`` fixes context
+        ``i``'s), split over the engines in contiguous shares; every rank gets all of them, in context order
+        (``prompt_index``: the context's position). Call inside :meth:`awake`."""
+        share = self.plan.engine_prompts(self.placement.index, len(contexts))
         made: list[Generation] = []
         if self.engine is not None and len(share):
-            self.engine.resume_memory()
-            gens = self.engine.generate(prompts.select(share).token_lists(), params,
-                                        seeds=[prompt_seed(seed, i) for i in share])
-            self.engine.release_memory()
+            gens = self.engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share])
             made = [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, made, group=host_group.get())  # host objects: over gloo
-        mine = self.plan.batch.dp_prompts(self.dp_rank, len(prompts))
-        gens = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)  # engines in rank order:
-                for part in everyone for g in part if g.prompt_index in mine]  # prompt order, then sample order
-        return rollout_batch_from_generations(prompts.select(mine), gens, pad_token_id=self.pad_token_id)
+        return [g for part in everyone for g in part]  # engines in rank order: context order, then sample order
+
+    def dp_share(self, prompts: PromptBatch, gens: Sequence[Generation]) -> RolloutBatch:
+        """This rank's DP share of the samples ``gens`` of the whole batch ``prompts`` (every rank holds all)."""
+        mine = self.dp_prompts(len(prompts))
+        kept = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)
+                for g in gens if g.prompt_index in mine]
+        return rollout_batch_from_generations(prompts.select(mine), kept, pad_token_id=self.pad_token_id)
+
+    def dp_prompts(self, num_prompts: int) -> range:
+        """The positions of the prompts of a batch of ``num_prompts`` whose samples this rank keeps."""
+        return self.plan.batch.dp_prompts(self.dp_rank, num_prompts)
 
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
         """Feed the weight stream to this rank's engine (if any) in place; every rank consumes the stream,

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
+_SENTINEL = "\u2063hybridrl-turn\u2063"  # content no policy writes: marks where a turn's content ends
 
 
 class TemplateError(ValueError):
@@ -51,7 +52,7 @@ class TurnRenderer:
                                                       add_generation_prompt=generation_prompt))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The ids of the first generation prompt."""
@@ -78,14 +79,23 @@ class TurnRenderer:
                                 "a template that only appends (e.g. one that keeps earlier turns' <think>)")
         turn = self.turn_text(sampled_ids)
         ended = bool(sampled_ids) and sampled_ids[-1] == self.tokenizer.eos_token_id
-        end = h.rfind(turn) + len(turn) if turn else h.rfind(self.eos_text)
-        if turn and h.rfind(turn) < 0:
-            raise TemplateError(f"the template does not render the policy's turn verbatim ({turn[:60]!r})")
+        suffix = self._turn_suffix(history)
+        if not h.endswith(turn + suffix):
+            raise TemplateError(f"the template does not render the policy's turn verbatim ({turn[:60]!r}) followed by "
+                                f"its end-of-turn text {suffix!r}")
+        end = len(h) - len(suffix)
         if ended:  # the EOS was sampled: what follows it is the template's
-            if not h.startswith(self.eos_text, end):
+            if not suffix.startswith(self.eos_text):
                 raise TemplateError(f"the template does not end an assistant turn with {self.eos_text!r}")
             end += len(self.eos_text)
         return self.encode(h[end:] + f[len(h):])
+
+    def _turn_suffix(self, history: Sequence[Message]) -> str:
+        """What the template writes after the content of the assistant turn ``history[-1]`` (ChatML:
+        ``"<|im_end|>\\n"``): found with a sentinel content, never by searching for the policy's text (which may
+        occur in the template's own text too: a turn of just ``"\\n"``)."""
+        text = self.render([*history[:-1], {**history[-1], "content": _SENTINEL}], generation_prompt=False)
+        return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
 
     def check(self, probe: Sequence[Message] | None = None) -> None:
         """Raise :class:`TemplateError` unless the turn-by-turn ids of ``probe`` (default: a tool-calling

@@ -25,6 +25,7 @@ class MultiTurnConfig:
     environment: str | None = None  # environment plugin name (group hybridrl.environments)
     environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's Config
     tool_timeout_s: float = 10.0  # one tool call; past it the call is an error observation
+    environment_timeout_s: float = 60.0  # one environment open()/step(); past it the episode ends as failed
     max_tool_response_length: int = 256  # tokens of a tool's output; longer is cut (and counted)
     format: str = "hermes"  # one of hybridrl.tools.calls.FORMATS
 
@@ -38,8 +39,9 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
     out: list[tuple[str, object, str]] = []
     if m.max_assistant_turns < 1:
         out.append((f"{KEY}.max_assistant_turns", m.max_assistant_turns, "must be ≥ 1"))
-    if not m.tool_timeout_s > 0:
-        out.append((f"{KEY}.tool_timeout_s", m.tool_timeout_s, "must be > 0 (seconds)"))
+    for name in ("tool_timeout_s", "environment_timeout_s"):
+        if not getattr(m, name) > 0:
+            out.append((f"{KEY}.{name}", getattr(m, name), "must be > 0 (seconds)"))
     if m.max_tool_response_length < 1:
         out.append((f"{KEY}.max_tool_response_length", m.max_tool_response_length, "must be ≥ 1 (tokens)"))
     if m.format not in FORMATS:
@@ -48,8 +50,6 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
         out.append((f"{KEY}.tool_kwargs", extra, f"names tools that are not in {KEY}.tools={m.tools}"))
     if not m.enable:
         return out
-    out.append((f"{KEY}.enable", True, "the multi-turn rollout is not in this build yet: its tools, tool-call format, "
-                "turn rendering and settings are (hybridrl.tools, hybridrl.rollout.turns); set false"))
     called: dict[str, str] = {}  # the name the policy calls -> the tool plugin
     for i, name in enumerate(m.tools):
         if name in m.tools[:i]:

@@ -27,7 +27,7 @@ from hybridrl.megatron.parallel import init_parallel, rank_device, seed_everythi
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
-from hybridrl.rollout.build import build_rollout
+from hybridrl.rollout.build import build_rollout, tool_schemas
 from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
@@ -91,7 +91,8 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     d = cfg.data
     ds_cfg = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.ground_truth_key,
-                                 apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length)
+                                 apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length,
+                                 tools=tool_schemas(cfg))
     train = PromptDataset(d.train_files, config=ds_cfg, tokenizer=tokenizer)
     loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=plan.batch.prompts_per_generation,
                                                        shuffle=d.shuffle,
@@ -104,7 +105,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     # each step's whole prompt batch, the same on every rank (under algorithm.filter_groups: each round's); the
     # rollout hands each rank its DP share of the samples; resumable through the loader
-    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), reward=reward)
+    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), reward=reward, tokenizer=tokenizer)
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")

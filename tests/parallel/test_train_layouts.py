@@ -1,57 +1,107 @@
-"""``launch/train.py recipe=grpo_tiny`` with the actor (and ref) at TP=2 and at PP=2 on 2 ranks.
+"""``launch/train.py recipe=grpo_tiny`` with multi-turn rollouts and the actor (and ref) at TP=2 and at PP=2 on 2 ranks.
 
-A few RL steps of the real loop (hf engine, Megatron actor and ref, weight sync) on a small random
-tiny model and the arithmetic data, no SFT bootstrap and no validation. The engine samples with
-the synced weights and the actor recomputes the log-probs sharded, so the engine/actor agreement
-(``rollout/logprob_abs_diff``) and the on-policy first mini-batch (``actor/ppo_kl_first_mb``) check
-TP/PP forward, weight export and sync together; the same run on one rank is the reference that every
-step's rewards and update numbers must match (the split layouts learn like TP=1).
+A few RL steps of the real loop (hf engine, Megatron actor and ref, weight sync) on a small random tiny model that
+ends its turns often (:func:`chatty`), the arithmetic data in ChatML, no SFT bootstrap and no validation. The
+rollout is multi-turn (``arithmetic_feedback``: a wrong answer gets feedback and another try), so every batch mixes
+sampled ids with appended template/environment ids (``loss_mask`` 0) — the case where a mask slip would show. The
+engine samples with the synced weights and the actor recomputes the log-probs sharded, so the engine/actor
+agreement on every trained token (``rollout/logprob_abs_diff_max``) and the on-policy first mini-batch
+(``actor/ppo_kl_first_mb``) check TP/PP forward, weight export and sync together; the same run on one rank is the
+reference that every step's samples (the rollout dumps, token for token), rewards and update numbers must match.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from test_train_e2e import TRAIN, base_overrides, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
 STEPS = 3
 
 
+def chatty(model: Path, out: Path) -> Path:
+    """A copy of the random tied-embedding ``model`` that ends its turns often (P(EOS) ≈ 0.1–0.2 a token): a common
+    direction u in every token's embedding (so every hidden state leans along u), and more of it in EOS's row, whose
+    logit (tied: the same row) then stands out."""
+    shutil.copytree(model, out)
+    state = load_file(out / "model.safetensors")
+    emb = state["model.embed_tokens.weight"]
+    u = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+    emb += 0.1 * u / u.norm()
+    emb[json.loads((out / "config.json").read_text())["eos_token_id"]] += 1.0 * u / u.norm()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tiny: dict[str, Path]) -> dict[str, Path]:  # noqa: F811
+    return {**tiny, "model": chatty(tiny["model"], tiny["tmp"] / "chatty")}
+
+
 def overrides(run: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    """4 prompts × 4 samples per step; 2 mini-batches of 8 samples, 2 micro-batches each; KL loss on."""
+    """4 prompts × 4 samples per step; 2 mini-batches of 8 samples, 2 micro-batches each; KL loss on; multi-turn
+    episodes of up to 3 answers within 96 tokens, the calculator offered."""
     return base_overrides(
-        run, out, "data.train_batch_size=4",
+        run, out, "data.train_batch_size=4", "data.apply_chat_template=true", "data.max_prompt_length=32",
+        "data.max_response_length=96", "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.tools=[calculator]",
+        "actor_rollout_ref.rollout.multi_turn.environment=arithmetic_feedback",
+        "+actor_rollout_ref.rollout.multi_turn.environment_kwargs.max_tries=3", f"trainer.rollout_data_dir={out}/dump",
         "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        # a random model never solves arithmetic; a keyword reward gives it a learning signal
-        "reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any",
+        # a random model never solves arithmetic; a keyword reward gives it a learning signal (letters the feedback
+        # text, which the reward reads too, does not hold)
+        "reward.name=keyword", "+reward.kwargs.keywords=[q,z,x,j,k,w]", "+reward.kwargs.mode=fraction",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=0", *extra)
 
 
+def dumps(out: Path) -> list[list[dict]]:
+    return [[json.loads(line) for line in (out / "dump" / f"{s}.jsonl").read_text().splitlines()]
+            for s in range(1, STEPS + 1)]
+
+
 @pytest.fixture(scope="module")
-def tp1_rows(torchrun, tiny: dict[str, Path]) -> list[dict[str, float]]:  # noqa: F811
+def tp1(torchrun, run: dict[str, Path]) -> tuple[list[dict[str, float]], list[list[dict]]]:
     """The same run on one rank: the reference the split layouts must learn like."""
-    out = tiny["tmp"] / "tp1"
-    torchrun([TRAIN, *overrides(tiny, out)], nproc=1, timeout=300)
-    return read_metrics(out)
+    out = run["tmp"] / "tp1"
+    torchrun([TRAIN, *overrides(run, out)], nproc=1, timeout=300)
+    return read_metrics(out), dumps(out)
+
+
+@pytest.mark.distributed
+def test_the_reference_run_is_multi_turn(tp1: tuple[list[dict[str, float]], list[list[dict]]]) -> None:
+    rows, steps = tp1
+    samples = [s for step in steps for s in step]
+    assert all(r["multi_turn/turns_mean"] > 1.2 for r in rows), [r["multi_turn/turns_mean"] for r in rows]
+    assert any(s["turns"] >= 2 for s in samples)
+    for s in samples:  # the turns of the dump are the policy's runs; the feedback between them is not trained on
+        assert len(s["loss_mask"]) == len(s["response_ids"]) <= 96 and s["loss_mask"][0] == 1
+        if s["turns"] > 1:
+            assert "That is not right. Try again." in s["output"] and 0 in s["loss_mask"]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, tiny: dict[str, Path],  # noqa: F811
-                                                               tp1_rows: list[dict[str, float]], size: str) -> None:  # noqa: F811
-    out = tiny["tmp"] / size
+def test_grpo_tiny_trains_with_actor_and_ref_split_over_2_ranks(torchrun, run: dict[str, Path], size: str,
+                                                               tp1: tuple[list[dict[str, float]], list[list[dict]]],
+                                                               ) -> None:
+    out = run["tmp"] / size
     layout = [f"actor_rollout_ref.{role}.megatron.{size}=2" for role in ("actor", "ref")]
-    torchrun([TRAIN, *overrides(tiny, out, *layout)], nproc=2, timeout=300)
-    rows = read_metrics(out)
+    torchrun([TRAIN, *overrides(run, out, *layout)], nproc=2, timeout=300)
+    rows, (tp1_rows, tp1_dumps) = read_metrics(out), tp1
+    assert dumps(out) == tp1_dumps  # sample for sample, token for token, every step
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert all(math.isfinite(v) for v in r.values()), r
-        assert r["rollout/logprob_abs_diff"] <= 1e-4, r  # engine (synced weights) vs sharded actor
+        assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r  # engine (synced weights) vs sharded actor, every token
         assert abs(r["actor/ppo_kl_first_mb"]) <= 1e-6, r  # first mini-batch is on-policy
     assert 0 < rows[0]["reward/mean"] < 1 and rows[0]["actor/grad_norm"] > 0  # a policy gradient
     assert 0 <= rows[0]["actor/kl_ref"] < rows[-1]["actor/kl_ref"]  # the actor moves away from the ref

@@ -99,6 +99,18 @@ def test_random_conversations_are_the_template_s_render(tokenizer: PreTrainedTok
         assert changed > 0  # its per-character spellings really differ from decode→encode
 
 
+@pytest.mark.parametrize("turn", ["\n", " ", "assistant\n", "\n<|im_start|>user\n", "", "<|im_end|>"])
+def test_a_turn_that_looks_like_the_template_s_own_text(tokenizer: PreTrainedTokenizerBase, turn: str) -> None:
+    """A policy turn that is (or contains) the template's own separators — a random policy writes ``"\\n"`` —
+    is located by where the template puts turn content, never by searching for its text."""
+    r = TurnRenderer(tokenizer)
+    sampled = [*r.encode(turn), tokenizer.eos_token_id]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": r.turn_text(sampled)}]
+    new = [{"role": "user", "content": "again"}]
+    ids = r.prompt_ids(history[:1]) + sampled + r.appended_ids(history, new, sampled_ids=sampled)
+    assert tokenizer.decode(ids) == r.render([*history, *new], generation_prompt=True)
+
+
 def test_the_separator_the_policy_never_samples_is_appended() -> None:
     """ChatML writes ``<|im_end|>\\n``; the policy stops at ``<|im_end|>`` (EOS). The ``\\n`` comes next."""
     tok = make_char_tokenizer(model_max_length=512)

@@ -1,0 +1,150 @@
+"""What happens between the policy's turns of multi-turn episodes, on the rank that owns them.
+
+After each generation an owned, live episode *acts*: the turn's tool calls (``multi_turn.format``) are run (all
+episodes' together, each call within ``tool_timeout_s``), or, without calls, the environment answers the turn
+(each step within ``environment_timeout_s``), or the episode ends. What comes next (tool messages, the environment's
+messages, the template's separators and the next generation prompt) is rendered by the chat template into ids
+(:class:`~hybridrl.rollout.turns.TurnRenderer`). An :class:`Act` is what the other ranks learn of it.
+
+Faults of tools are observations for the policy (:mod:`hybridrl.tools.runner`). An environment that raises, times
+out or returns something that is not an ``EnvStep`` ends its episode with an error (``Act.error``; the rollout
+applies ``reward.on_error``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrl.batch import SampleMeta
+from hybridrl.interfaces import Environment, EnvStep, Episode
+from hybridrl.rollout.turns import Message, TurnRenderer
+from hybridrl.tools.bounded import Bounded
+from hybridrl.tools.calls import parse_calls
+from hybridrl.tools.runner import ToolRunner
+from hybridrl.tracking import say
+
+
+@dataclass(slots=True, kw_only=True)
+class Act:
+    """An episode's answer to its latest turn, as every rank learns it."""
+
+    appended: list[int] = field(default_factory=list)  # ids up to the next generation prompt (loss_mask 0)
+    done: bool = False
+    reward: float | None = None  # the environment's reward for this turn
+    error: str | None = None  # the environment failed: the episode ends
+
+
+@dataclass(slots=True, kw_only=True)
+class _Owned:
+    messages: list[Message]  # the conversation so far
+    episode: Episode | None = None  # the environment's, opened at its first step
+
+
+class EpisodeActors:
+    """The episodes one rank owns: their conversations and environment episodes, and how they act."""
+
+    def __init__(self, renderer: TurnRenderer, tools: ToolRunner, *, format: str, environment: Environment | None,
+                 environment_timeout_s: float, max_assistant_turns: int) -> None:
+        self.renderer, self.tools, self.format = renderer, tools, format
+        self.environment, self.env_timeout_s = environment, environment_timeout_s
+        self.max_turns = max_assistant_turns
+        self.bounded = Bounded()
+        self.owned: dict[int, _Owned] = {}
+
+    def open(self, sample: int, meta: SampleMeta) -> None:
+        assert meta.messages is not None, "the dataset keeps each prompt's messages under a chat template"
+        self.owned[sample] = _Owned(messages=[dict(m) for m in meta.messages])
+
+    def act(self, turns: Sequence[tuple[int, list[int], bool, int, SampleMeta, int]]) -> dict[int, Act]:
+        """``turns``: ``(sample, sampled ids, cut by the budget, turns so far, meta, episode seed)`` of each owned live
+        episode; its :class:`Act` each."""
+        acts: dict[int, Act] = {}
+        text = {s: self.renderer.turn_text(ids) for s, ids, *_ in turns}
+        calls = {s: parse_calls(text[s], format=self.format) for s, *_ in turns}
+        tool_turns, env_turns = [], []
+        for s, _, cut, n, _, _ in turns:
+            if cut or n >= self.max_turns:
+                acts[s] = Act(done=True)
+            elif calls[s]:
+                tool_turns.append(s)
+            elif self.environment is not None:
+                env_turns.append(s)
+            else:
+                acts[s] = Act(done=True)
+        replies: dict[int, list[Message]] = {}
+        observations = iter(self.tools.run([c for s in tool_turns for c in calls[s]]))
+        for s in tool_turns:
+            replies[s] = [{"role": "tool", "content": next(observations).text} for _ in calls[s]]
+        by_sample = {s: (meta, seed) for s, _, _, _, meta, seed in turns}
+        for s, act in zip(env_turns, self._env_steps([(s, text[s], *by_sample[s]) for s in env_turns]), strict=True):
+            if isinstance(act, Act):
+                acts[s] = act
+            else:
+                replies[s] = act.messages
+                acts[s] = Act(done=act.done, reward=None if act.reward is None else float(act.reward))
+        sampled = {s: ids for s, ids, *_ in turns}
+        for s, new in replies.items():
+            owned, assistant = self.owned[s], {"role": "assistant", "content": text[s]}
+            if not acts.get(s, Act()).done:
+                acts.setdefault(s, Act()).appended = self.renderer.appended_ids(
+                    [*owned.messages, assistant], new, sampled_ids=sampled[s])
+            owned.messages += [assistant, *new]
+        for s, act in acts.items():
+            if act.done:
+                self._close(s)
+        return acts
+
+    def _env_steps(self, turns: list[tuple[int, str, SampleMeta, int]]) -> list[EnvStep | Act]:
+        """Each turn's environment step, or the error Act of a failed one."""
+        assert self.environment is not None
+        env = self.environment
+        opened: list[Act | None] = []
+        for s, _, meta, seed in turns:
+            owned = self.owned[s]
+            try:
+                if owned.episode is None:
+                    owned.episode = env.open(meta, seed=seed)
+                opened.append(None)
+            except Exception as e:  # noqa: BLE001 — the episode ends; reward.on_error decides the rest
+                opened.append(Act(done=True, error=f"open() raised {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        live = [i for i, o in enumerate(opened) if o is None]
+        steps = self.bounded.run(
+            [_stepper(self.owned[turns[i][0]].episode, {"role": "assistant", "content": turns[i][1]}) for i in live],
+            timeout_s=self.env_timeout_s)
+        out: list[EnvStep | Act] = [o if o is not None else Act() for o in opened]
+        for i, o in zip(live, steps, strict=True):
+            if o.timed_out:
+                out[i] = Act(done=True, error=f"step() took longer than multi_turn.environment_timeout_s="
+                                              f"{self.env_timeout_s:g} s")
+            elif o.error is not None:
+                tb = "".join(traceback.format_exception(o.error))
+                out[i] = Act(done=True, error=f"step() raised {type(o.error).__name__}: {o.error}\n{tb}")
+            elif not _is_env_step(o.value):
+                out[i] = Act(done=True, error=f"step() returned {type(o.value).__name__}, not hybridrl.interfaces."
+                                              "EnvStep(messages=[{'role', 'content'}, ...], done=..., reward=...)")
+            else:
+                out[i] = o.value
+        return out
+
+    def _close(self, sample: int) -> None:
+        owned = self.owned.pop(sample, None)
+        close = getattr(owned.episode, "close", None) if owned is not None else None
+        if close is not None:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 — a failed close() loses nothing of the sample
+                say(f"warning: an environment episode's close() raised {type(e).__name__}: {e}")
+
+
+def _stepper(episode: Any, message: Message) -> Any:
+    return lambda: episode.step(message)
+
+
+def _is_env_step(value: Any) -> bool:
+    return (isinstance(value, EnvStep) and isinstance(value.messages, list) and isinstance(value.done, bool)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in value.messages)
+            and (value.reward is None or isinstance(value.reward, int | float)))
