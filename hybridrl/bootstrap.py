@@ -118,16 +118,13 @@ def write_products_task(train: Path, test: Path | None = None) -> None:
 
 
 def write_tool_sft_task(train: Path, test: Path | None = None) -> None:
-    """The arithmetic splits (``ARITHMETIC``) as SFT transcripts, half through the calculator
-    (:func:`hybridrl.data.tool_arithmetic.tool_sft_rows`): ``sft_tool_tiny``'s data."""
-    from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
-    from hybridrl.data.tool_arithmetic import tool_sft_rows
+    """Sums and differences as SFT transcripts, half through the calculator
+    (:func:`hybridrl.data.tool_arithmetic.tool_sft_splits`): ``sft_tool_tiny``'s data."""
+    from hybridrl.data.tool_arithmetic import TOOL_SFT, tool_sft_splits
 
-    say(f"writing the arithmetic task ({ARITHMETIC}) as calculator transcripts to {train}"
+    say(f"writing sums and differences ({TOOL_SFT}) as calculator transcripts to {train}"
         + (f", {test}" if test else ""))
-    splits = arithmetic_splits(ArithmeticTaskConfig(**ARITHMETIC))  # type: ignore[arg-type]
-    _write_splits([tool_sft_rows(rows, seed=i) for i, rows in enumerate(splits)],
-                  [Path(train)] + ([Path(test)] if test is not None else []))
+    _write_splits(tool_sft_splits(), [Path(train)] + ([Path(test)] if test is not None else []))
 
 
 def _write_splits(splits: Sequence[list[Row]], targets: list[Path]) -> None:

@@ -34,6 +34,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
 
+def check_limits(max_new_tokens: Sequence[int] | None, prompts: Sequence[Any], params: SamplingParams) -> list[int]:
+    """``RolloutEngine.generate``'s per-prompt caps, checked (one per prompt, 0 ≤ cap ≤ params.max_new_tokens)."""
+    if max_new_tokens is None:
+        return [params.max_new_tokens] * len(prompts)
+    caps = [int(c) for c in max_new_tokens]
+    if len(caps) != len(prompts) or not all(0 <= c <= params.max_new_tokens for c in caps):
+        raise ValueError(f"max_new_tokens: one cap per prompt ({len(prompts)}), each in 0..{params.max_new_tokens} "
+                         f"(params.max_new_tokens); got {len(caps)} caps in "
+                         f"{min(caps, default=0)}..{max(caps, default=0)}")
+    return caps
+
+
 @dataclass(slots=True, kw_only=True)
 class Generation:
     """One sampled response."""
@@ -61,8 +73,15 @@ class RolloutEngine(Protocol):
     supports_tensor_parallel: ClassVar[bool]  # False: validation rejects rollout.tensor_model_parallel_size > 1
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """``params.n`` samples per prompt, prompt-major (all of prompt 0's, then prompt 1's, ...).
+
+        ``max_new_tokens[i]`` (each ≤ ``params.max_new_tokens``; None: that for all) caps prompt ``i``'s samples: a
+        multi-turn rollout's episodes have different budgets left. Optional: the rollout passes it only to an
+        engine whose ``generate`` takes it (and otherwise cuts the samples itself), so an older engine still runs;
+        an engine with a context limit (SGLang) needs it, since the call's largest budget plus the longest context
+        may exceed the limit.
 
         ``seeds[i]`` fixes prompt ``i``'s samples: sample ``j`` draws from a random stream determined by
         ``(seeds[i], j)`` alone, so a prompt's samples do not depend on the other prompts of the call or

@@ -38,6 +38,7 @@ attributes. ``config=None`` means ``Config()`` (its defaults).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import pickle
@@ -466,6 +467,18 @@ class _EngineRun:
                      lambda: f"expected {want}, got {_tokens(alone)}")
         self.greedy = self.generate(self.prompts, self.GREEDY, version=0, what="greedy")
         self.expect_greedy("greedy (temperature 0) repeats itself", version=0)
+        if "max_new_tokens" in inspect.signature(self.engine.generate).parameters:
+            self.check_caps()
+
+    def check_caps(self) -> None:
+        """The optional per-prompt caps (``generate(..., max_new_tokens=[...])``): each prompt's greedy samples are
+        the uncapped ones cut to their cap."""
+        caps = [1, 3, 6]
+        with self.p.step("generate with per-prompt max_new_tokens"):
+            capped = self.engine.generate(self.prompts, self.GREEDY, max_new_tokens=caps)
+        want = [g.token_ids[:caps[g.prompt_index]] for g in self.greedy]
+        self.p.expect(_tokens(capped) == want, "max_new_tokens[i] caps prompt i's samples (a prefix of the uncapped)",
+                      lambda: f"expected {want}, got {_tokens(capped)}")
 
     def check_weight_swap(self, storage: Callable[[Any], Mapping[str, int]], *, device: torch.device | str) -> None:
         from hybridrl.hf.tensors import SafetensorsReader, tensor_files

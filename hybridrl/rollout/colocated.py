@@ -15,6 +15,7 @@ engines, i.e. on the parallel layout.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -44,6 +45,9 @@ class ColocatedEngines:
         self._awake = 0  # nesting depth of awake()
         if self.rank == self.placement.leader:
             self.engine = build_engine(device=self.placement.devices[0], tp_size=plan.rollout_tp)
+        # RolloutEngine.generate's optional per-prompt caps (an engine written before them does without)
+        self._takes_caps = self.engine is not None and "max_new_tokens" in inspect.signature(
+            self.engine.generate).parameters
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
@@ -67,15 +71,19 @@ class ColocatedEngines:
             if self._awake == 0 and self.engine is not None:
                 self.engine.release_memory()
 
-    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *,
-                     seeds: Sequence[int]) -> list[Generation]:
+    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """``params.n`` samples of each token-id context (the same list on every rank; ``seeds[i]`` fixes context
-        ``i``'s), split over the engines in contiguous shares; every rank gets all of them, in context order
-        (``prompt_index``: the context's position). Call inside :meth:`awake`."""
+        ``i``'s; ``max_new_tokens[i]`` caps it), split over the engines in contiguous shares; every rank gets all of
+        them, in context order (``prompt_index``: the context's position). Call inside :meth:`awake`."""
         share = self.plan.engine_prompts(self.placement.index, len(contexts))
         made: list[Generation] = []
         if self.engine is not None and len(share):
-            gens = self.engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share])
+            caps = None if max_new_tokens is None else [max_new_tokens[i] for i in share]
+            kw = {} if caps is None or not self._takes_caps else {"max_new_tokens": caps}
+            gens = self.engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share], **kw)
+            if caps is not None and not kw:  # an engine without per-prompt caps: cut its samples here
+                gens = [_cut(g, caps[g.prompt_index]) for g in gens]
             made = [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, made, group=host_group.get())  # host objects: over gloo
@@ -106,6 +114,13 @@ class ColocatedEngines:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _cut(g: Generation, cap: int) -> Generation:
+    if len(g.token_ids) <= cap:
+        return g
+    return dataclasses.replace(g, token_ids=g.token_ids[:cap], logprobs=g.logprobs[:cap], finish_reason="length",
+                               loss_mask=None if g.loss_mask is None else g.loss_mask[:cap])
 
 
 def prompt_seed(seed: int, position: int) -> int:

@@ -99,8 +99,10 @@ class EpisodeActors:
 
     def _env_steps(self, turns: list[tuple[int, str, SampleMeta, int]]) -> list[EnvStep | Act]:
         """Each turn's environment step, or the error Act of a failed one."""
-        assert self.environment is not None
         env = self.environment
+        if not turns:
+            return []
+        assert env is not None
         opened: list[Act | None] = []
         for s, _, meta, seed in turns:
             owned = self.owned[s]

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
-from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
+from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,36 +67,42 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
-        expanded = [(i, p, sample_stream(seeds[i], j)) for i, p in enumerate(prompts) for j in range(params.n)]
+        limits = check_limits(max_new_tokens, prompts, params)
+        expanded = [(i, p, sample_stream(seeds[i], j), limits[i]) for i, p in enumerate(prompts)
+                    for j in range(params.n)]
         out: list[Generation] = []
         for start in range(0, len(expanded), self.config.max_batch_size):
             chunk = expanded[start:start + self.config.max_batch_size]
             out += self._generate_chunk(chunk, params)
         return out
 
-    def _generate_chunk(self, chunk: list[tuple[int, list[int], int]], params: SamplingParams) -> list[Generation]:
-        B, P = len(chunk), max(len(p) for _, p, _ in chunk)
+    def _generate_chunk(self, chunk: list[tuple[int, list[int], int, int]],
+                        params: SamplingParams) -> list[Generation]:
+        B, P = len(chunk), max(len(p) for _, p, _, _ in chunk)
         ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask_BP = torch.zeros((B, P), dtype=torch.long)
-        stream_B = torch.tensor([s for _, _, s in chunk], dtype=torch.long, device=self.device)
-        for b, (_, p, _) in enumerate(chunk):  # left padding
+        stream_B = torch.tensor([s for _, _, s, _ in chunk], dtype=torch.long, device=self.device)
+        limit_B = torch.tensor([c for _, _, _, c in chunk], dtype=torch.long, device=self.device)
+        for b, (_, p, _, _) in enumerate(chunk):  # left padding
             ids_BP[b, P - len(p):] = torch.tensor(p)
             mask_BP[b, P - len(p):] = 1
         ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
         stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_token_ids)), device=self.device)
-        tok_BT = torch.full((B, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        lp_BT = torch.zeros((B, params.max_new_tokens), device=self.device)
+        T = int(limit_B.max())
+        tok_BT = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)
+        lp_BT = torch.zeros((B, T), device=self.device)
         finished_by_stop_B = torch.zeros(B, dtype=torch.bool, device=self.device)
         rows_A = torch.arange(B, device=self.device)  # the rows still decoded (A of them): their index in B
-        done_A = torch.zeros(B, dtype=torch.bool, device=self.device)
+        done_A = limit_B <= 0  # rows with no room: nothing to sample
         past = None
         step_ids, attn = ids_BP, mask_BP
         pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
         steps = 0
-        for t in range(params.max_new_tokens):
+        for t in range(T):
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: past})
             past = getattr(out, self._cache_kw)
@@ -106,7 +112,7 @@ class HFRolloutEngine:
             lp_BT[rows_A[live_A], t] = logprob_A[live_A].float()
             hit_A = torch.isin(token_A, stop) & live_A
             finished_by_stop_B[rows_A[hit_A]] = True
-            done_A |= hit_A
+            done_A |= hit_A | (limit_B[rows_A] <= t + 1)  # a row's own cap (RolloutEngine.generate's max_new_tokens)
             steps = t + 1
             if bool(done_A.all()):
                 break
@@ -122,8 +128,8 @@ class HFRolloutEngine:
         tok_BT = tok_BT[:, :steps].cpu()
         lp_BT = lp_BT[:, :steps].cpu()
         results = []
-        for b, (prompt_index, _, _) in enumerate(chunk):
-            row = tok_BT[b].tolist()
+        for b, (prompt_index, _, _, cap) in enumerate(chunk):
+            row = tok_BT[b, :cap].tolist()
             length = next((t + 1 for t, tok in enumerate(row) if tok in set(stop.tolist())), len(row))
             results.append(Generation(
                 prompt_index=prompt_index, token_ids=row[:length], logprobs=lp_BT[b, :length].tolist(),

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 class TurnEngines(Protocol):
     """What the rollout uses of :class:`~hybridrl.rollout.colocated.ColocatedEngines`."""
 
-    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *,
-                     seeds: Sequence[int]) -> list[Generation]: ...
+    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]: ...
 
     def dp_share(self, prompts: PromptBatch, gens: Sequence[Generation]) -> RolloutBatch: ...
 
@@ -155,7 +155,8 @@ class MultiTurnRollout:
                 left = [budget - len(samples[s].response) for s in live]
                 gens = engines.generate_ids([samples[s].prompt + samples[s].response for s in live],
                                             dataclasses.replace(params, n=1, max_new_tokens=max(left)),
-                                            seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live])
+                                            seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live],
+                                            max_new_tokens=left)
                 mine = []
                 for s, g, room in zip(live, gens, left, strict=True):
                     x = samples[s]

@@ -49,7 +49,7 @@ import torch
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.hf.tensors import checkpoint_shapes
-from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
+from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
 from hybridrl.rollout import sglang_compat as compat
 from hybridrl.rollout import sglang_process as process
 from hybridrl.rollout.sglang_process import SGLangEngineError
@@ -208,10 +208,12 @@ class SGLangRolloutEngine:
 
     # ---- generate ----
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
-                 seeds: Sequence[int] | None = None) -> list[Generation]:
+                 seeds: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"sglang engine: {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per "
                              "prompt (or none)")
+        limits = check_limits(max_new_tokens, prompts, params)
         expanded = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
         if not expanded:
             return []
@@ -219,8 +221,8 @@ class SGLangRolloutEngine:
         stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
         base = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     max_new_tokens=params.max_new_tokens, stop_token_ids=stop)
-        sampling = [base if seeds is None else base | {"sampling_seed": _sample_seed(seeds[i], j)}
-                    for i, j in expanded]
+        sampling = [base | {"max_new_tokens": limits[i]}
+                    | ({} if seeds is None else {"sampling_seed": _sample_seed(seeds[i], j)}) for i, j in expanded]
         input_ids = [list(prompts[i]) for i, _ in expanded]
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
                                                      return_logprob=True), what="generate")
