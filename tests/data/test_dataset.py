@@ -53,6 +53,26 @@ def test_chat_template_is_applied_when_configured_and_present(
     assert decoded(no_template, 0) == "1+2="
 
 
+def test_a_multi_turn_rollout_gets_the_prompt_s_messages_and_the_tools_in_its_render(tmp_path: Path) -> None:
+    """``SampleMeta.messages``: what the prompt was rendered from (the rollout renders later turns after it);
+    ``tools``: the schemas the template renders into the prompt, as Qwen's does."""
+    t = make_char_tokenizer(model_max_length=512)
+    t.chat_template = ("{%- if tools %}{{- 'tools: ' + tools | map(attribute='function.name') | join(',') + '\\n' }}"
+                       "{%- endif %}" + t.chat_template)
+    f = write_rows([{"prompt": "1+2=", "ground_truth": "3"},
+                    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+                     "ground_truth": "4"}], tmp_path / "t.jsonl")
+    schema = {"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}
+    ds = PromptDataset([f], config=PromptDatasetConfig(max_prompt_length=100, tools=[schema]), tokenizer=t)
+    assert decoded(ds, 0) == "tools: calculator\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert ds[0].meta.messages == [{"role": "user", "content": "1+2="}]
+    assert ds[1].meta.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    g = write_rows([{"prompt": "1+2=", "ground_truth": "3"}], tmp_path / "plain.jsonl")
+    raw = PromptDataset([g], config=PromptDatasetConfig(apply_chat_template=False, max_prompt_length=100),
+                        tokenizer=t)
+    assert raw[0].meta.messages is None  # a plain-text prompt: nothing for a multi-turn rollout to render after
+
+
 def test_message_prompts_and_dotted_keys(tmp_path: Path, tok: PreTrainedTokenizerBase,
                                          plain_tok: PreTrainedTokenizerBase) -> None:
     messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2="}]
