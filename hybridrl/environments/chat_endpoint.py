@@ -1,0 +1,272 @@
+"""A local OpenAI-compatible chat-completions endpoint whose replies come from its owner, not from a model.
+
+:class:`ChatEndpoint` serves, on ``127.0.0.1`` at a free port, from daemon threads (``ThreadingHTTPServer``):
+
+- ``POST /v1/chat/completions``: the request is parsed and checked (below), handed to the owner of its API key as a
+  :class:`ChatRequest`, and the HTTP request waits until the owner answers it (:meth:`ChatRequest.reply` with the
+  assistant's text, or :meth:`ChatRequest.fail`); the answer is a ``chat.completion`` object.
+- ``GET /v1/models``: one model, ``policy``.
+
+Each API key is a *session* (:meth:`ChatEndpoint.open_session`; a random key per session): ``Authorization: Bearer
+<key>`` picks it, an unknown key is a 401. A session is one conversation, so it has at most one request waiting; a
+second one meanwhile is a 400. Closing a session (or the endpoint) answers its waiting request with a 410.
+
+What is supported: ``messages`` whose ``content`` is text (a string, or a list of ``{"type": "text"}`` parts, joined).
+Ignored: ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` and the rest of the sampling
+fields — the owner decides the reply. Refused with a 400 that says so: ``stream: true`` (the reply comes whole),
+``n > 1``, and ``tools`` / ``tool_choice`` / ``functions`` / ``function_call`` (a tool call is text in the reply).
+Errors are OpenAI's shape, ``{"error": {"message", "type", "code"}}``, sent with ``x-should-retry: false``: each
+one here is deterministic, so the ``openai`` client's automatic retries would only repeat it.
+
+Messages reach the owner normalised (:func:`normalize`): ``role``, ``content`` as a string and any other key whose
+value is not null, so that a message the client echoes back (``r.choices[0].message`` passed as is) compares equal
+to the dict it came from. The endpoint knows nothing of episodes or policies (:mod:`.openai_agent` does).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Message = dict[str, Any]
+MODEL = "policy"
+MAX_BODY_BYTES = 64 << 20
+_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+
+
+class RequestError(ValueError):
+    """A request the endpoint does not serve: its HTTP status and OpenAI error type/code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code = status, type, code
+
+
+class ChatRequest:
+    """One chat-completions request, waiting for its owner's answer (the first answer counts, later ones are
+    ignored)."""
+
+    def __init__(self, messages: list[Message], body: dict[str, Any]) -> None:
+        self.messages, self.body = messages, body
+        self._answered = threading.Event()
+        self._lock = threading.Lock()
+        self._answer: tuple[int, dict[str, Any]] | None = None
+
+    def reply(self, content: str) -> None:
+        """Answer with the assistant message ``content`` (finish_reason "stop")."""
+        self._set(200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
+                        "created": int(time.time()), "model": MODEL,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                     "finish_reason": "stop", "logprobs": None}]})
+
+    def fail(self, error: RequestError) -> None:
+        self._set(error.status, _error_body(error))
+
+    @property
+    def answered(self) -> bool:
+        return self._answered.is_set()
+
+    def _set(self, status: int, body: dict[str, Any]) -> None:
+        with self._lock:
+            if self._answer is None:
+                self._answer = (status, body)
+                self._answered.set()
+
+    def _wait(self) -> tuple[int, dict[str, Any]]:
+        self._answered.wait()
+        assert self._answer is not None
+        return self._answer
+
+
+class _Session:
+    def __init__(self, deliver: Callable[[ChatRequest], None]) -> None:
+        self.deliver = deliver
+        self.waiting: ChatRequest | None = None
+
+
+class ChatEndpoint:
+    """The endpoint (module docstring); serving from construction until :meth:`shutdown`."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._server = _Server(("127.0.0.1", 0), _handler(self))
+        self.port = int(self._server.server_address[1])
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        daemon=True, name="hybridrl-chat-endpoint")
+        self._thread.start()
+        self._closed = False
+
+    def open_session(self, deliver: Callable[[ChatRequest], None]) -> str:
+        """A new API key; each request bearing it goes to ``deliver`` (called in the request's server thread)."""
+        key = f"sk-hybridrl-{secrets.token_urlsafe(24)}"
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the chat endpoint is shut down")
+            self._sessions[key] = _Session(deliver)
+        return key
+
+    def close_session(self, key: str) -> None:
+        """Forget ``key``; its waiting request (if any) gets a 410."""
+        with self._lock:
+            session = self._sessions.pop(key, None)
+        if session is not None and session.waiting is not None:
+            session.waiting.fail(RequestError(410, "the episode of this API key has ended", type="episode_closed",
+                                              code="episode_closed"))
+
+    def shutdown(self) -> None:
+        """Stop serving (idempotent); waiting requests get a 410."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            keys = list(self._sessions)
+        for key in keys:
+            self.close_session(key)
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    # ---- called by the request handler ----
+
+    def _serve(self, method: str, path: str, headers: Any, read_body: Callable[[int], bytes]) -> tuple[int, Any]:
+        route = path.split("?", 1)[0].rstrip("/")
+        if route not in ("/v1/chat/completions", "/v1/models"):
+            raise RequestError(404, f"no route {method} {route}: this endpoint serves POST /v1/chat/completions and "
+                                    "GET /v1/models", code="unknown_url")
+        key = str(headers.get("Authorization", "")).removeprefix("Bearer ").strip()
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise RequestError(401, "unknown API key: use the episode's OPENAI_API_KEY", type="authentication_error",
+                               code="invalid_api_key")
+        if route == "/v1/models":
+            if method != "GET":
+                raise RequestError(405, f"{method} /v1/models: use GET", code="method_not_allowed")
+            return 200, {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
+                                                     "owned_by": "hybridrl"}]}
+        if method != "POST":
+            raise RequestError(405, f"{method} /v1/chat/completions: use POST", code="method_not_allowed")
+        request = ChatRequest(*_parse(headers, read_body))
+        with self._lock:
+            if session.waiting is not None:
+                raise RequestError(400, "this episode already has a request waiting for its reply: an episode is "
+                                        "one conversation, ask one request at a time", code="concurrent_request")
+            if key not in self._sessions:  # closed meanwhile
+                raise RequestError(410, "the episode of this API key has ended", type="episode_closed",
+                                   code="episode_closed")
+            session.waiting = request
+        try:
+            session.deliver(request)
+            return request._wait()
+        finally:
+            with self._lock:
+                session.waiting = None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a request waiting for its reply never holds up the process's exit
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client gone mid-request is no news
+            super().handle_error(request, client_address)
+
+
+def normalize(message: Any) -> Message:
+    """A request's message as the owner sees it (module docstring); RequestError if it is not a text message."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(400, f"each message is an object with a string 'role'; got {_short(message)}",
+                           code="invalid_message")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(400, f"only text content is supported (a string or {{'type': 'text'}} parts); got "
+                                    f"{_short(content)}", code="unsupported_content")
+        content = "".join(p["text"] for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise RequestError(400, f"content is a string or a list of text parts; got {_short(content)}",
+                           code="unsupported_content")
+    out = {k: v for k, v in message.items() if v is not None and k not in ("role", "content")}
+    return {"role": message["role"], "content": content, **out}
+
+
+def _parse(headers: Any, read_body: Callable[[int], bytes]) -> tuple[list[Message], dict[str, Any]]:
+    try:
+        length = int(headers.get("Content-Length", ""))
+    except ValueError:
+        raise RequestError(411, "a request body with a Content-Length header is required") from None
+    if length > MAX_BODY_BYTES:
+        raise RequestError(413, f"the request body ({length} bytes) is over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(read_body(length))
+    except ValueError as e:
+        raise RequestError(400, f"the request body is not JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body is a JSON object", code="invalid_json")
+    if body.get("stream"):
+        raise RequestError(400, "stream=true is not supported: ask without streaming (the reply comes whole)",
+                           code="unsupported_parameter")
+    if body.get("n") not in (None, 1):
+        raise RequestError(400, f"n={body.get('n')!r} is not supported: one reply per request (n=1)",
+                           code="unsupported_parameter")
+    if used := [f for f in _TOOL_FIELDS if body.get(f)]:
+        raise RequestError(400, f"{', '.join(used)} not supported: the policy writes tool calls as text in its reply "
+                                "(Hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), which the "
+                                "rollout's own tools (multi_turn.tools) run", code="unsupported_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages is a non-empty list of chat messages", code="invalid_messages")
+    return [normalize(m) for m in messages], body
+
+
+def _error_body(error: RequestError) -> dict[str, Any]:
+    return {"error": {"message": str(error), "type": error.type, "code": error.code}}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the openai client reuses its connection
+        disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms delayed-ACK wait between them
+
+        def do_GET(self) -> None:
+            self._answer("GET")
+
+        def do_POST(self) -> None:
+            self._answer("POST")
+
+        def _answer(self, method: str) -> None:
+            try:
+                status, body = endpoint._serve(method, self.path, self.headers, self.rfile.read)
+            except RequestError as e:
+                status, body = e.status, _error_body(e)
+            data = json.dumps(body).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status != 200:  # and the body may be unread: no keep-alive after an error
+                    self.send_header("x-should-retry", "false")
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client is gone (an agent killed while it waited)
+                self.close_connection = True
+
+        def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr
+            pass
+
+    return Handler

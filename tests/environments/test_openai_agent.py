@@ -1,0 +1,352 @@
+"""The ``openai_agent`` environment: agent programs of plain ``openai`` client code (``tests/fixtures/agents/``) drive
+episodes through the local chat-completions endpoint.
+
+Checked: the contract kit passes; the endpoint speaks what the ``openai`` client expects (a 401 for an unknown key,
+OpenAI-style 400s for what it does not support, the model list); each fault — a rewritten history, an assistant
+message of the agent's own, a first request that is not the task, a crash, a hang, a refused ``stream=True``, an
+exit before the first request, a missing program — fails the episode within its limit plus a margin, naming the
+cause; Config errors name the field. In a real multi-turn rollout (1 gloo rank, a scripted policy) the agents'
+messages reach the sample as the chat template's ids (``loss_mask`` 0) between the policy's turns, which keep the
+engine's own ids and log-probs (``loss_mask`` 1); the agent's reward reaches the score; a crash is the sample's
+``env_error``; ``max_assistant_turns`` ends a waiting agent's episode and ``close()`` kills it. After every test no
+agent process (nor a child of one) is left: each carries :data:`MARK` in its environment, and none may be found.
+
+This file is also the rollout's worker (``python -m torch.distributed.run … test_openai_agent.py OUT MARK``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridrl.batch import SampleMeta
+from hybridrl.environments.chat_endpoint import ChatEndpoint, ChatRequest
+from hybridrl.environments.openai_agent import AgentError, OpenAIAgent
+from hybridrl.interfaces import EnvStep, Generation, SamplingParams
+
+AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
+MARK = sys.argv[2] if __name__ == "__main__" else uuid.uuid4().hex  # the worker is given the test's
+TASK: list[Any] = [{"role": "user", "content": "What is 2+3?"}]
+TURNS = ["5", "Yes: 5.", "Still 5."]  # the scripted policy's turns, in every episode
+
+
+def agent(name: str, **kw: Any) -> OpenAIAgent.Config:
+    return OpenAIAgent.Config(command=["python", str(AGENTS / f"{name}.py")], env={"HYBRIDRL_TEST_AGENT_MARK": MARK},
+                              **kw)
+
+
+def marked() -> list[int]:
+    """The live processes that carry :data:`MARK` (agents and their children)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"HYBRIDRL_TEST_AGENT_MARK={MARK}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # gone, or a zombie
+            pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running() -> Iterator[None]:
+    yield
+    assert marked() == [], "agent processes outlived their test"
+
+
+# ---- the environment on its own ------------------------------------------------------------------------
+
+
+def test_the_contract_kit_passes() -> None:
+    from hybridrl.testing import check_environment
+
+    check_environment(OpenAIAgent, config=agent("ask_twice"), meta=SampleMeta(messages=TASK))
+
+
+def test_an_episode_answers_each_request_and_ends_with_the_agents_reward() -> None:
+    env = OpenAIAgent(agent("ask_twice"))
+    try:
+        t0 = time.monotonic()
+        episode = env.open(SampleMeta(messages=TASK), seed=3)
+        first = episode.step({"role": "assistant", "content": "5"})
+        t1 = time.monotonic()
+        last = episode.step({"role": "assistant", "content": "Yes: 5."})
+        assert first == EnvStep(messages=[{"role": "user", "content": "Are you sure?"}], done=False)
+        assert last == EnvStep(messages=[], done=True, reward=1.0, info={"returncode": 0})
+        assert episode.history == [*TASK, {"role": "assistant", "content": "5"}, first.messages[0],
+                                   {"role": "assistant", "content": "Yes: 5."}]
+        assert "done asking" in episode.agent.stdout.text()
+        episode.close()
+        print(f"agent start + first request: {t1 - t0:.2f} s")
+    finally:
+        env.close()
+
+
+def test_the_endpoint_speaks_openai() -> None:
+    import openai
+
+    endpoint = ChatEndpoint()
+    try:
+        delivered: list[ChatRequest] = []
+
+        def answer(request: ChatRequest) -> None:
+            delivered.append(request)
+            request.reply("5")
+
+        key = endpoint.open_session(answer)
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["policy"]
+        r = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is "}, {"type": "text", "text": "2+3?"}]}], temperature=0.1)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("5", "stop")
+        assert delivered[0].messages == TASK  # text parts joined
+        for kwargs, says in (({"stream": True}, "stream=true is not supported"), ({"n": 2}, "n=2 is not supported"),
+                             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "<tool_call>")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(says)) as err:
+                client.chat.completions.create(model="policy", messages=TASK, **kwargs)
+            assert err.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        with pytest.raises(openai.AuthenticationError, match="unknown API key") as auth:
+            openai.OpenAI(base_url=endpoint.base_url, api_key="sk-wrong", max_retries=0).models.list()
+        assert auth.value.response.json()["error"]["code"] == "invalid_api_key"
+        # one round trip of the request-reply path (the openai client's own work included)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            client.chat.completions.create(model="policy", messages=TASK)
+        print(f"round trip: {(time.perf_counter() - t0) / 20 * 1e3:.1f} ms")
+    finally:
+        endpoint.shutdown()
+
+
+@pytest.mark.parametrize(("name", "timeout_s", "says"), [
+    pytest.param("rewrites_history", 30.0, "do not start with the conversation so far: message 1", id="rewrites"),
+    pytest.param("speaks_for_policy", 30.0, "it sends an assistant message of its own", id="assistant"),
+    pytest.param("adds_system_prompt", 30.0, "do not start with the task's messages", id="not_the_task"),
+    pytest.param("crashes", 30.0, "exited with code 3; its stderr ends:\nthe agent gave up", id="crashes"),
+    pytest.param("hangs", 2.0, "ran past timeout_s=2 s", id="hangs"),
+    pytest.param("streams", 30.0, "exited with code 1", id="streams"),
+])
+def test_a_faulty_agent_fails_its_episode_in_time(name: str, timeout_s: float, says: str) -> None:
+    env = OpenAIAgent(agent(name, timeout_s=timeout_s))
+    try:
+        t0 = time.monotonic()
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        with pytest.raises(AgentError) as err:
+            for turn in TURNS:
+                episode.step({"role": "assistant", "content": turn})
+        wall = time.monotonic() - t0
+        assert says in str(err.value), str(err.value)
+        if name == "streams":  # the endpoint's 400, as the openai client raised it in the agent
+            assert "BadRequestError" in str(err.value) and "stream=true is not supported" in str(err.value)
+        assert wall < min(timeout_s, 10.0) + 3.0, wall  # the fault's own time (an agent's start) or timeout_s
+        if name == "hangs":
+            assert wall >= timeout_s
+    finally:
+        env.close()
+
+
+def test_an_agent_that_never_asks_or_cannot_start() -> None:
+    env = OpenAIAgent(OpenAIAgent.Config(command=["python", "-c", "print('hi')"], env={
+        "HYBRIDRL_TEST_AGENT_MARK": MARK}))
+    try:
+        with pytest.raises(AgentError, match="exited with code 0 before its first request"):
+            env.open(SampleMeta(messages=TASK), seed=0).step({"role": "assistant", "content": "5"})
+        with pytest.raises(ValueError, match="SampleMeta.messages"):
+            env.open(SampleMeta(), seed=0)
+    finally:
+        env.close()
+    missing = OpenAIAgent(OpenAIAgent.Config(command=["/nonexistent/agent"]))
+    with pytest.raises(AgentError, match=r"could not start command=\['/nonexistent/agent'\]"):
+        missing.open(SampleMeta(messages=TASK), seed=0)
+    missing.close()
+
+
+def test_close_kills_a_waiting_agent_and_its_request_gets_an_error() -> None:
+    env = OpenAIAgent(agent("patient"))
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        assert not episode.step({"role": "assistant", "content": "5"}).done  # the agent now waits for a reply
+        waiting = episode._waiting
+        assert waiting is not None and not waiting.answered
+        episode.close()
+        assert waiting.answered and waiting._wait()[0] == 410
+    finally:
+        env.close()
+
+
+def test_config_errors_name_the_field() -> None:
+    from hybridrl.registry import PluginConfigError, make_plugin_config
+
+    for kwargs, field in (({"command": []}, "command="), ({"command": ["python", ""]}, "command="),
+                          ({"command": ["a"], "timeout_s": 0.0}, "timeout_s=0.0"),
+                          ({"command": ["a"], "env": {"OPENAI_API_KEY": "x"}}, "env sets ['OPENAI_API_KEY']"),
+                          ({"command": ["a"], "env": {"X": 1}}, "env=")):
+        with pytest.raises(ValueError, match=re.escape(field)):
+            OpenAIAgent.Config(**kwargs)
+    key = "actor_rollout_ref.rollout.multi_turn.environment_kwargs"
+    with pytest.raises(PluginConfigError, match=re.escape(f"missing required key {key}.command")):
+        make_plugin_config(OpenAIAgent, "openai_agent", {}, key=key)
+
+
+# ---- in a multi-turn rollout ---------------------------------------------------------------------------
+
+CASES = {"ask_twice": 2, "patient": 3, "crashes": 1}  # case -> the policy turns of its episode (max turns: 3)
+
+
+class ScriptedPolicy:
+    """A rollout engine that writes :data:`TURNS` (turn k of an episode = the k-th assistant prompt of its context),
+    with log-probs that tell the turns apart; it keeps what it generated."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.made: list[tuple[str, int, list[int], list[float]]] = []  # (case, turn, ids, logprobs)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int]) -> list[Generation]:
+        out = []
+        for i, ids in enumerate(prompts):
+            text = self.tok.decode(ids)
+            case = re.search(r"case:(\w+)", text).group(1)  # type: ignore[union-attr]
+            k = text.count("<|im_start|>assistant\n") - 1
+            tokens = [*self.tok(TURNS[k], add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
+            logprobs = [-0.1 * (k + 1) - 0.001 * j for j in range(len(tokens))]
+            self.made.append((case, k, tokens, logprobs))
+            out.append(Generation(prompt_index=i, token_ids=tokens, logprobs=logprobs, finish_reason="stop",
+                                  weight_version=0))
+        return out
+
+    def update_weights(self, buckets: Any, *, version: int) -> None: ...
+    def release_memory(self) -> None: ...
+    def resume_memory(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class Workers:
+    def __init__(self, engines: Any) -> None:
+        self.engines, self.weight_version = engines, 0
+
+    @contextmanager
+    def generating(self) -> Iterator[Any]:
+        with self.engines.awake():
+            yield self.engines
+
+    def sync_weights(self, *, version: int | None = None) -> float:
+        return 0.0
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.config.plan import Plan
+    from hybridrl.config.schema import RLConfig
+    from hybridrl.data.collate import collate_prompts
+    from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
+    from hybridrl.data.rows import write_rows
+    from hybridrl.megatron.parallel import ParallelConfig, init_parallel
+    from hybridrl.metrics import Timer
+    from hybridrl.models.char_tokenizer import make_char_tokenizer
+    from hybridrl.rewards.execution import RewardConfig, RewardRunner
+    from hybridrl.rollout.colocated import ColocatedEngines
+    from hybridrl.rollout.episodes import EpisodeActors
+    from hybridrl.rollout.multi_turn import MultiTurnRollout
+    from hybridrl.rollout.turns import TurnRenderer
+    from hybridrl.tools.runner import ToolRunner, tokenizer_cut
+
+    init_parallel(ParallelConfig())
+    out = Path(sys.argv[1])
+    tok = make_char_tokenizer(model_max_length=4096)
+    rows = [{"prompt": f"case:{c} What is 2+3?", "ground_truth": "5"} for c in CASES]
+    data = write_rows(rows, out / f"cases-{dist.get_rank()}.jsonl")
+    dataset = PromptDataset([data], config=PromptDatasetConfig(max_prompt_length=64), tokenizer=tok)
+    prompts = collate_prompts(dataset.items, list(range(len(rows))), pad_token_id=tok.pad_token_id)
+    cfg = RLConfig()
+    cfg.actor_rollout_ref.model.path = "unused"
+    cfg.actor_rollout_ref.rollout.n = 1
+    cfg.data.train_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size = len(rows)
+    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 1
+    plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
+    assert not problems, problems
+    policy: Any = ScriptedPolicy(tok)
+    engines = ColocatedEngines(plan, build_engine=lambda **_: policy, pad_token_id=tok.pad_token_id)
+    renderer = TurnRenderer(tok)
+    env: Any = OpenAIAgent(agent("by_case", timeout_s=60.0))  # mypy takes a nested Config for an instance variable
+    actors = EpisodeActors(renderer, ToolRunner({}, timeout_s=1.0, max_tokens=16, cut=tokenizer_cut(tok)),
+                           format="hermes", environment=env, environment_timeout_s=20.0, max_assistant_turns=3)
+    reward = RewardRunner.build(RewardConfig(name="environment", on_error="zero"), tokenizer=tok,
+                                tokenizer_path="unused")
+    rollout = MultiTurnRollout(Workers(engines), prompts=iter([prompts]), reward=reward,
+                               params=SamplingParams(max_new_tokens=200, n=1), actors=actors, on_error="zero",
+                               environment="openai_agent")
+    t0 = time.monotonic()
+    step = rollout.step(seed=1, timer=Timer())
+    wall = time.monotonic() - t0
+    left_after_step = marked()  # the episodes are over: close() killed the one still waiting
+    env.close()
+    scored, b = step.scores.result(), step.batch
+    rows_of = [re.search(r"case:(\w+)", str(m.messages)).group(1) for m in b.meta]  # type: ignore[union-attr]
+    real = [b.response_mask[i].bool() for i in range(len(b))]
+    torch.save({"wall": wall, "left": left_after_step, "errors": scored.errors, "made": policy.made,
+                "cases": rows_of, "scores": scored.output.scores_B.tolist(),
+                "ids": [b.response_ids[i][m].tolist() for i, m in enumerate(real)],
+                "mask": [b.loss_mask[i][m].tolist() for i, m in enumerate(real)],
+                "logprobs": [b.rollout_logprobs[i][m].tolist() for i, m in enumerate(real)],
+                "prompts": [b.prompt_ids[i][b.prompt_mask[i].bool()].tolist() for i in range(len(b))],
+                "messages": [m.messages for m in b.meta], "env_error": [m.env_error for m in b.meta],
+                "finish": [m.finish_reason for m in b.meta], "turns": step.metrics["multi_turn/turns_mean"]},
+               out / f"rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: Path) -> None:
+    import torch
+
+    from hybridrl.models.char_tokenizer import make_char_tokenizer
+    from hybridrl.rollout.turns import TurnRenderer
+
+    torchrun([__file__, str(tmp_path), MARK], nproc=1, timeout=120)
+    r = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    tok = make_char_tokenizer(model_max_length=4096)
+    assert sorted(r["cases"]) == sorted(CASES) and r["left"] == []
+    for i, case in enumerate(r["cases"]):
+        ids, mask, logprobs = r["ids"][i], r["mask"][i], r["logprobs"][i]
+        # loss_mask 1 exactly on the engine's sampled ids, turn by turn, with the engine's log-probs
+        made = sorted((k, t, lp) for c, k, t, lp in r["made"] if c == case)
+        assert len(made) == CASES[case], case
+        assert [t for i_, t in enumerate(ids) if mask[i_]] == [t for _, turn, _ in made for t in turn], case
+        assert [lp for i_, lp in enumerate(logprobs) if mask[i_]] == pytest.approx(
+            [v for _, _, lps in made for v in lps], abs=1e-7), case
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m), case
+        # the sample is the template's render of the conversation: the agent's messages between the policy's turns
+        conversation = [*r["messages"][i]]
+        for k in range(CASES[case]):
+            if k:
+                conversation.append({"role": "user", "content": "Are you sure?"})
+            conversation.append({"role": "assistant", "content": TURNS[k]})
+        rendered = tok.apply_chat_template(conversation, tokenize=False)
+        assert str(tok.decode(r["prompts"][i] + ids)) + "\n" == rendered, case
+    by = {c: i for i, c in enumerate(r["cases"])}
+    # ask_twice's response, spelled out: policy turn 1 + the template's ids of the agent's message + policy turn 2
+    t1, t2 = (t for _, t in sorted((k, t) for c, k, t, _ in r["made"] if c == "ask_twice"))
+    between = TurnRenderer(tok).appended_ids([*r["messages"][by["ask_twice"]], {"role": "assistant", "content": "5"}],
+                                             [{"role": "user", "content": "Are you sure?"}], sampled_ids=t1)
+    assert r["ids"][by["ask_twice"]] == t1 + between + t2
+    assert r["mask"][by["ask_twice"]] == [1] * len(t1) + [0] * len(between) + [1] * len(t2)
+    assert r["scores"][by["ask_twice"]] == 1.0 and r["env_error"][by["ask_twice"]] is None
+    assert r["env_error"][by["patient"]] is None and r["finish"][by["patient"]] == "stop"  # max turns ended it
+    assert "exited with code 3" in r["env_error"][by["crashes"]] and r["scores"][by["crashes"]] == 0.0
+    assert r["errors"] == 1
+    assert r["wall"] < 15.0, r["wall"]  # three agents started and run at once: ~ one start
+    print(f"rollout step with three agents: {r['wall']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
