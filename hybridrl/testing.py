@@ -627,7 +627,9 @@ def check_environment(cls: type, *, config: Any = None, meta: SampleMeta | None 
     config = check_plugin_class(cls, "environments", config=config)
     with p.step("build with an unknown ctx key"):
         env = cls(config, **{EXTRA_CTX_KEY: 1})
-    meta = meta if meta is not None else SampleMeta(ground_truth=GROUND_TRUTHS[0], data_source="arithmetic")
+    meta = meta if meta is not None else SampleMeta(  # a sample as a multi-turn rollout has it: a chat prompt
+        ground_truth=GROUND_TRUTHS[0], data_source="arithmetic",
+        messages=[{"role": "user", "content": f"What is {int(GROUND_TRUTHS[0]) - 1}+1?"}])
 
     def play() -> list[EnvStep]:
         with p.step("open and step an episode"):

@@ -2,7 +2,7 @@
 
 The plugins are listed from package metadata as ``hybridrl plugins`` lists them (``registry.all_entries``), so
 a third-party package installed here is checked too, with the config its defaults give unless
-:data:`REWARD_KWARGS` knows better. The rollout engines run on a tiny random Qwen2; ``sglang`` (one engine
+:data:`REWARD_KWARGS` / :data:`ENV_KWARGS` know better. The rollout engines run on a tiny random Qwen2; ``sglang`` (one engine
 start, ~15 s on 2 CPU cores) needs the SGLang CPU stack (``launch/install_sglang_cpu.sh``).
 The last tests check that the kit itself catches broken plugins.
 """
@@ -117,9 +117,15 @@ def test_tool(entry: PluginEntry) -> None:
     testing.check_tool(cls, config=config)
 
 
+# environment plugins whose Config has required keys: name -> their kwargs
+ENV_KWARGS: dict[str, dict[str, Any]] = {
+    "openai_agent": {"command": ["python", str(Path(__file__).parent / "fixtures" / "agents" / "ask_twice.py")]},
+}
+
+
 @pytest.mark.parametrize("entry", _cases("environments"))
 def test_environment(entry: PluginEntry) -> None:
-    cls, config = _config(entry, {})
+    cls, config = _config(entry, ENV_KWARGS.get(entry.name, {}))
     testing.check_environment(cls, config=config)
 
 

@@ -131,6 +131,11 @@ class EpisodeActors:
                 out[i] = o.value
         return out
 
+    def close_all(self) -> None:
+        """End every episode still owned (a step that stopped early): their environment episodes are closed."""
+        for sample in list(self.owned):
+            self._close(sample)
+
     def _close(self, sample: int) -> None:
         owned = self.owned.pop(sample, None)
         close = getattr(owned.episode, "close", None) if owned is not None else None

@@ -142,6 +142,13 @@ class MultiTurnRollout:
 
     def _episodes(self, prompts: PromptBatch, params: SamplingParams, *,
                   seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+        try:
+            return self._run(prompts, params, seed=seed)
+        finally:
+            self.actors.close_all()  # episodes a failed step left open (a finished one is closed already)
+
+    def _run(self, prompts: PromptBatch, params: SamplingParams, *,
+             seed: int) -> tuple[RolloutBatch, dict[str, float]]:
         n, budget = params.n, params.max_new_tokens
         contexts = prompts.token_lists()
         samples = [_Sample(prompt_index=s // n, prompt=contexts[s // n]) for s in range(len(prompts) * n)]

@@ -26,16 +26,26 @@ class Outcome:
 
 
 class Bounded:
-    def __init__(self, *, max_workers: int = 8) -> None:
+    def __init__(self, *, max_workers: int = 32) -> None:
         self.slots = threading.BoundedSemaphore(max_workers)
 
     def run(self, calls: Sequence[Callable[[], Any]], *, timeout_s: float) -> list[Outcome]:
-        """An outcome per call, in order; the calls start together and each has ``timeout_s`` from the start."""
-        futures = [self._start(call) for call in calls]
-        deadline = time.monotonic() + timeout_s
-        pending = set(futures)
-        while pending and (left := deadline - time.monotonic()) > 0:
-            _, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        """An outcome per call, in order. The calls start together, as far as ``max_workers`` allows; each has
+        ``timeout_s`` from when it starts running (a call queued behind others does not lose its time)."""
+        began: dict[int, float] = {}  # call -> when it got its slot (written by its thread)
+        futures = [self._start(call, began, i) for i, call in enumerate(calls)]
+
+        def over(i: int, now: float) -> bool:
+            return i in began and now - began[i] >= timeout_s
+
+        while True:
+            now = time.monotonic()
+            pending = [f for i, f in enumerate(futures) if not f.done() and not over(i, now)]
+            if not pending:
+                break
+            first_end = min((began[i] + timeout_s for i, f in enumerate(futures) if not f.done() and i in began),
+                            default=now + _POLL_S)
+            wait(pending, timeout=max(0.0, min(first_end - now, _POLL_S)), return_when=FIRST_COMPLETED)
         out = []
         for future in futures:
             if not future.done():
@@ -47,13 +57,14 @@ class Bounded:
                 out.append(Outcome(value=future.result()))
         return out
 
-    def _start(self, call: Callable[[], Any]) -> Future[Any]:
+    def _start(self, call: Callable[[], Any], began: dict[int, float], i: int) -> Future[Any]:
         future: Future[Any] = Future()
 
         def work() -> None:
             with self.slots:
                 if not future.set_running_or_notify_cancel():  # answered as timed out while it waited
                     return
+                began[i] = time.monotonic()
                 try:
                     result = call()
                     future.set_result(asyncio.run(result) if inspect.iscoroutine(result) else result)
@@ -62,3 +73,6 @@ class Bounded:
 
         threading.Thread(target=work, daemon=True, name="hybridrl-bounded").start()
         return future
+
+
+_POLL_S = 0.05  # how often queued calls are looked at

@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 NOBODY = 65534
+PROBE_TIMEOUT_S = 30.0  # the start-up probe's wall limit (at least timeout_s)
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
@@ -108,7 +109,8 @@ class PythonTool:
                       *(str(v) for v in (self.config.cpu_time_s, self.config.memory_mb << 20,
                                          self.config.max_file_mb << 20, self.config.max_processes,
                                          int(self.config.allow_network)))]
-        out, err, ended, code = self._run("print('ok')")
+        # the probe gets its own time (a start on a loaded machine can take longer than a small timeout_s)
+        out, err, ended, code = self._run("print('ok')", timeout_s=max(self.config.timeout_s, PROBE_TIMEOUT_S))
         if (out, ended, code) != (b"ok\n", "", 0):
             raise RuntimeError(
                 "the python tool's sandbox cannot start here (it needs Linux pid, mount and network namespaces; "
@@ -140,8 +142,9 @@ class PythonTool:
             raise RuntimeError(f"the program exited with code {status}{hint}{_after(text)}")
         return text
 
-    def _run(self, code: str) -> tuple[bytes, bytes, str, int]:
-        """stdout, stderr, how it ended ("" on its own, or killed at "timeout" or "output") and its exit status."""
+    def _run(self, code: str, *, timeout_s: float | None = None) -> tuple[bytes, bytes, str, int]:
+        """stdout, stderr, how it ended ("" on its own, or killed at "timeout" or "output") and its exit status; the
+        wall limit is ``timeout_s`` (default: the config's)."""
         home = tempfile.mkdtemp(prefix="hybridrl-python-")
         try:
             if os.geteuid() == 0:
@@ -150,7 +153,7 @@ class PythonTool:
             proc = subprocess.Popen([*self._argv, code], cwd=home, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             try:
-                out, err, ended = self._collect(proc)
+                out, err, ended = self._collect(proc, self.config.timeout_s if timeout_s is None else timeout_s)
             finally:
                 if proc.returncode is None:  # stopped: the launcher kills init, so the kernel kills the rest
                     proc.terminate()
@@ -165,8 +168,8 @@ class PythonTool:
         finally:
             shutil.rmtree(home, ignore_errors=True)
 
-    def _collect(self, proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes, str]:
-        cap, deadline = 4 * self.config.max_output_chars + 4, time.monotonic() + self.config.timeout_s
+    def _collect(self, proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes, str]:
+        cap, deadline = 4 * self.config.max_output_chars + 4, time.monotonic() + timeout_s
         bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}  # type: ignore[union-attr]
         out, err = bufs.values()
         with selectors.DefaultSelector() as selector:

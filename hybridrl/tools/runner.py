@@ -1,10 +1,11 @@
 """Running one turn's tool calls: concurrently, each within ``multi_turn.tool_timeout_s``, and never raising.
 
-Every call gets an observation, the text the policy reads next (a tool message): the tool's output, cut to
-``max_tool_response_length`` tokens, or an error text for a call that could not be read (:class:`CallError`), names
-an unknown tool, raises, or runs past its time limit. The counts are the step's ``multi_turn/tool_*`` metrics.
-The calls of one turn (and of all episodes handed in together) run at once, at most ``max_workers`` at a time
-(:mod:`hybridrl.tools.bounded`); a coroutine tool runs in its own event loop.
+Every call gets an observation, the text the policy reads next (a tool message), cut to
+``max_tool_response_length`` tokens: the tool's output, or an error text for a call that could not be read
+(:class:`CallError`), names an unknown tool, raises, or runs past its time limit. The counts are the step's
+``multi_turn/tool_*`` metrics. The calls of one turn (and of all episodes handed in together) run at once, at most
+``max_workers`` at a time, each limit counted from its own start (:mod:`hybridrl.tools.bounded`); a coroutine tool
+runs in its own event loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class ToolRunner:
     ``cut(text, n)`` returns ``text`` cut to ``n`` tokens and whether it was cut (the policy's tokenizer)."""
 
     def __init__(self, tools: Mapping[str, Callable[[dict[str, Any]], Any]], *, timeout_s: float,
-                 max_tokens: int, cut: Callable[[str, int], tuple[str, bool]], max_workers: int = 8) -> None:
+                 max_tokens: int, cut: Callable[[str, int], tuple[str, bool]], max_workers: int = 32) -> None:
         self.tools, self.timeout_s, self.max_tokens, self.cut = dict(tools), timeout_s, max_tokens, cut
         self.bounded = Bounded(max_workers=max_workers)
         self.counts = ToolCounts()
@@ -74,12 +75,17 @@ class ToolRunner:
             elif not isinstance(o.value, str):
                 out[i] = _error(f"tool {name!r} returned {type(o.value).__name__}, not text")
             else:
-                text, cut = self.cut(o.value, self.max_tokens)
-                out[i] = Observation(text=text, truncated=cut)
-        done = [o for o in out if o is not None]
+                out[i] = Observation(text=o.value)
+        done = [self._cut(o) for o in out if o is not None]
         for obs in done:
             self.counts.add(obs)
         return done
+
+    def _cut(self, obs: Observation) -> Observation:
+        """Every observation, an error's too (a tool's exception may carry any text), at most ``max_tokens``."""
+        text, cut = self.cut(obs.text, self.max_tokens)
+        obs.text, obs.truncated = text, cut
+        return obs
 
     def take_counts(self) -> ToolCounts:
         """The counts since the last call (a step's), reset."""

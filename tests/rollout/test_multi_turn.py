@@ -10,8 +10,9 @@ template's rendering, the environment, the reward runner. Checked:
   (``loss_mask`` 0, log-prob 0) is the template's render of the tool / environment messages, and the whole
   sample decodes to the template's render of its conversation;
 - each fault — malformed JSON, an unknown tool, bad arguments, a tool that raises, one past ``tool_timeout_s``,
-  an output past ``max_tool_response_length``, an environment that raises, hangs or returns garbage — becomes an
-  observation (or ends the episode) within its limit plus a margin, and is counted in the step's metrics;
+  an output past ``max_tool_response_length``, the ``python`` tool's infinite loop, fork bomb and memory hog, an
+  environment that raises, hangs or returns garbage — becomes an observation (or ends the episode) within its limit
+  plus a margin, and is counted in the step's metrics;
 - one response budget over all turns; ``max_assistant_turns``; the environment's rewards reach the score;
 - the same samples and metrics on 1 rank and on 2 (each episode acted on by one rank), and an environment that
   fails under ``reward.on_error=raise`` stops the step on every rank, naming it.
@@ -34,7 +35,10 @@ import torch
 
 from hybridrl.interfaces import EnvStep, Generation, SamplingParams
 
-TIMEOUT_S, ENV_TIMEOUT_S, BUDGET, MAX_TOOL_TOKENS = 0.5, 0.5, 400, 16
+TIMEOUT_S, ENV_TIMEOUT_S, BUDGET, MAX_TOOL_TOKENS = 3.0, 0.5, 600, 200
+# the python tool's own wall limit: it answers before the runner's TIMEOUT_S, and after a fork bomb or a memory hog
+# has met its own limit (under 1.2 s measured on a loaded 2-core machine), so every observation is the same each run
+PY_TIMEOUT_S = 2.0
 
 
 def call(name: str, **arguments: Any) -> str:
@@ -57,10 +61,16 @@ SCRIPTS: dict[str, list[str]] = {
     "env_raises": ["crash"],
     "env_hangs": ["hang"],
     "env_garbage": ["garbage"],
+    "py_ok": [call("python", code="print(6*7)"), "84"],
+    "py_loop": [call("python", code="while True: pass"), "84"],
+    "py_fork": [call("python", code="import os\nwhile True: os.fork()"), "84"],
+    "py_mem": [call("python", code="x = bytearray(2**34)"), "84"],
     "loop": [call("calculator", expression="1+1")],  # calls forever: max_assistant_turns ends it
     "budget": ["x" * (BUDGET - 30)] * 2,  # the second turn is cut by the response budget
 }
 CASES = list(SCRIPTS)
+# a fork bomb's stderr holds the tracebacks of however many of its processes failed before the limit stopped it
+VARIES = {"py_fork"}
 
 
 class ScriptedPolicy:
@@ -120,16 +130,19 @@ class ScriptedEnv:
 
 def _tools() -> dict[str, Any]:
     from hybridrl.tools.calculator import Calculator
+    from hybridrl.tools.python import PythonTool
 
     def boom(arguments: dict) -> str:
         raise RuntimeError("tool exploded")
 
     def sleepy(arguments: dict) -> str:
-        time.sleep(5)
+        time.sleep(30)
         return "late"
 
     return {"calculator": Calculator(Calculator.Config()), "boom": boom, "sleepy": sleepy,
-            "chatty": lambda arguments: "blah " * 200}
+            "chatty": lambda arguments: "blah " * 100,
+            "python": PythonTool(PythonTool.Config(timeout_s=PY_TIMEOUT_S, cpu_time_s=10, memory_mb=256,
+                                                   max_processes=32))}
 
 
 class Workers:
@@ -291,6 +304,10 @@ def test_turns_tools_environment_and_faults(one_rank: dict[str, Any]) -> None:
     assert "raised ValueError" in tool_reply["bad_args"]
     assert "raised RuntimeError: tool exploded" in tool_reply["raises"]
     assert tool_reply["slow"] == f"Error: tool 'sleepy' took longer than {TIMEOUT_S:g} s"
+    assert tool_reply["py_ok"] == "42\n"
+    assert "TimeoutError" in tool_reply["py_loop"] and "time limit (timeout_s)" in tool_reply["py_loop"]
+    assert "max_processes" in tool_reply["py_fork"], tool_reply["py_fork"]
+    assert "memory_mb" in tool_reply["py_mem"], tool_reply["py_mem"]
     assert tool_reply["long"].endswith("[truncated]")
     assert len(tok(tool_reply["long"].removesuffix(" [truncated]"))["input_ids"]) == MAX_TOOL_TOKENS
     # the environment: feedback then the reward; its failures end the episode, scored 0, counted
@@ -306,21 +323,28 @@ def test_turns_tools_environment_and_faults(one_rank: dict[str, Any]) -> None:
     assert len(convo["loop"][1]) == 4 and r["finish"][by_case["loop"]] == "stop"
     assert r["finish"][by_case["budget"]] == "length" and len(r["ids"][by_case["budget"]]) == BUDGET
     m = r["metrics"]
-    assert m["multi_turn/tool_timeouts"] == 1 and m["multi_turn/tool_truncated"] == 1
-    assert m["multi_turn/tool_errors"] == 6  # bad_json, unclosed, unknown, bad_args, raises, slow
-    assert m["multi_turn/tool_calls"] == 1 + 2 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 3  # loop: 3 turns run their call
+    cut = [c for c, text in tool_reply.items() if text.endswith(" [truncated]")]
+    assert m["multi_turn/tool_timeouts"] == 1 and m["multi_turn/tool_truncated"] == len(cut)
+    assert "long" in cut and all(len(tok(tool_reply[c].removesuffix(" [truncated]"))["input_ids"]) == MAX_TOOL_TOKENS
+                                 for c in cut)
+    assert m["multi_turn/tool_errors"] == 9  # bad_json, unclosed, unknown, bad_args, raises, slow, py_loop/fork/mem
+    assert m["multi_turn/tool_calls"] == 1 + 2 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 4 + 3  # loop: 3 turns run their call
     assert m["multi_turn/env_errors"] == 3
     assert m["multi_turn/turns_mean"] == pytest.approx(sum(len(convo[c][1]) for c in by_case) / len(by_case))
     # every limit held: the step took about one tool timeout and one environment timeout, not the sleeps
-    assert r["wall"] < 2 * (TIMEOUT_S + ENV_TIMEOUT_S) + 3.0, r["wall"]
+    assert r["wall"] < TIMEOUT_S + ENV_TIMEOUT_S + 4.0, r["wall"]
     assert r["raised"][0].startswith("EnvironmentFailed: environment 'scripted'") and "sample" in r["raised"][0]
 
 
 @pytest.mark.distributed
 def test_two_ranks_give_the_same_samples(one_rank: dict[str, Any], two_ranks: dict[str, Any]) -> None:
-    for key in ("cases", "ids", "mask", "logprobs", "scores", "finish", "metrics", "errors"):
+    for key in ("cases", "mask", "logprobs", "scores", "finish", "metrics", "errors"):
         assert two_ranks[key] == one_rank[key], key
-    assert two_ranks["wall"] < 2 * (TIMEOUT_S + ENV_TIMEOUT_S) + 3.0
+    for c, a, b, mask in zip(one_rank["cases"], one_rank["ids"], two_ranks["ids"], one_rank["mask"], strict=True):
+        if c in VARIES:  # its sampled ids only: the observation's text differs from run to run
+            a, b = [t for t, m in zip(a, mask, strict=True) if m], [t for t, m in zip(b, mask, strict=True) if m]
+        assert a == b, c
+    assert two_ranks["wall"] < TIMEOUT_S + ENV_TIMEOUT_S + 4.0
     assert all(x is not None and x.startswith("EnvironmentFailed") for x in two_ranks["raised"])  # on every rank
 
 
