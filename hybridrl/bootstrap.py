@@ -118,11 +118,12 @@ def write_products_task(train: Path, test: Path | None = None) -> None:
 
 
 def write_tool_sft_task(train: Path, test: Path | None = None) -> None:
-    """Sums, differences and 1-digit products as SFT transcripts, half through the calculator
+    """Sums, differences and products with a 1-digit operand as SFT transcripts, half through the calculator
     (:func:`hybridrl.data.tool_arithmetic.tool_sft_splits`): ``sft_tool_tiny``'s data."""
     from hybridrl.data.tool_arithmetic import SMALL_PRODUCTS, TOOL_SFT, tool_sft_splits
 
-    say(f"writing sums, differences ({TOOL_SFT}) and 1-digit products ({SMALL_PRODUCTS}) as calculator transcripts to "
+    say(f"writing sums, differences ({TOOL_SFT}) and products with a 1-digit operand ({SMALL_PRODUCTS}) as calculator "
+        f"transcripts to "
         f"{train}"
         + (f", {test}" if test else ""))
     _write_splits(tool_sft_splits(), [Path(train)] + ([Path(test)] if test is not None else []))

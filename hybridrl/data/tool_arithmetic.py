@@ -2,10 +2,10 @@
 ``calculator`` tool; and the warm start's transcripts, which never show a 2-digit product.
 
 RL rows (:func:`product_splits`): ``prompt`` "37*58=", ``ground_truth`` "2146" (operands 10–99).
-SFT rows (:func:`tool_sft_splits`): 1–2 digit sums and differences (:data:`TOOL_SFT`) and 1-digit products
-(:data:`SMALL_PRODUCTS`, repeated to a tenth of the rows), each answered half directly ("46") and half through the
-calculator, as the multi-turn rollout lays the conversation out under ChatML: the call, the end of the turn, the
-tool's reply, and the answer::
+SFT rows (:func:`tool_sft_splits`): 1–3 digit sums and differences (:data:`TOOL_SFT`) and products with a 1-digit
+operand (:func:`small_products`: "7*58=", "6*3=", a quarter of the rows), each answered half directly ("46") and half
+through the calculator, as the multi-turn rollout lays the conversation out under ChatML: the call, the end of the
+turn, the tool's reply, and the answer::
 
     <tool_call>{"name":"calculator","arguments":{"expression":"12+34"}}</tool_call><|im_end|>
     <|im_start|>tool
@@ -14,12 +14,14 @@ tool's reply, and the answer::
     46
 
 Why not addition alone, as the issue asked: the warm start then writes the operator it saw, not the question's.
-Measured where the call's operator goes, for product questions: with sums alone P("*") < 1e-4 (it writes "+"); with
-sums and differences P("*") ≤ 1e-4 still ("*" never seen, its embedding untrained: nothing to copy). So the warm
-start shows calls with all three operators, but products only of one digit, which the model can learn by heart; it
-never sees a 2-digit product, and answers half its questions without the tool — for a 2-digit product always
-wrongly. Calling the tool on every 2-digit product, and copying its reply, is what RL learns. The warm start (plain
-SFT on this text) also trains on the tool's reply; RL trains only on what the policy samples.
+Measured where the call's operator goes, for 2-digit product questions: with sums alone P("*") < 1e-4 (it writes
+"+"); with sums and differences P("*") ≤ 1e-4 still ("*" never seen: its embedding untrained); with 1-digit products
+added P("*") ≈ 1e-3 (it wrote "*" for 1-digit operands only: operand size, not the question's operator, was its
+cue). So the warm start shows calls with all three operators at every operand size except two 2-digit ones: it never
+sees a product of two 2-digit numbers, and answers half its questions without the tool — for such a product always
+wrongly. Calling the tool on every 2-digit product is what RL learns. Its sums reach 4 digits, so that copying a
+4-digit reply is not new either (with 2-digit sums it copied the first digit of 1599 and guessed the rest). The warm start (plain SFT on this text) also
+trains on the tool's reply; RL trains only on what the policy samples.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import random
 from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
 from hybridrl.data.rows import Row
 
-TOOL_SFT = dict(min_digits=1, max_digits=2, operators=["+", "-"], num_train=4000, num_test=200, seed=0)
-SMALL_PRODUCTS = dict(min_digits=1, max_digits=1, operators=["*"], num_train=90, num_test=10, seed=0)
+# 1–3 digit operands: sums up to 1998, so the warm start copies 4-digit tool replies (a 2-digit product has 3–4)
+TOOL_SFT = dict(min_digits=1, max_digits=3, operators=["+", "-"], num_train=4000, num_test=200, seed=0)
+SMALL_PRODUCTS = dict(num_train=1400, num_test=40, seed=0)  # products with a 1-digit operand (of 1900)
 PRODUCTS = dict(min_digits=2, max_digits=2, operators=["*"], num_train=3000, num_test=200, seed=1,
                 data_source="products")
 
@@ -40,14 +43,20 @@ def product_splits() -> tuple[list[Row], list[Row]]:
     return arithmetic_splits(ArithmeticTaskConfig(**PRODUCTS))  # type: ignore[arg-type]
 
 
+def small_products() -> tuple[list[Row], list[Row]]:
+    """Train and test rows of ``a*b`` with a or b < 10 (operands 0–99, never both of two digits)."""
+    pairs = [(a, b) for a in range(100) for b in range(100) if min(a, b) < 10]
+    random.Random(int(SMALL_PRODUCTS["seed"])).shuffle(pairs)
+    rows = [{"prompt": f"{a}*{b}=", "ground_truth": str(a * b), "data_source": "arithmetic"} for a, b in pairs]
+    n, m = int(SMALL_PRODUCTS["num_train"]), int(SMALL_PRODUCTS["num_test"])
+    return rows[:n], rows[n:n + m]
+
+
 def tool_sft_splits() -> list[list[Row]]:
-    """The warm start's train and test transcripts: :data:`TOOL_SFT` and :data:`SMALL_PRODUCTS` (the products'
-    train rows repeated to about a tenth of the train split), shuffled."""
+    """The warm start's train and test transcripts: :data:`TOOL_SFT` and :func:`small_products`, shuffled."""
     sums = arithmetic_splits(ArithmeticTaskConfig(**TOOL_SFT))  # type: ignore[arg-type]
-    products = arithmetic_splits(ArithmeticTaskConfig(**SMALL_PRODUCTS))  # type: ignore[arg-type]
-    repeat = max(1, len(sums[0]) // (9 * len(products[0])))
     out = []
-    for i, (a, b) in enumerate(zip(sums, (products[0] * repeat, products[1]), strict=True)):
+    for i, (a, b) in enumerate(zip(sums, small_products(), strict=True)):
         rows = a + b
         random.Random(i).shuffle(rows)
         out.append(tool_sft_rows(rows, seed=i))

@@ -24,8 +24,9 @@ def test_the_warm_start_never_shows_a_2_digit_product_and_calls_the_tool_half_th
     train, test = tool_sft_splits()
     calls = [r for r in train if r["ground_truth"].startswith("<tool_call>")]
     assert 0.4 < len(calls) / len(train) < 0.6
-    products = [r["prompt"] for r in train + test if "*" in r["prompt"]]
-    assert products and all(re.fullmatch(r"\d\*\d=", p) for p in products)
+    products = [re.fullmatch(r"(\d+)\*(\d+)=", r["prompt"]) for r in train + test if "*" in r["prompt"]]
+    assert products and all(m is not None and min(len(m[1]), len(m[2])) == 1 for m in products)
+    assert {(len(m[1]), len(m[2])) for m in products} == {(1, 1), (1, 2), (2, 1)}
     assert {r["prompt"][re.search(r"[-+*]", r["prompt"]).start()] for r in calls} == {"+", "-", "*"}  # type: ignore[union-attr]
 
 
