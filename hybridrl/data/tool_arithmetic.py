@@ -2,7 +2,7 @@
 ``calculator`` tool; and the warm start's transcripts, which never show a 2-digit product.
 
 RL rows (:func:`product_splits`): ``prompt`` "37*58=", ``ground_truth`` "2146" (operands 10–99).
-SFT rows (:func:`tool_sft_splits`): 1–3 digit sums and differences (:data:`TOOL_SFT`) and products with a 1-digit
+SFT rows (:func:`tool_sft_splits`): 1–2 digit sums and differences (:data:`TOOL_SFT`) and products with a 1-digit
 operand (:func:`small_products`: "7*58=", "6*3=", a quarter of the rows), each answered half directly ("46") and half
 through the calculator, as the multi-turn rollout lays the conversation out under ChatML: the call, the end of the
 turn, the tool's reply, and the answer::
@@ -19,9 +19,11 @@ Measured where the call's operator goes, for 2-digit product questions: with sum
 added P("*") ≈ 1e-3 (it wrote "*" for 1-digit operands only: operand size, not the question's operator, was its
 cue). So the warm start shows calls with all three operators at every operand size except two 2-digit ones: it never
 sees a product of two 2-digit numbers, and answers half its questions without the tool — for such a product always
-wrongly. Calling the tool on every 2-digit product is what RL learns. Its sums reach 4 digits, so that copying a
-4-digit reply is not new either (with 2-digit sums it copied the first digit of 1599 and guessed the rest). The warm start (plain SFT on this text) also
-trains on the tool's reply; RL trains only on what the policy samples.
+wrongly. Calling the tool on every 2-digit product is what RL learns, and copying a 4-digit reply, which it has never
+seen (every reply it saw has at most 3 digits). Sums of up to 3 digits, to show 4-digit replies, made it worse: it
+then wrote "8*73" for 82*73, a product always having had a 1-digit operand (held-out accuracy 0.005, no reward in
+5 steps). The warm start (plain SFT on this text) also trains on the tool's reply; RL trains only on what the policy
+samples.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import random
 from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
 from hybridrl.data.rows import Row
 
-# 1–3 digit operands: sums up to 1998, so the warm start copies 4-digit tool replies (a 2-digit product has 3–4)
-TOOL_SFT = dict(min_digits=1, max_digits=3, operators=["+", "-"], num_train=4000, num_test=200, seed=0)
+TOOL_SFT = dict(min_digits=1, max_digits=2, operators=["+", "-"], num_train=4000, num_test=200, seed=0)
 SMALL_PRODUCTS = dict(num_train=1400, num_test=40, seed=0)  # products with a 1-digit operand (of 1900)
 PRODUCTS = dict(min_digits=2, max_digits=2, operators=["*"], num_train=3000, num_test=200, seed=1,
                 data_source="products")
