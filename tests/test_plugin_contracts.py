@@ -2,8 +2,8 @@
 
 The plugins are listed from package metadata as ``hybridrl plugins`` lists them (``registry.all_entries``), so
 a third-party package installed here is checked too, with the config its defaults give unless
-:data:`REWARD_KWARGS` / :data:`ENV_KWARGS` know better. The rollout engines run on a tiny random Qwen2; ``sglang`` (one engine
-start, ~15 s on 2 CPU cores) needs the SGLang CPU stack (``launch/install_sglang_cpu.sh``).
+:data:`REWARD_KWARGS` / :data:`ENV_KWARGS` know better. The rollout engines run on a tiny random Qwen2;
+``sglang`` (one engine start, ~15 s on 2 CPU cores) needs the SGLang CPU stack (``launch/install_sglang_cpu.sh``).
 The last tests check that the kit itself catches broken plugins.
 """
 
