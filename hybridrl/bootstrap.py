@@ -48,6 +48,7 @@ ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, n
 GSM8K_TINY = dict(num_train=2000, num_test=64, seed=0)
 TINY_BPE = dict(vocab_size=512, corpus_rows=2000, seed=0)  # BPE trained on this many synthetic GSM8K rows
 BUILD_INFO = "hybridrl_build.json"  # in a model folder this module built: what it was built from
+DATA_BUILD_INFO = "hybridrl_build.json"  # beside a data file this module built (".<stem>.hybridrl_build.json")
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
                  "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_USE_AGENT_STORE",
@@ -90,10 +91,30 @@ def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) 
     for key, path in zip(("data.train_files", "data.val_files"), targets, strict=False):
         if (problem := outside_cache_problem(kind, str(path))) is not None:
             raise ValueError(f"{key}: {path}: {problem}")
-    write = {"arithmetic": write_arithmetic_task, "arithmetic_preference": write_arithmetic_preference,
-             "gsm8k_tiny": write_gsm8k_tiny_task, "products": write_products_task,
-             "arithmetic_tool_sft": write_tool_sft_task}[kind]
-    _once(targets, lambda: write(*targets))
+    write = _data_writers()[kind]
+    key = _data_build_key(kind)
+    info = targets[0].with_name(f".{targets[0].stem}.{DATA_BUILD_INFO}")
+
+    def build() -> None:
+        write(*targets)
+        info.write_text(json.dumps({"kind": kind, "key": key}) + "\n")
+
+    # rebuilt when its generator changed (a file without build info is the user's: kept)
+    _once(targets, build, lambda: not all(p.exists() for p in targets) or _stale_info(info, key))
+
+
+def _data_writers() -> dict[str, Callable[..., None]]:
+    return {"arithmetic": write_arithmetic_task, "arithmetic_preference": write_arithmetic_preference,
+            "gsm8k_tiny": write_gsm8k_tiny_task, "products": write_products_task,
+            "arithmetic_tool_sft": write_tool_sft_task}
+
+
+def _data_build_key(kind: str) -> str:
+    """Hash of what a built data kind depends on: its writer and the modules that generate its rows."""
+    sources = [inspect.getsource(_data_writers()[kind]), f"{ARITHMETIC}{GSM8K_TINY}"]
+    if kind in ("products", "arithmetic_tool_sft"):
+        sources.append(inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic")))
+    return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 
 def write_arithmetic_task(train: Path, test: Path | None = None) -> None:
@@ -252,7 +273,11 @@ def _sft_build_key(recipe: str) -> str:
 
 def _stale_build(out: Path, key: str) -> bool:
     """``out`` was built here from different inputs (a model without build info is the user's: kept)."""
-    info = out / BUILD_INFO
+    return _stale_info(out / BUILD_INFO, key)
+
+
+def _stale_info(info: Path, key: str) -> bool:
+    """The build info ``info`` names another key than ``key`` (no build info: not built here, never stale)."""
     if not info.exists():
         return False
     try:

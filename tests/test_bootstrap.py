@@ -65,3 +65,24 @@ def test_once_builds_while_needed_and_not_again(tmp_path: Path, monkeypatch: pyt
     (out / BUILD_INFO).write_text(json.dumps({"key": "old"}))  # recipe changed since
     _once([out], build, needed)
     assert len(builds) == 2
+
+
+def test_built_data_is_rebuilt_when_its_generator_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data built from an older generator (here: another build key) is written again; data without build info is
+    the user's and kept, as are up-to-date builds."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))
+    train, test = tmp_path / "tiny" / "products" / "train.parquet", tmp_path / "tiny" / "products" / "test.parquet"
+    bootstrap.ensure_data("products", [str(train)], [str(test)])
+    info = train.with_name(f".train.{bootstrap.DATA_BUILD_INFO}")
+    assert json.loads(info.read_text()) == {"kind": "products", "key": bootstrap._data_build_key("products")}
+    mtime = train.stat().st_mtime_ns
+    bootstrap.ensure_data("products", [str(train)], [str(test)])
+    assert train.stat().st_mtime_ns == mtime  # up to date: not written again
+    info.write_text(json.dumps({"kind": "products", "key": "older"}))
+    bootstrap.ensure_data("products", [str(train)], [str(test)])
+    assert train.stat().st_mtime_ns != mtime and json.loads(info.read_text())["key"] != "older"
+    info.unlink()
+    mtime = train.stat().st_mtime_ns
+    bootstrap.ensure_data("products", [str(train)], [str(test)])
+    assert train.stat().st_mtime_ns == mtime  # no build info: the user's file, kept

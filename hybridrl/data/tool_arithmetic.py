@@ -1,11 +1,11 @@
 """The tool-use task of ``grpo_tool_tiny``: 2-digit products, which the tiny model cannot compute in its head, with the
-``calculator`` tool; and the warm start's transcripts, which never show a 2-digit product.
+``calculator`` tool; and the warm start's transcripts, which never show a product of two 2-digit numbers.
 
 RL rows (:func:`product_splits`): ``prompt`` "37*58=", ``ground_truth`` "2146" (operands 10–99).
 SFT rows (:func:`tool_sft_splits`): 1–2 digit sums and differences (:data:`TOOL_SFT`) and products with a 1-digit
-operand (:func:`small_products`: "7*58=", "6*3=", a quarter of the rows), each answered half directly ("46") and half
-through the calculator, as the multi-turn rollout lays the conversation out under ChatML: the call, the end of the
-turn, the tool's reply, and the answer::
+operand and a 1–3 digit one (:func:`small_products`: "7*583=", "46*3=", a third of the rows), each answered half
+directly ("46") and half through the calculator, as the multi-turn rollout lays the conversation out under ChatML:
+the call, the end of the turn, the tool's reply, and the answer::
 
     <tool_call>{"name":"calculator","arguments":{"expression":"12+34"}}</tool_call><|im_end|>
     <|im_start|>tool
@@ -17,12 +17,14 @@ Why not addition alone, as the issue asked: the warm start then writes the opera
 Measured where the call's operator goes, for 2-digit product questions: with sums alone P("*") < 1e-4 (it writes
 "+"); with sums and differences P("*") ≤ 1e-4 still ("*" never seen: its embedding untrained); with 1-digit products
 added P("*") ≈ 1e-3 (it wrote "*" for 1-digit operands only: operand size, not the question's operator, was its
-cue). So the warm start shows calls with all three operators at every operand size except two 2-digit ones: it never
-sees a product of two 2-digit numbers, and answers half its questions without the tool — for such a product always
-wrongly. Calling the tool on every 2-digit product is what RL learns, and copying a 4-digit reply, which it has never
-seen (every reply it saw has at most 3 digits). Sums of up to 3 digits, to show 4-digit replies, made it worse: it
-then wrote "8*73" for 82*73, a product always having had a 1-digit operand (held-out accuracy 0.005, no reward in
-5 steps). The warm start (plain SFT on this text) also trains on the tool's reply; RL trains only on what the policy
+cue). So the warm start shows calls with all three operators, but never a product of two 2-digit numbers, and
+answers half its questions without the tool — for such a product always wrongly. Its products' other operand has up
+to 3 digits, so it has seen 4-digit replies to copy: with products of a 1-digit and a 1–2 digit operand only (every
+reply ≤ 3 digits), it called the tool right on 2-digit products but dropped a digit copying the 4-digit reply
+("1562" → "152"), and RL stalled at 0.22 held-out accuracy. With 1–3 digit operands: greedy held-out accuracy 0.73
+at the start (sampled, most answers come without the tool: reward 0.34), 0.995 after 10 RL steps. Calling the tool
+on every sampled 2-digit product is what RL learns. Sums of up to 3 digits instead made it write "8*73" for 82*73
+(0.005). The warm start (plain SFT on this text) also trains on the tool's reply; RL trains only on what the policy
 samples.
 """
 
@@ -35,7 +37,7 @@ from hybridrl.data.arithmetic import ArithmeticTaskConfig, arithmetic_splits
 from hybridrl.data.rows import Row
 
 TOOL_SFT = dict(min_digits=1, max_digits=2, operators=["+", "-"], num_train=4000, num_test=200, seed=0)
-SMALL_PRODUCTS = dict(num_train=1400, num_test=40, seed=0)  # products with a 1-digit operand (of 1900)
+SMALL_PRODUCTS = dict(num_train=2000, num_test=60, seed=0)  # a*b, one operand 0–9, the other 0–999
 PRODUCTS = dict(min_digits=2, max_digits=2, operators=["*"], num_train=3000, num_test=200, seed=1,
                 data_source="products")
 
@@ -45,8 +47,8 @@ def product_splits() -> tuple[list[Row], list[Row]]:
 
 
 def small_products() -> tuple[list[Row], list[Row]]:
-    """Train and test rows of ``a*b`` with a or b < 10 (operands 0–99, never both of two digits)."""
-    pairs = [(a, b) for a in range(100) for b in range(100) if min(a, b) < 10]
+    """Train and test rows of ``a*b`` and ``b*a`` with a in 0–9 and b in 0–999 (never two 2-digit operands)."""
+    pairs = [(a, b) for a in range(10) for b in range(1000)] + [(b, a) for a in range(10) for b in range(1000)]
     random.Random(int(SMALL_PRODUCTS["seed"])).shuffle(pairs)
     rows = [{"prompt": f"{a}*{b}=", "ground_truth": str(a * b), "data_source": "arithmetic"} for a, b in pairs]
     n, m = int(SMALL_PRODUCTS["num_train"]), int(SMALL_PRODUCTS["num_test"])

@@ -21,12 +21,15 @@ def test_products_are_2_digit_and_the_splits_disjoint() -> None:
 
 
 def test_the_warm_start_never_shows_a_2_digit_product_and_calls_the_tool_half_the_time() -> None:
+    """Products have a 1-digit operand and a 1–3 digit one (4-digit replies to copy), never two 2-digit ones."""
     train, test = tool_sft_splits()
     calls = [r for r in train if r["ground_truth"].startswith("<tool_call>")]
     assert 0.4 < len(calls) / len(train) < 0.6
     products = [re.fullmatch(r"(\d+)\*(\d+)=", r["prompt"]) for r in train + test if "*" in r["prompt"]]
     assert products and all(m is not None and min(len(m[1]), len(m[2])) == 1 for m in products)
-    assert {(len(m[1]), len(m[2])) for m in products} == {(1, 1), (1, 2), (2, 1)}
+    assert {(len(m[1]), len(m[2])) for m in products} == {(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)}
+    replies = [r["ground_truth"].rsplit("\n", 1)[-1] for r in calls]
+    assert max(map(len, replies)) == 4  # 9*999=8991
     assert {r["prompt"][re.search(r"[-+*]", r["prompt"]).start()] for r in calls} == {"+", "-", "*"}  # type: ignore[union-attr]
 
 
