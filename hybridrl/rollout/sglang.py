@@ -37,7 +37,6 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -52,7 +51,9 @@ from hybridrl.hf.tensors import checkpoint_shapes
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
 from hybridrl.rollout import sglang_compat as compat
 from hybridrl.rollout import sglang_process as process
+from hybridrl.rollout.seeding import request_seed
 from hybridrl.rollout.sglang_process import SGLangEngineError
+from hybridrl.rollout.weight_names import check_bucket
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -222,7 +223,7 @@ class SGLangRolloutEngine:
         base = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     max_new_tokens=params.max_new_tokens, stop_token_ids=stop)
         sampling = [base | {"max_new_tokens": limits[i]}
-                    | ({} if seeds is None else {"sampling_seed": _sample_seed(seeds[i], j)}) for i, j in expanded]
+                    | ({} if seeds is None else {"sampling_seed": request_seed(seeds[i], j)}) for i, j in expanded]
         input_ids = [list(prompts[i]) for i, _ in expanded]
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
                                                      return_logprob=True), what="generate")
@@ -254,7 +255,7 @@ class SGLangRolloutEngine:
         self._ok(self._call(compat.weight_update_session(self.engine, "begin"), what="begin_weight_update"))
         try:
             for bucket, last in _with_last(b for b in buckets if b):
-                self._check_names(bucket)
+                check_bucket(bucket, self.shapes, engine="sglang", model_path=self.model_path)
                 request = compat.update_weights_from_tensor(
                     self.engine, self._payloads(bucket), load_format=self._load_format(), flush_cache=last,
                     weight_version=str(version) if last else None)  # the flush and the version come last
@@ -268,17 +269,6 @@ class SGLangRolloutEngine:
                 self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
         self.version = version
         self.last_update = {"seconds": time.perf_counter() - t0, "megabytes": sent / 2**20, "buckets": count}
-
-    def _check_names(self, bucket: WeightBucket) -> None:
-        """SGLang skips unknown names silently and dies on a wrong shape: check both here, like the hf engine."""
-        for name, tensor in bucket:
-            shape = self.shapes.get(name)
-            if shape is None:
-                raise KeyError(f"sglang engine: weight {name!r} is not in the rollout model's checkpoint "
-                               f"({self.model_path}); known names look like {next(iter(self.shapes))!r}")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"sglang engine: weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the rollout model expects {shape}")
 
     def _load_format(self) -> str | None:
         return "flattened_bucket" if self.config.update_weights_load_format == "flattened_bucket" else None
@@ -367,13 +357,6 @@ def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         yield current, False
         current = following
     yield current, True
-
-
-def _sample_seed(seed: int, sample_index: int) -> int:
-    """SGLang's ``sampling_seed`` of sample ``sample_index`` of a prompt seeded ``seed``: a hash of that pair
-    alone, in [0, 2**63) (SGLang takes a signed 64-bit seed)."""
-    digest = hashlib.blake2b(f"{seed},{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def _read_checkpoint(model_path: str) -> tuple[list[int], dict[str, tuple[int, ...]]]:

@@ -60,11 +60,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import multiprocessing as mp
-import os
 import signal
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+# item 7's helper and the process helpers are shared with the vllm engine
+from hybridrl.rollout.processes import TORCHRUN_ENV, kill_processes, new_children, without_torchrun_env  # noqa: F401
 
 if TYPE_CHECKING:
     import psutil
@@ -150,62 +152,6 @@ def keep_start_method() -> Iterator[None]:
     finally:
         if mp.get_start_method(allow_none=True) != before:
             mp.set_start_method(before, force=True)  # type: ignore[arg-type]
-
-
-TORCHRUN_ENV = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR", "MASTER_PORT", "RANK",
-                "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
-                "ROLE_RANK", "ROLE_WORLD_SIZE")
-
-
-@contextmanager
-def without_torchrun_env() -> Iterator[None]:
-    """Start the engine's processes without the trainer's torchrun variables (item 7); restore them after."""
-    saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def new_children(before: set[int]) -> list[psutil.Process]:
-    """The processes this process started since ``before`` (pids), without multiprocessing's resource tracker."""
-    import psutil
-
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid not in before and "resource_tracker" not in " ".join(child.cmdline()):
-                out.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def kill_processes(procs: list[psutil.Process], *, grace_s: float = 3.0) -> None:
-    """SIGTERM ``procs`` (and their children), SIGKILL what is left after ``grace_s``; reap them."""
-    import psutil
-
-    everyone: dict[int, psutil.Process] = {}
-    for proc in procs:
-        try:
-            everyone[proc.pid] = proc
-            everyone.update({c.pid: c for c in proc.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
-    alive = list(everyone.values())
-    for proc in alive:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(alive, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:

@@ -17,7 +17,6 @@ Nothing here imports sglang; taking SGLang's signal handlers back is :mod:`hybri
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
 import signal
 import threading
@@ -26,7 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from hybridrl.rollout import processes
 from hybridrl.rollout import sglang_compat as compat
+from hybridrl.rollout.processes import alive  # noqa: F401  (the engine asks this module)
 
 SIGQUIT_GRACE_S = 10.0  # how long a SIGQUIT waits for the failing engine process to be gone
 
@@ -49,7 +50,6 @@ class SupervisedEngine(Protocol):
 
 _LIVE: dict[int, SupervisedEngine] = {}
 _STARTING: set[int] = set()
-_PREVIOUS: dict[int, Any] = {}  # the trainer's own SIGTERM/SIGINT handlers
 
 
 @contextmanager
@@ -65,48 +65,19 @@ def starting(engine: SupervisedEngine) -> Iterator[None]:
 def supervise(engine: SupervisedEngine) -> None:
     """After start: ``engine``'s processes die with the trainer, and their death raises in it."""
     _LIVE[id(engine)] = engine
-    _install_signal_handlers()
-    compat.take_back_signals(engine.engine, {signal.SIGTERM: _on_terminate, signal.SIGQUIT: on_sigquit})
+    processes.shut_down_at_exit(engine, engine.shutdown)
+    compat.take_back_signals(engine.engine, {signal.SIGTERM: processes.on_terminate, signal.SIGQUIT: on_sigquit})
 
 
 def release(engine: SupervisedEngine) -> None:
     """At shutdown: ``engine`` is no longer supervised."""
     _LIVE.pop(id(engine), None)
-
-
-def alive(proc: Any) -> bool:
-    """Whether the psutil process ``proc`` still runs (a zombie does not)."""
-    import psutil
-
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _install_signal_handlers() -> None:
-    """SIGTERM/SIGINT: kill the engines' processes, then do what the trainer did before; atexit: the same."""
-    if _PREVIOUS or threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        _PREVIOUS[signum] = signal.getsignal(signum)
-        signal.signal(signum, _on_terminate)
-    atexit.register(_shutdown_all)
+    processes.forget(engine)
 
 
 def _shutdown_all() -> None:
     for engine in list(_LIVE.values()):
         engine.shutdown()
-
-
-def _on_terminate(signum: int, frame: Any) -> None:
-    _shutdown_all()
-    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL:  # die by the signal, as without an engine
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 def on_sigquit(signum: int, frame: Any) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import process_marks
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -318,19 +319,10 @@ def run_script(tmp: Path, modes_models: dict[str, Path]) -> dict[str, Result]:
     return results
 
 
-def survivors(mode: str) -> list[str]:
+def survivors(mode: str) -> list[int]:
     """Processes still running that inherited the script's marker variable (its engine's children did)."""
-    import psutil
-
-    def marked() -> list[str]:
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get(MARK) == f"{os.getpid()}-{mode}" and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(f"{p.pid} {p.name()}")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return out
+    def marked() -> list[int]:
+        return process_marks.marked(MARK, f"{os.getpid()}-{mode}")
 
     deadline = time.time() + 10
     while time.time() < deadline and marked():
