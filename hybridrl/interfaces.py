@@ -71,6 +71,8 @@ class RolloutEngine(Protocol):
 
     Config: ClassVar[type]
     supports_tensor_parallel: ClassVar[bool]  # False: validation rejects rollout.tensor_model_parallel_size > 1
+    # Optional classmethod ``plan_notes(config, *, device_type: str, tp_size: int) -> list[str]``: lines ``hybridrl
+    # validate`` prints with the plan (e.g. what the engine cannot do on this device); a ValueError is a config error.
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,

@@ -497,6 +497,13 @@ class _EngineRun:
         p.expect(any(a.token_ids != b.token_ids or _max_diff(a.logprobs, b.logprobs) > 1e-3
                      for a, b in zip(self.greedy, changed, strict=True)), "update_weights takes effect",
                  "greedy tokens and log-probs are the same after streaming in perturbed weights")
+        want = _reference_logprobs(self.model_path, dict(perturbed), self.prompts, changed)
+        p.expect(all(_max_diff(g.logprobs, w) <= 1e-3 for g, w in zip(changed, want, strict=True)),
+                 "after update_weights the engine serves exactly the streamed weights (its greedy samples' log-probs "
+                 "equal transformers' on those weights, within 1e-3)",
+                 lambda: "largest log-prob difference "
+                         f"{max(_max_diff(g.logprobs, w) for g, w in zip(changed, want, strict=True))}: part of the "
+                         "model (e.g. a tied LM head) still computes with the old weights")
         with p.step("update_weights(original weights, version=2)"):
             engine.update_weights(_buckets(original, device), version=2)
         p.expect(storage(engine) == ptrs, in_place, moved)
@@ -559,6 +566,24 @@ def _buckets(weights: list[tuple[str, torch.Tensor]], device: torch.device | str
     half = (len(weights) + 1) // 2
     for part in (weights[:half], weights[half:]):
         yield [(n, t.to(device)) for n, t in part]
+
+
+def _reference_logprobs(model_path: Path, weights: dict[str, torch.Tensor], prompts: list[list[int]],
+                        gens: Sequence[Generation]) -> list[list[float]]:
+    """transformers' (fp32) untempered log-probs of each greedy sample's tokens, on ``weights``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    out = []
+    with torch.no_grad():
+        for g in gens:
+            prompt = prompts[g.prompt_index]
+            logits = model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            out.append(logits.log_softmax(-1).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0].tolist())
+    return out
 
 
 def _module_storage(engine: Any) -> dict[str, int]:

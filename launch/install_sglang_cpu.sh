@@ -24,19 +24,19 @@ NODEPS=(  # packages whose declared deps would pull CUDA or another torch
   sglang==0.5.21
   triton==3.9.0
   torchvision==0.28.0
-  compressed-tensors==0.18.0
+  compressed-tensors==0.17.0
   gguf==0.19.0
 )
 DEPS=(  # pure-Python (or self-contained wheel) deps that sglang 0.5.21 imports on the CPU engine path
   aiohttp==3.14.5
   dill==0.4.1
   einops==0.8.2
-  fastapi==0.165.0
+  fastapi==0.136.3
   interegular==0.3.3
   ipython==8.12.3
   loguru==0.7.3
   msgspec==0.23.0
-  openai==2.6.1
+  openai==3.57.0
   orjson==3.8.3
   partial-json-parser==0.2.1.1.post7
   pillow==13.0.0

@@ -339,9 +339,16 @@ def _check_plugins(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
             issues.add(name_key, name, str(e).removeprefix(f"{name_key}={name!r}: "))
             continue
         try:
-            reg.make_config(name, kwargs, key=kwargs_key)
+            config = reg.make_config(name, kwargs, key=kwargs_key)
         except PluginError as e:
             issues.add(kwargs_key, dict(kwargs), str(e))
+            config = None
+        notes = getattr(cls, "plan_notes", None)  # optional: what the engine says about itself on this device
+        if group == "rollout_engines" and config is not None and callable(notes):
+            try:
+                plan.notes.extend(notes(config, device_type=plan.device_type, tp_size=plan.rollout_tp))
+            except ValueError as e:
+                issues.add(kwargs_key, dict(kwargs), str(e))
         if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not cls.supports_tensor_parallel:
             issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                        f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")

