@@ -35,8 +35,10 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    trainer = _process(f"{argv[0]}:{psutil.Process(int(argv[0])).create_time()}") if psutil.pid_exists(int(argv[0])) \
-        else None
+    try:
+        trainer: psutil.Process | None = psutil.Process(int(argv[0]))  # is_running() also sees a reused pid
+    except psutil.NoSuchProcess:
+        trainer = None
     watched = [p for p in map(_process, argv[1:]) if p is not None]
     while watched:
         if trainer is None or not _alive(trainer):
