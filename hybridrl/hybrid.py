@@ -66,7 +66,7 @@ class ActorRolloutRef:
         r = config.rollout
         self.engines = ColocatedEngines(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
             "rollout_engines").build(r.name, r.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
-                                     model_path=model_dir, **where))
+                                     model_path=model_dir, gpu_memory_utilization=r.gpu_memory_utilization, **where))
         self.logprob_temperature = r.temperature if r.temperature > 0 else 1.0  # engines: T=0 is untempered
 
     @property

@@ -60,19 +60,34 @@ class Generation:
     loss_mask: list[int] | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineMemory:
+    """A rollout engine's device memory as the plan counts it (``RolloutEngine.memory_budget``)."""
+
+    fraction: float  # of each device, taken at start for weights + KV pool (+ workspace): vLLM's utilization
+    kv_pool_bytes: float | None = None  # a KV pool of this size instead (weights on top of it); fraction unused
+    weights_released: bool  # release_memory frees the weights' device memory for the train phase
+    kv_released: bool  # release_memory frees the KV pool
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses from token ids; holds its own copy of the policy weights.
 
-    Built with ctx: ``model_path: str``, ``device: torch.device`` and ``tp_size: int`` (the engine's
-    tensor-parallel size; the engine spans ``tp_size`` devices starting at ``device``); an engine takes
-    ``**ctx`` so that later context keys do not break it.
+    Built with ctx: ``model_path: str``, ``device: torch.device``, ``tp_size: int`` (the engine's
+    tensor-parallel size; the engine spans ``tp_size`` devices starting at ``device``) and
+    ``gpu_memory_utilization: float`` (``actor_rollout_ref.rollout.gpu_memory_utilization``, verl's key: the
+    share of each GPU the engine may take for weights and KV cache; an engine without a memory pool ignores
+    it); an engine takes ``**ctx`` so that later context keys do not break it.
     """
 
     Config: ClassVar[type]
     supports_tensor_parallel: ClassVar[bool]  # False: validation rejects rollout.tensor_model_parallel_size > 1
     # Optional classmethod ``plan_notes(config, *, device_type: str, tp_size: int) -> list[str]``: lines ``hybridrl
     # validate`` prints with the plan (e.g. what the engine cannot do on this device); a ValueError is a config error.
+    # Optional classmethod ``memory_budget(config, *, device_type: str, gpu_memory_utilization: float) ->
+    # EngineMemory | None``: what the plan's memory check counts for the engine (None or absent: its bf16 weights
+    # plus the KV cache of its whole share of a step, held only while it generates).
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,

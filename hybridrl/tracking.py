@@ -28,7 +28,7 @@ class TrackerSettings(Protocol):
     """What a tracker reads of a job's ``trainer`` config (RL, SFT and DPO trainers all have these keys)."""
 
     output_dir: str
-    loggers: list[str]  # LOGGERS entries
+    logger: list[str]  # LOGGERS entries
     project_name: str
     experiment_name: str
     total_training_steps: int
@@ -212,7 +212,7 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
 
-LOGGERS: tuple[str, ...] = ("console", "jsonl", "wandb", "tensorboard", "mlflow")  # trainer.loggers
+LOGGERS: tuple[str, ...] = ("console", "jsonl", "wandb", "tensorboard", "mlflow")  # trainer.logger
 # the optional loggers: the modules each imports; `pip install 'hybridrl[<logger>]'` installs them
 LOGGER_MODULES: dict[str, tuple[str, ...]] = {"wandb": ("wandb",), "tensorboard": ("tensorboard",),
                                               "mlflow": ("mlflow",)}
@@ -241,7 +241,7 @@ class Tracker:
         if rank != 0:
             return
         out = Path(cfg.output_dir)
-        for name in cfg.loggers:
+        for name in cfg.logger:
             if name == "console":
                 self.backends.append(ConsoleBackend(cfg.total_training_steps, resume_step))
             elif name == "jsonl":
@@ -253,7 +253,7 @@ class Tracker:
             elif name == "mlflow":
                 self.backends.append(MlflowBackend(cfg, config))
             else:
-                raise ValueError(f"trainer.loggers: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
+                raise ValueError(f"trainer.logger: unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for b in self.backends:

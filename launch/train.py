@@ -1,18 +1,13 @@
-"""Start an RL run: ``torchrun --nproc-per-node N launch/train.py recipe=grpo_tiny [key=value ...]``."""
+"""Start an RL run: ``torchrun --nproc-per-node N launch/train.py recipe=grpo_tiny [key=value ...]``.
 
-import hydra
-from omegaconf import DictConfig
+The overrides are composed with Hydra exactly as ``hybridrl validate`` composes them
+(:func:`hybridrl.config.compose.compose_config`): every unknown key is reported at once, and a verl launch
+script's keys are read as verl means them (docs/verl.md).
+"""
 
-from hybridrl.config.compose import register_configs
-from hybridrl.trainers.entry import run_rl
+import sys
 
-register_configs()
-
-
-@hydra.main(config_path="../recipes", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run_rl(cfg)
-
+from hybridrl.trainers.entry import run_rl_cli
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_rl_cli(sys.argv[1:]))

@@ -86,7 +86,7 @@ def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
 def reference(tiny: Path) -> Path:
     """The uninterrupted 4-step run, checkpointing every 2 steps."""
     out = tiny / "ref"
-    run(cmd(tiny, out, "trainer.save_every=2"))
+    run(cmd(tiny, out, "trainer.save_freq=2"))
     return out
 
 
@@ -101,7 +101,7 @@ def test_resume_is_bitwise_identical(tiny: Path, reference: Path) -> None:
     resumed = tiny / "resumed"
     shutil.copytree(reference, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")
-    run(cmd(tiny, resumed, "trainer.save_every=2"))  # trainer.resume=auto picks step 2
+    run(cmd(tiny, resumed, "trainer.save_freq=2"))  # trainer.resume=auto picks step 2
     assert metrics(resumed) == metrics(reference)  # steps 3, 4 recomputed: same samples, losses, grad norms
     a = export(ckpts / "step_00000004", tiny / "hf_ref")
     b = export(resumed / "checkpoints" / "step_00000004", tiny / "hf_resumed")
@@ -157,7 +157,7 @@ def test_sigkill_at_random_moments_of_saves_always_resumes_bitwise(tiny: Path, r
     in ``test_checkpoint_layout.py``. Time: each killed run costs one start (~8 s on 2 cores): at most
     ~45 s more than the single kill this test had."""
     out = tiny / "killed"
-    args = cmd(tiny, out, "trainer.save_every=1", "trainer.max_checkpoints_to_keep=2")
+    args = cmd(tiny, out, "trainer.save_freq=1", "trainer.max_checkpoints_to_keep=2")
     rng = random.Random(11)
     hit: list[str | None] = []
     for delay_s in (0.0, *(rng.uniform(0, 1.6) for _ in range(5))):
@@ -183,7 +183,7 @@ def test_resume_from_an_older_step_moves_newer_checkpoints_aside(tiny: Path, ref
     shutil.copytree(reference, out)
     root = out / "checkpoints"
     log = run(cmd(tiny, out, f"trainer.resume={root / 'step_00000002'}", "trainer.total_training_steps=3",
-                  "trainer.save_every=1", "trainer.max_checkpoints_to_keep=1"))
+                  "trainer.save_freq=1", "trainer.max_checkpoints_to_keep=1"))
     [aside] = root.glob("abandoned-*")
     assert f"moved step_00000004 (newer than the resumed step_00000002) aside to {aside}" in log
     assert [p.name for p in aside.iterdir()] == ["step_00000004"]
@@ -200,9 +200,9 @@ def test_changed_lr_schedule_and_lr_are_applied_on_resume(tiny: Path) -> None:
     lr_key = "actor_rollout_ref.actor.optim.lr"
     out = tiny / "cosine"
     run(cmd(tiny, out, f"{lr_key}=1e-4", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
-            "trainer.total_training_steps=2", "trainer.save_every=2"))
+            "trainer.total_training_steps=2", "trainer.save_freq=2"))
     log = run(cmd(tiny, out, f"{lr_key}=2e-4", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
-                  "trainer.total_training_steps=4", "trainer.save_every=2"))
+                  "trainer.total_training_steps=4", "trainer.save_freq=2"))
     assert f"{lr_key}: 0.0001 → 0.0002; trainer.total_training_steps: 2 → 4; LR decay over 8 optimizer steps " \
            "(saved: 4)" in log
     # 2 optimizer steps per RL step; actor/lr is the mean of the LRs set after each: optimizer steps 5 and 6 of 8
@@ -234,7 +234,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_with_identical_weights(tiny: Path)
     out = tiny / "tp2"
     tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
            "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"]
-    run(cmd(tiny, out, *tp2, "trainer.total_training_steps=2", "trainer.save_every=2",
+    run(cmd(tiny, out, *tp2, "trainer.total_training_steps=2", "trainer.save_freq=2",
             "trainer.save_hf_weights=true", nproc=2))
     ckpt = out / "checkpoints" / "step_00000002"
     gathered_at_tp2 = load_file(ckpt / "hf" / "model.safetensors")  # TP-gathered by the TP=2 run itself
@@ -252,7 +252,7 @@ def test_checkpoint_saved_at_pp2_vpp2_loads_at_tp1_with_identical_weights(tiny: 
     out = tiny / "pp2vpp2"
     layout = [f"actor_rollout_ref.{role}.megatron.{size}=2" for role in ("actor", "ref")
               for size in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
-    run(cmd(tiny, out, *layout, "trainer.total_training_steps=2", "trainer.save_every=2",
+    run(cmd(tiny, out, *layout, "trainer.total_training_steps=2", "trainer.save_freq=2",
             "trainer.save_hf_weights=true", nproc=2, model="model4"))
     ckpt = out / "checkpoints" / "step_00000002"
     streamed_at_vpp = load_file(ckpt / "hf" / "model.safetensors")  # exported by the PP=2×VPP=2 run itself
@@ -270,11 +270,11 @@ def test_distributed_optimizer_state_resumes_bitwise_and_loads_at_dp1(tiny: Path
     """The optimizer state is sharded over DP=2 and saved in Megatron's fully reshardable format."""
     distopt = "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"
     out = tiny / "distopt"
-    run(cmd(tiny, out, distopt, "trainer.save_every=2", nproc=2))
+    run(cmd(tiny, out, distopt, "trainer.save_freq=2", nproc=2))
     resumed = tiny / "distopt_resumed"
     shutil.copytree(out, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004")
-    run(cmd(tiny, resumed, distopt, "trainer.save_every=2", nproc=2))  # resume=auto picks step 2
+    run(cmd(tiny, resumed, distopt, "trainer.save_freq=2", nproc=2))  # resume=auto picks step 2
     assert metrics(resumed) == metrics(out)  # Adam moments restored exactly on both shards
     a = export(out / "checkpoints" / "step_00000004", tiny / "hf_distopt")
     b = export(resumed / "checkpoints" / "step_00000004", tiny / "hf_distopt_resumed")

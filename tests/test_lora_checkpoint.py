@@ -54,7 +54,7 @@ def train(tiny: Path, out: Path, *extra: str) -> None:
             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
             "trainer.total_training_steps=4", "reward.name=keyword", "+reward.kwargs.keywords=['1','2','3','4','5']",
-            "+reward.kwargs.mode=any", "trainer.save_every=2", "trainer.save_hf_weights=true",
+            "+reward.kwargs.mode=any", "trainer.save_freq=2", "trainer.save_hf_weights=true",
             f"trainer.output_dir={out}", *LORA, *extra]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]

@@ -27,6 +27,8 @@ def test_ppo_tiny_trains_actor_and_critic(torchrun, tiny: dict[str, Path]) -> No
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_mini_batch_size=4",
                      "critic.ppo_micro_batch_size_per_gpu=2", "critic.optim.lr=1e-3", "data.val_batch_size=64",
                      "trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false",
+                     # verl's key: step 1 trains the critic alone, the actor updates from step 2 on
+                     "trainer.critic_warmup=2",
                      # the critic's state waits in host memory while the engine generates (the CPU runs the same path)
                      "critic.megatron.param_offload=true", "critic.megatron.grad_offload=true",
                      "critic.megatron.optimizer_offload=true", *keyword], nproc=1)
@@ -36,7 +38,10 @@ def test_ppo_tiny_trains_actor_and_critic(torchrun, tiny: dict[str, Path]) -> No
     for r in rows:
         assert CRITIC_KEYS <= r.keys(), CRITIC_KEYS - r.keys()
         assert all(math.isfinite(v) for v in r.values()), r
-        assert abs(r["actor/ppo_kl_first_mb"]) <= 1e-6 and r["critic/grad_norm"] > 0
+        assert r["critic/grad_norm"] > 0
+    assert "timing/update_actor" not in rows[0] and "actor/pg_loss" not in rows[0]  # the critic's warmup step
+    for r in rows[1:]:
+        assert abs(r["actor/ppo_kl_first_mb"]) <= 1e-6 and "timing/update_actor" in r
     # the critic learns the reward: scores are 0 or 1, so its values climb from the random head's ~0
     assert 0 < rows[0]["critic/vpred_mean"] < rows[-1]["critic/vpred_mean"]
 
@@ -54,7 +59,7 @@ def ppo(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:  # noqa: F8
 @pytest.mark.distributed
 def test_ppo_resumes_actor_and_critic_bitwise(torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
     reference, resumed = tiny["tmp"] / "ppo_ref", tiny["tmp"] / "ppo_resumed"
-    steps = ("trainer.total_training_steps=4", "trainer.save_every=2")
+    steps = ("trainer.total_training_steps=4", "trainer.save_freq=2")
     torchrun(ppo(tiny, reference, *steps), nproc=1)
     ckpts = reference / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [LATEST, "step_00000002", "step_00000004"]

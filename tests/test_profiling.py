@@ -33,7 +33,7 @@ def overrides(tiny: Path, out: Path, *extra: str) -> list[str]:
             "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{tiny / 'train.parquet'}]",
             "data.val_files=[]", "data.build_if_missing=null", "data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2", "trainer.save_every=2",
+            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2", "trainer.save_freq=2",
             "trainer.save_hf_weights=true", f"trainer.output_dir={out}", *extra]
 
 

@@ -132,7 +132,7 @@ def test_a_nan_reward_skips_the_step_and_the_run_goes_on(tiny: dict[str, Path], 
 def test_nan_every_step_stops_the_run_with_the_cause(tiny: dict[str, Path], site: Path) -> None:  # noqa: F811
     out = tiny["tmp"] / "guard-nan-stop"
     proc, _ = train(tiny, site, out, "+reward.kwargs.fault=nan_score", "trainer.total_training_steps=5",
-                    "trainer.max_consecutive_skipped_steps=2", "trainer.save_every=1")
+                    "trainer.max_consecutive_skipped_steps=2", "trainer.save_freq=1")
     assert proc.returncode != 0
     assert "2 steps in a row were skipped (trainer.max_consecutive_skipped_steps=2)" in proc.stderr
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))  # nothing saved

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_jsonl_one_object_per_step_and_resume_drops_later_steps(tmp_path: Path) -> None:
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"], total_training_steps=5)
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["jsonl"], total_training_steps=5)
     t = Tracker(cfg, config={}, rank=0)
     for step in range(1, 5):
         t.log({"reward/mean": step / 10}, step=step)
@@ -34,14 +34,14 @@ def test_jsonl_one_object_per_step_and_resume_drops_later_steps(tmp_path: Path) 
 
 
 def test_only_rank_zero_writes(tmp_path: Path) -> None:
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl", "console"])
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["jsonl", "console"])
     t = Tracker(cfg, config={}, rank=1)
     t.log({"reward/mean": 1.0}, step=1)
     assert not (tmp_path / "metrics.jsonl").exists() and t.backends == []
 
 
 def test_console_shows_rate_eta_and_thins_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["console"], total_training_steps=200)
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["console"], total_training_steps=200)
     t = Tracker(cfg, config={}, rank=0)
     for step in range(1, 201):
         t.log({"reward/mean": 0.5, "actor/pg_loss": 0.1}, step=step)
@@ -61,7 +61,7 @@ def test_progress_eta() -> None:
 def test_wandb_offline_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["wandb"], project_name="p", experiment_name="e")
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["wandb"], project_name="p", experiment_name="e")
     t = Tracker(cfg, config={"trainer.seed": 1}, rank=0)
     t.log({"reward/mean": 0.5}, step=1)
     t.close()
@@ -74,7 +74,7 @@ def test_resume_drops_a_torn_last_line_with_a_warning(tmp_path: Path, capsys: py
     the models and the engine."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.2}\n{"step": 3, "rew')
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["jsonl"])
     Tracker(cfg, config={}, rank=0, resume_step=2).close()
     assert f"warning: {path}:3: dropping the torn last line" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
@@ -84,14 +84,14 @@ def test_resume_drops_a_torn_last_line_with_a_warning(tmp_path: Path, capsys: py
 def test_an_unreadable_line_in_the_middle_is_an_error_naming_file_and_line(tmp_path: Path, bad: bytes) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n' + bad + b'{"step": 3}\n')
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["jsonl"])
     with pytest.raises(ValueError, match=f"{path}:2: not a JSON object per line"):
         Tracker(cfg, config={}, rank=0, resume_step=3)
 
 
 def test_a_fresh_run_moves_the_earlier_runs_metrics_aside(tmp_path: Path) -> None:
     """Issue 11: a fresh run (no resume) in a reused output dir emptied the previous run's metrics."""
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["jsonl"])
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["jsonl"])
     for run in range(2):
         t = Tracker(cfg, config={}, rank=0)
         t.log({"reward/mean": float(run)}, step=1)
@@ -107,7 +107,7 @@ def test_mlflow_logs_params_and_step_metrics_to_a_local_store(tmp_path: Path, mo
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["mlflow"], project_name="p", experiment_name="e")
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["mlflow"], project_name="p", experiment_name="e")
     t = Tracker(cfg, config={"trainer.seed": 1, "data.train_files": ["a.parquet"]}, rank=0)
     for step, reward in [(1, 0.25), (2, 0.5), (3, float("nan"))]:
         t.log({"reward/mean": reward, "eval/arithmetic/pass@4": reward / 2}, step=step)
@@ -131,7 +131,7 @@ def test_mlflow_honours_the_tracking_uri(tmp_path: Path, monkeypatch: pytest.Mon
 
     uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    cfg = TrainerConfig(output_dir=str(tmp_path / "out"), loggers=["mlflow"], project_name="p", experiment_name="e")
+    cfg = TrainerConfig(output_dir=str(tmp_path / "out"), logger=["mlflow"], project_name="p", experiment_name="e")
     for run in range(2):  # a second run joins the existing experiment
         t = Tracker(cfg, config={}, rank=0)
         t.log({"reward/mean": float(run)}, step=1)
@@ -152,22 +152,22 @@ def test_optional_loggers_are_imported_only_when_chosen(tmp_path: Path) -> None:
 
 
 def _tracking_issues(loggers: str, *, recipe: str = "grpo_tiny", model_config: Path | None = None) -> list[str]:
-    """The trainer.loggers problems static validation finds in the recipe with these loggers."""
-    cfg = compose_config([f"recipe={recipe}", f"trainer.loggers={loggers}"])
+    """The trainer.logger problems static validation finds in the recipe with these loggers."""
+    cfg = compose_config([f"recipe={recipe}", f"trainer.logger={loggers}"])
     try:
         validate(cfg, world_size=None if model_config else 1, before_bootstrap=True, model_config=model_config)
     except ConfigError as e:
-        return [str(i) for i in e.issues if i.key == "trainer.loggers"]
+        return [str(i) for i in e.issues if i.key == "trainer.logger"]
     return []
 
 
 def test_validation_rejects_a_chosen_logger_whose_package_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 16: loggers=[..., wandb, tensorboard] without tensorboard started wandb, loaded the model and then
+    """Issue 16: logger=[..., wandb, tensorboard] without tensorboard started wandb, loaded the model and then
     died with a bare ModuleNotFoundError. A package can't be uninstalled here, so its lookup is made to fail."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     assert _tracking_issues("[console,jsonl,wandb,tensorboard]") == [
-        "trainer.loggers=['console', 'jsonl', 'wandb', 'tensorboard']: logger 'tensorboard': tensorboard not "
+        "trainer.logger=['console', 'jsonl', 'wandb', 'tensorboard']: logger 'tensorboard': tensorboard not "
         "installed: pip install 'hybridrl[tensorboard]' (or drop it from the list)"]
     assert _tracking_issues("[console,jsonl]") == []
     # planning a run for another machine (hybridrl validate --model-config): its packages are not ours to check
@@ -187,14 +187,14 @@ def test_mlflow_local_store_needs_sqlalchemy_only_without_a_tracking_server(monk
 
 def test_an_unknown_logger_lists_the_valid_ones() -> None:
     assert _tracking_issues("[console,mlfow]") == [
-        "trainer.loggers=['console', 'mlfow']: unknown logger(s) ['mlfow']; valid: console, jsonl, wandb, "
+        "trainer.logger=['console', 'mlfow']: unknown logger(s) ['mlfow']; valid: console, jsonl, wandb, "
         "tensorboard, mlflow"]
 
 
 def test_tensorboard_writes_scalars_under_the_output_dir(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = TrainerConfig(output_dir=str(tmp_path), loggers=["tensorboard"])
+    cfg = TrainerConfig(output_dir=str(tmp_path), logger=["tensorboard"])
     t = Tracker(cfg, config={}, rank=0)
     for step in (1, 2):
         t.log({"reward/mean": step / 4, "eval/arithmetic/pass@4": 0.5}, step=step)

@@ -2,8 +2,9 @@
 
 The schema is registered in Hydra's ConfigStore as ``hybridrl_schema`` and is the first entry of
 ``recipes/config.yaml``'s defaults list, so Hydra type-checks every recipe and override against it.
-Hydra stops at the first unknown key or wrong type; those errors are re-raised as ``ConfigError``
-naming the key, with the closest valid keys. Everything else is checked by ``validate.py``.
+Hydra stops at the first unknown key or wrong type, so the overrides are checked whole first
+(``overrides.py``: every problem at once, verl's keys translated); what Hydra still refuses is re-raised as
+``ConfigError`` naming the key, with the closest valid keys. Everything else is checked by ``validate.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.overrides import CheckedOverrides, apply_engine_settings, check_overrides
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.paths import cache_dir, recipes_dir
+from hybridrl.tracking import say
 
 SCHEMA_NAME = "hybridrl_schema"
 SFT_SCHEMA_NAME = "hybridrl_sft_schema"
@@ -45,15 +48,25 @@ def available_recipes() -> list[str]:
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config",
                    config_dir: Path | None = None) -> Any:
     """Compose ``<config_name>.yaml`` + overrides (e.g. ``recipe=grpo_tiny``) into its typed config
-    (``RLConfig`` for ``config``, ``SFTConfig`` for ``sft``)."""
+    (``RLConfig`` for ``config``, ``SFTConfig`` for ``sft``). Every unknown key and bad value of the overrides
+    is reported at once, and verl's keys are read as :mod:`hybridrl.config.verl_keys` says (RL runs), with a
+    notice each."""
     register_configs()
     GlobalHydra.instance().clear()
+    directory = config_dir or recipes_dir()
+    rl, schema = config_name == "config", {"config": RLConfig, "sft": SFTConfig}.get(config_name)
+    checked = (check_overrides(overrides, schema=schema, recipes=directory, verl=rl) if schema is not None
+               else CheckedOverrides(overrides=list(overrides)))
     try:
-        with initialize_config_dir(config_dir=str(config_dir or recipes_dir()), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=checked.overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise hydra_error(e) from e
-    return to_typed(cfg)
+    typed = to_typed(cfg)
+    notices = checked.notices + (apply_engine_settings(typed, checked.engine_settings) if rl else [])
+    for line in dict.fromkeys(notices):
+        say(f"note: {line}")
+    return typed
 
 
 def to_typed(cfg: DictConfig) -> Any:

@@ -19,17 +19,21 @@ output layer) holds, in bytes:
                                                    flash/fused attention); with full recompute only each layer's
                                                    input (2 bytes) plus one layer; the fp32 logits with the
                                                    log-softmax temporaries (3 × 4 bytes)
-    engine      = P · 2 / rollout TP + KV          the engine's bf16 weights + the KV cache its share of a step's
-                                                   prompts needs (2 · layers · KV heads · head_dim · 2 bytes per
-                                                   token, over its TP ranks)
+    engine      = what the engine takes at start: an engine with a memory pool (vLLM, SGLang on GPU) takes its
+                  budget, gpu_memory_utilization × the device (``actor_rollout_ref.rollout.gpu_memory_utilization``,
+                  verl's key: weights, KV pool and workspace), and pages the step's samples through its KV pool:
+                  pool = budget − P · 2 / rollout TP; it holds ⌊pool / (2 · layers · KV heads · head_dim · 2 bytes
+                  · (max_prompt_length + max_response_length) / rollout TP)⌋ sequences of the longest length at
+                  once and runs the rest as they finish. An engine without a pool (``hf``) takes its bf16 weights
+                  + the KV cache of its whole share of a step's prompts.
 
 Generation holds the engine and whatever is not offloaded (``param_offload``, ``grad_offload``,
 ``optimizer_offload``, ``ref.megatron.param_offload``, ``critic.megatron.*_offload``); training holds the
-actor state, the ref, the critic state, the activations and the engine's weights (its KV cache is taken
-as given back: SGLang with ``enable_memory_saver``, the ``hf`` engine's cache lives only while it
-generates). The peak of the two is checked against the device (``trainer.device_memory_gb``). It is the
-need, not SGLang's reservation (``mem_fraction_static`` of the device, sized at start: keep it below what
-the need leaves free), and the allocator's fragmentation and CUDA/NCCL workspaces (a few GB) come on top.
+actor state, the ref, the critic state, the activations and what the engine keeps after ``release_memory``
+(its plugin's ``memory_budget`` says: vLLM's sleep mode frees both, SGLang's memory saver the KV pool and, with
+``release_weights``, the weights; the ``hf`` engine keeps its weights). The peak of the two is checked against
+the device (``trainer.device_memory_gb``); the allocator's fragmentation and CUDA/NCCL workspaces (a few GB)
+come on top.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridrl.hf.arch import HFArch
+from hybridrl.interfaces import EngineMemory
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -53,6 +58,9 @@ class MemoryEstimate:
     engine_kv: float
     offloaded: float  # moved to host while the engine generates
     critic: float = 0.0
+    engine_kept: float | None = None  # what the engine holds through training (None: its weights)
+    seq_kv: float = 0.0  # the KV cache of one sequence of the longest length, on one engine rank
+    pooled: bool = False  # engine_kv is a pool the engine pages its samples through (else its samples' need)
 
     @property
     def generate(self) -> float:
@@ -61,8 +69,15 @@ class MemoryEstimate:
 
     @property
     def train(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.ref + self.critic + self.activations
-                + self.engine_weights)
+        kept = self.engine_weights if self.engine_kept is None else self.engine_kept
+        return self.params + self.grads + self.optimizer + self.ref + self.critic + self.activations + kept
+
+    @property
+    def sequences_at_once(self) -> int | None:
+        """Sequences of the longest length the engine's KV pool holds at once (None: no pool)."""
+        if not self.pooled or self.seq_kv <= 0:
+            return None
+        return max(int(self.engine_kv // self.seq_kv), 0)
 
     @property
     def peak(self) -> float:
@@ -72,9 +87,14 @@ class MemoryEstimate:
         parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ref": self.ref,
                  "critic": self.critic, "activations": self.activations, "engine weights": self.engine_weights,
                  "engine KV": self.engine_kv}
+        if self.pooled:
+            parts["engine KV pool"] = parts.pop("engine KV")
         shown = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
+        fit = self.sequences_at_once
         return (f"{shown} GB → generate {self.generate / GB:.1f} GB, train {self.train / GB:.1f} GB "
-                f"(offloaded while generating {self.offloaded / GB:.1f} GB)")
+                f"(offloaded while generating {self.offloaded / GB:.1f} GB"
+                + (f"; the KV pool holds {fit} sequence(s) of the longest length at once" if fit is not None else "")
+                + ")")
 
 
 def parameter_count(m: HFArch) -> tuple[int, int, int]:
@@ -89,7 +109,10 @@ def parameter_count(m: HFArch) -> tuple[int, int, int]:
 
 def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_optimizer: bool, optimizer: str,
              ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
-             engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None) -> MemoryEstimate:
+             engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None,
+             engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0) -> MemoryEstimate:
+    """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
+    ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response)."""
     layer, embedding, output = parameter_count(m)
     layers = m.num_layers // pp
     # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
@@ -114,6 +137,12 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
         critic_bytes = params + grads + optim
         offloaded += (params * critic_offload.get("param", False) + grads * critic_offload.get("grad", False)
                       + optim * critic_offload.get("optimizer", False))
+    engine_kv, kept = engine_tokens * kv_per_token, None
+    if engine is not None:
+        engine_kv = (engine.kv_pool_bytes if engine.kv_pool_bytes is not None
+                     else max(engine.fraction * device_bytes - engine_weights, 0.0))
+        kept = engine_weights * (not engine.weights_released) + engine_kv * (not engine.kv_released)
     return MemoryEstimate(params=params, grads=grads, optimizer=optim, ref=ref_bytes, activations=activations,
-                          engine_weights=engine_weights, engine_kv=engine_tokens * kv_per_token,
-                          offloaded=offloaded, critic=critic_bytes)
+                          engine_weights=engine_weights, engine_kv=engine_kv, offloaded=offloaded,
+                          critic=critic_bytes, engine_kept=kept, seq_kv=seq_len * kv_per_token,
+                          pooled=engine is not None)

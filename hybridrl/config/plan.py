@@ -32,10 +32,11 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.memory import BYTES, MemoryEstimate
+from hybridrl.config.memory import BYTES, GB, MemoryEstimate
 from hybridrl.config.memory import estimate as estimate_memory
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf.arch import HFArch
+from hybridrl.interfaces import EngineMemory
 from hybridrl.megatron.config import (
     MegatronConfig,
     MicroBatching,
@@ -218,7 +219,8 @@ class Plan:
         batch = _batch_plan(cfg, roles, issues)
         plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
                    rollout_tp=rtp, engines=engines, batch=batch, model=model,
-                   memory=_memory(cfg, roles, batch, model, rtp, len(engines)) if model is not None else None)
+                   memory=_memory(cfg, roles, batch, model, rtp, len(engines), device_type)
+                   if model is not None else None)
         return plan, issues
 
     # ---- what the runtime reads ----
@@ -292,7 +294,7 @@ class Plan:
 
 
 def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model: HFArch, rollout_tp: int,
-            n_engines: int) -> MemoryEstimate:
+            n_engines: int, device_type: str) -> MemoryEstimate:
     a, d = cfg.actor_rollout_ref.actor, cfg.data
     m, lay, cm = a.megatron, roles["actor"], cfg.critic.megatron
     seq = d.max_prompt_length + d.max_response_length
@@ -305,7 +307,34 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
         rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles,
-        critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload})
+        critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload},
+        engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq)
+
+
+def device_memory_gb(cfg: RLConfig) -> float:
+    """``trainer.device_memory_gb``; null: the visible GPU's, or 80 when planning without one."""
+    if cfg.trainer.device_memory_gb is not None:
+        return cfg.trainer.device_memory_gb
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 80.0
+
+
+def engine_memory(cfg: RLConfig, device_type: str) -> EngineMemory | None:
+    """The rollout engine plugin's own memory plan (its optional ``memory_budget``); None: it has none, or its
+    config is invalid (validation reports that)."""
+    from hybridrl.registry import PluginError, Registry
+
+    r = cfg.actor_rollout_ref.rollout
+    try:
+        registry = Registry("rollout_engines")
+        budget = getattr(registry.load(r.name), "memory_budget", None)
+        if budget is None:
+            return None
+        config = registry.make_config(r.name, r.engine_kwargs, key=f"{AOR}.rollout.engine_kwargs")
+    except PluginError:
+        return None
+    return budget(config, device_type=device_type, gpu_memory_utilization=r.gpu_memory_utilization)
 
 
 def critic_needed(cfg: RLConfig) -> bool:
@@ -420,7 +449,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
         critic = CriticBatchPlan(ppo_epochs=max(cr.ppo_epochs, 1),
                                  mini_batches_per_epoch=max(d.train_batch_size // mini, 1),
                                  mini_batch_samples_per_dp_rank=mini * n // dp, update=critic_update,
-                                 total_steps=max(cfg.trainer.total_training_steps, 1))
+                                 total_steps=max(cfg.trainer.total_training_steps or 1, 1))
     _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
     _prefix_grouper_problems(cfg, roles["actor"], add)
     _fused_lm_head_problems(cfg, add)
@@ -429,7 +458,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
     return BatchPlan(n=n, prompts_per_step=max(d.train_batch_size, 1), prompts_per_generation=max(per_round, 1),
                      filter_groups=filter_groups, dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
                      prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
-                     total_steps=max(cfg.trainer.total_training_steps, 1), update=update,
+                     total_steps=max(cfg.trainer.total_training_steps or 1, 1), update=update,
                      old_log_prob=passes["rollout"], ref_log_prob=passes["ref"], critic=critic)
 
 

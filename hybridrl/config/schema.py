@@ -29,6 +29,7 @@ from hybridrl.rewards.execution import RewardConfig
 from hybridrl.tools.config import MultiTurnConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # trainer.device
+ROLLOUT_MODES: tuple[str, ...] = ("sync", "async")  # actor_rollout_ref.rollout.mode (verl's values)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +46,9 @@ class ModelConfig:
     lora_alpha: float = 16.0
     target_modules: Any = "all-linear"
     lora_dropout: float = 0.0
+    # activation recompute in the actor/ref/critic (verl's key): Megatron's full recompute, uniform, one layer per
+    # checkpoint unless megatron.override_transformer_config sets recompute_* itself
+    enable_gradient_checkpointing: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,11 +89,22 @@ class RolloutValConfig:
     top_p: float = 1.0
     top_k: int = -1
     n: int = 1
+    do_sample: bool = True  # false: greedy whatever temperature says (verl's key; greedy is temperature=0 too)
+
+    @property
+    def sampling_temperature(self) -> float:
+        return self.temperature if self.do_sample else 0.0
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     name: str = "hf"  # rollout engine plugin (group hybridrl.rollout_engines)
+    # sync: the step waits for its rollouts; async: verl's agent-loop server mode, the same on-policy step here
+    # (hybridrl's engines already serve each request, and each multi-turn episode, on its own)
+    mode: str = "sync"
+    # share of each GPU the engine takes for its weights + KV pool (vLLM's gpu_memory_utilization, SGLang's
+    # mem_fraction_static); the memory check counts it. verl's key and default; the hf engine has no pool
+    gpu_memory_utilization: float = 0.5
     n: int = 1  # samples per prompt
     tensor_model_parallel_size: int = 1  # ranks per engine
     temperature: float = 1.0
@@ -171,15 +186,24 @@ class DataConfig:
     # "arithmetic": write the synthetic task's train/val splits to train_files[0] / val_files[0]
     # when they do not exist (see hybridrl/bootstrap.py)
     build_if_missing: str | None = None
+    # prompts longer than max_prompt_length: dropped (counted warning) when true; else cut as `truncation` says
+    # (verl's keys; verl's default is false)
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error (names the file and row) | left | right | middle: which tokens are kept
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    total_training_steps: int = 100
+    # as verl resolves them: total_training_steps when set, else total_epochs × ⌊rows of data.train_files /
+    # data.train_batch_size⌋ (rows as read, before the length filter)
+    total_training_steps: int | None = None
+    total_epochs: int = 30
+    # the first critic_warmup steps train the critic only: the actor updates from step critic_warmup on (verl's)
+    critic_warmup: int = 0
     seed: int = 1
     output_dir: str = "outputs/run"
     # entries of hybridrl.tracking.LOGGERS (wandb, tensorboard, mlflow: pip install 'hybridrl[<name>]')
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # steps (1..total_training_steps) traced with torch.profiler, per rank, into <output_dir>/profile/
     # (Chrome trace + a top-ops table printed at the end; hybridrl/trainers/profiling.py)
     profile_steps: list[int] = field(default_factory=list)
@@ -197,7 +221,7 @@ class TrainerConfig:
     max_consecutive_skipped_steps: int = 3
     test_freq: int = 10  # held-out evaluation every N steps (0 = never); also at start
     val_before_train: bool = True
-    save_every: int = 0  # checkpoint every N steps and at the end (0 = never)
+    save_freq: int = -1  # checkpoint every N steps and at the end (≤ 0 = never; verl's key and default)
     max_checkpoints_to_keep: int = 3  # older complete checkpoints are deleted (0 = keep all)
     resume: str = "auto"  # auto (newest complete checkpoint in output_dir, if any) | never | <checkpoint dir>
     save_hf_weights: bool = False  # also write the actor as an HF checkpoint into each checkpoint's hf/

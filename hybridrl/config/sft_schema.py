@@ -28,7 +28,7 @@ class SFTTrainerConfig:
     seed: int = 1
     test_freq: int = 100  # val/loss on data.val_files every N steps and at the end (0 = never)
     output_dir: str = "outputs/sft"
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # entries of hybridrl.tracking.LOGGERS
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # entries of hybridrl.tracking.LOGGERS
     project_name: str = "hybridrl"
     experiment_name: str = "sft"
     nnodes: int = 1

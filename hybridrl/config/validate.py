@@ -21,11 +21,13 @@ from hybridrl.algorithms.kl import KL_KINDS
 from hybridrl.algorithms.kl_controller import config_problems as kl_ctrl_problems
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.algorithms.rollout_correction import config_problems as rollout_correction_problems
+from hybridrl.config.derived import apply_gradient_checkpointing, resolve_total_steps
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
-from hybridrl.config.plan import AOR, Plan, RoleLayout
-from hybridrl.config.schema import DEVICES, ModelConfig, RLConfig, TrainerConfig
+from hybridrl.config.plan import AOR, Plan, RoleLayout, critic_needed, device_memory_gb
+from hybridrl.config.schema import DEVICES, ROLLOUT_MODES, ModelConfig, RLConfig, TrainerConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
+from hybridrl.data.rows import TRUNCATIONS
 from hybridrl.data.sources import VALID as VALID_DATA
 from hybridrl.data.sources import is_hf, source_problem
 from hybridrl.hf.arch import HFArch, inspect_model_dir
@@ -79,6 +81,10 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     """
     issues = _Issues()
     t, aor = cfg.trainer, cfg.actor_rollout_ref
+    steps_problem, steps_note = resolve_total_steps(cfg)  # total_epochs → total_training_steps (verl's rule)
+    apply_gradient_checkpointing(cfg)
+    if steps_problem is not None:
+        issues.add("trainer.total_epochs", t.total_epochs, steps_problem)
     world = world_size if world_size is not None else t.nnodes * t.n_gpus_per_node
     if world < 1:
         issues.add("trainer.n_gpus_per_node", t.n_gpus_per_node, "world size must be ≥ 1")
@@ -109,7 +115,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                        f"must equal {AOR}.actor.megatron.{size}={actor_value} (the ref shares the actor's Megatron "
                        "process groups); leave it null to follow the actor")
     _check_sampling(cfg, issues)
-    steps = plan.batch.total_optimizer_steps
+    if steps_note is not None:
+        plan.notes.append(steps_note)
+    steps = plan.batch.total_optimizer_steps if t.total_training_steps is not None else None
     _check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     _check_algorithm(cfg, issues)
     overlong = overlong_problems(cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
@@ -124,6 +132,10 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         _check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
     _check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
     issues.positive("data.val_batch_size", cfg.data.val_batch_size)
+    if cfg.data.truncation not in TRUNCATIONS:
+        issues.add("data.truncation", cfg.data.truncation, f"valid: {', '.join(TRUNCATIONS)} (used when "
+                   "data.filter_overlong_prompts=false: a longer prompt is an error, or cut keeping its left/right/"
+                   "middle tokens)")
     if not planning:
         _check_data(issues, "data", cfg.data.train_files, cfg.data.val_files, cfg.data.build_if_missing,
                     before_bootstrap=before_bootstrap)
@@ -190,17 +202,25 @@ def _check_reward(cfg: RLConfig, issues: _Issues) -> None:
 
 def _check_memory(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
     """The plan's peak per-rank memory must fit the device (GPU plans only), naming what would shrink it."""
-    t, mem = cfg.trainer, plan.memory
+    mem = plan.memory
     if mem is None or plan.device_type != "cuda":
         return
-    capacity = t.device_memory_gb
-    if capacity is None:
-        import torch
-
-        capacity = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 80.0
+    capacity, r = device_memory_gb(cfg), cfg.actor_rollout_ref.rollout
+    fit = mem.sequences_at_once
+    share = -(-plan.batch.prompts_per_generation * plan.batch.n // max(len(plan.engines), 1))  # samples per engine
+    if fit is not None and fit < 1:
+        issues.add(f"{AOR}.rollout.gpu_memory_utilization", r.gpu_memory_utilization,
+                   f"the engine's KV pool ({mem.engine_kv / GB:.1f} GB of its {r.gpu_memory_utilization} × "
+                   f"{capacity:.0f} GB, after {mem.engine_weights / GB:.1f} GB of weights) holds no sequence of "
+                   f"{cfg.data.max_prompt_length + cfg.data.max_response_length} tokens: raise it, or "
+                   f"{AOR}.rollout.tensor_model_parallel_size, or lower data.max_response_length")
+    elif fit is not None:
+        plan.notes.append(f"each engine's KV pool holds {fit} sequences of the longest length "
+                          f"({cfg.data.max_prompt_length + cfg.data.max_response_length} tokens) at once; a step gives "
+                          f"it up to {share} samples" + (f" (≥ {-(-share // fit)} waves)" if share > fit else ""))
     if mem.peak <= capacity * GB:
         return
-    m, a, r = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    m, a = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor
     keys = [f"{AOR}.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size (raise)"]
     keys += [f"{AOR}.actor.megatron.{k}=true" for k in ("use_distributed_optimizer", "param_offload", "grad_offload",
                                                        "optimizer_offload") if not getattr(m, k)]
@@ -211,6 +231,8 @@ def _check_memory(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
     keys.append(f"{AOR}.actor.{'ppo_max_token_len_per_gpu' if a.use_dynamic_bsz else 'ppo_micro_batch_size_per_gpu'}"
                 " (lower)")
     keys.append(f"{AOR}.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} (raise: engine weights, KV)")
+    if mem.pooled:
+        keys.append(f"{AOR}.rollout.gpu_memory_utilization={r.gpu_memory_utilization} (lower: the engine's share)")
     issues.add("trainer.device_memory_gb", capacity,
                f"the largest rank needs ~{mem.peak / GB:.1f} GB ({mem}); to fit, change: {'; '.join(keys)}")
 
@@ -245,6 +267,12 @@ def _check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None,
 def _check_sampling(cfg: RLConfig, issues: _Issues) -> None:
     r, key = cfg.actor_rollout_ref.rollout, f"{AOR}.rollout"
     issues.positive(f"{key}.update_weights_bucket_megabytes", r.update_weights_bucket_megabytes)
+    if r.mode not in ROLLOUT_MODES:
+        issues.add(f"{key}.mode", r.mode, f"valid: {', '.join(ROLLOUT_MODES)} (asynchronous, off-policy training is "
+                   "not supported yet)")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        issues.add(f"{key}.gpu_memory_utilization", r.gpu_memory_utilization, "must be in (0, 1]: the share of "
+                   "each GPU the engine takes for weights and KV cache")
     for sub, t, p, k in (("", r.temperature, r.top_p, r.top_k),
                          (".val_kwargs", r.val_kwargs.temperature, r.val_kwargs.top_p, r.val_kwargs.top_k)):
         if t < 0:
@@ -254,13 +282,17 @@ def _check_sampling(cfg: RLConfig, issues: _Issues) -> None:
         if k == 0 or k < -1:
             issues.add(f"{key}{sub}.top_k", k, "must be -1 (off) or ≥ 1")
     issues.positive(f"{key}.val_kwargs.n", r.val_kwargs.n)
-    if r.val_kwargs.n > 1 and r.val_kwargs.temperature == 0:
+    if r.val_kwargs.n > 1 and r.val_kwargs.sampling_temperature == 0:
         issues.add(f"{key}.val_kwargs.n", r.val_kwargs.n, "several greedy samples of a prompt are identical: set "
-                   f"{key}.val_kwargs.temperature > 0 (e.g. 0.6 or 1.0) for mean@k/pass@k, or n=1")
+                   f"{key}.val_kwargs.do_sample=true and {key}.val_kwargs.temperature > 0 (e.g. 0.6 or 1.0) for "
+                   "mean@k/pass@k, or n=1")
 
 
-def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues, *, optimizer_steps: int) -> None:
-    if o.lr_warmup_steps < 0 or (o.lr_warmup_steps and o.lr_warmup_steps >= optimizer_steps):
+def _check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: _Issues, *,
+                 optimizer_steps: int | None) -> None:
+    """``optimizer_steps``: the run's (None: not known yet, the warmup is checked once it is)."""
+    if o.lr_warmup_steps < 0 or (o.lr_warmup_steps and optimizer_steps is not None
+                                 and o.lr_warmup_steps >= optimizer_steps):
         issues.add(f"{key}.lr_warmup_steps", o.lr_warmup_steps,
                    f"must be ≥ 0 and below the run's {optimizer_steps} optimizer steps")
     if o.optimizer not in OPTIMIZERS:
@@ -377,7 +409,8 @@ def _check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues:
                    f"must equal {AOR}.actor.megatron.{size}={actor_value} (the critic shares the actor's Megatron "
                    "process groups); leave it null to follow the actor")
     _check_optim("critic.optim", c.optim, actor_megatron, issues,
-                 optimizer_steps=plan.batch.critic.total_optimizer_steps if plan.batch.critic else 1)
+                 optimizer_steps=plan.batch.critic.total_optimizer_steps
+                 if plan.batch.critic and cfg.trainer.total_training_steps is not None else None)
     if c.loss_agg_mode not in LOSS_AGG_MODES:
         issues.add("critic.loss_agg_mode", c.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
     if not c.cliprange_value > 0:
@@ -435,19 +468,25 @@ def _check_data(issues: _Issues, prefix: str, train_files: list[str], val_files:
 
 def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) -> None:
     t = cfg.trainer
-    issues.positive("trainer.total_training_steps", t.total_training_steps)
+    if t.total_training_steps is not None:
+        issues.positive("trainer.total_training_steps", t.total_training_steps)
     issues.positive("trainer.nnodes", t.nnodes)
     issues.positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
+    if t.critic_warmup < 0:
+        issues.add("trainer.critic_warmup", t.critic_warmup, "must be ≥ 0 (0: the actor updates from step 1)")
+    elif t.critic_warmup and not critic_needed(cfg):
+        issues.add("trainer.critic_warmup", t.critic_warmup, "warms up the critic, and this run has none "
+                   f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}): set it to 0, or use gae / "
+                   "critic.enable")
     _check_tracking(t, issues, planning=planning)
-    if bad := [s for s in t.profile_steps if not 1 <= s <= t.total_training_steps]:
+    last = t.total_training_steps or max(t.profile_steps, default=1)
+    if bad := [s for s in t.profile_steps if not 1 <= s <= last]:
         issues.add("trainer.profile_steps", list(t.profile_steps),
                    f"step(s) {bad} outside the run: valid steps are 1..{t.total_training_steps} "
                    "(trainer.total_training_steps)")
     for key, directory in (("trainer.output_dir", t.output_dir), ("trainer.rollout_data_dir", t.rollout_data_dir)):
         if directory is not None and not planning and (problem := output_dir_problem(directory, key=key)) is not None:
             issues.add(key, directory, problem.removeprefix(f"{key}={directory!r} "))
-    if t.save_every < 0:
-        issues.add("trainer.save_every", t.save_every, "must be ≥ 0 (0 = never)")
     if t.max_checkpoints_to_keep < 0:
         issues.add("trainer.max_checkpoints_to_keep", t.max_checkpoints_to_keep, "must be ≥ 0 (0 = keep all)")
     if t.resume not in ("auto", "never") and not (Path(t.resume) / "trainer_state.pt").is_file():
@@ -463,11 +502,11 @@ def _check_tracking(t: TrainerConfig | SFTTrainerConfig, issues: _Issues, *, pla
     """Known logger names; and, unless planning a run for another machine, their packages installed here."""
     if t.test_freq < 0:
         issues.add("trainer.test_freq", t.test_freq, "must be ≥ 0 (0 = never)")
-    bad = [lg for lg in t.loggers if lg not in LOGGERS]
+    bad = [lg for lg in t.logger if lg not in LOGGERS]
     if bad:
-        issues.add("trainer.loggers", list(t.loggers), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
-    for name, install in ({} if planning else missing_logger_packages(t.loggers)).items():
-        issues.add("trainer.loggers", list(t.loggers), f"logger {name!r}: {install} (or drop it from the list)")
+        issues.add("trainer.logger", list(t.logger), f"unknown logger(s) {bad}; valid: {', '.join(LOGGERS)}")
+    for name, install in ({} if planning else missing_logger_packages(t.logger)).items():
+        issues.add("trainer.logger", list(t.logger), f"logger {name!r}: {install} (or drop it from the list)")
 
 
 def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:

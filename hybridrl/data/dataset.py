@@ -38,7 +38,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import SampleMeta
-from hybridrl.data.rows import Row
+from hybridrl.data.rows import TRUNCATIONS, Row
 from hybridrl.data.sources import is_hf, read_source, source_stem
 from hybridrl.distributed import host_group
 from hybridrl.tracking import say
@@ -54,13 +54,17 @@ class PromptDatasetConfig:
     prompt_key: str = "prompt"  # column holding a string or a list of chat messages
     ground_truth_key: str | None = "ground_truth"  # None: the rows carry no reference answer
     apply_chat_template: bool = True  # when the tokenizer has a chat template
-    max_prompt_length: int = 64  # tokens; longer prompts are dropped
+    max_prompt_length: int = 64  # tokens; longer prompts are dropped (or cut: filter_overlong_prompts=False)
+    filter_overlong_prompts: bool = True  # verl's key: drop a longer prompt; false: cut it as `truncation` says
+    truncation: str = "error"  # verl's: error | left (keep its last tokens) | right (its first) | middle (both ends)
     # OpenAI function schemas the chat template renders into the prompt (a multi-turn rollout's tools)
     tools: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"data.truncation={self.truncation!r}; valid: {', '.join(TRUNCATIONS)}")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -144,6 +148,8 @@ class PromptDataset:
         self._starts = np.cumsum([0] + [len(t) for t in self.tables])  # global row number of each table's row 0
         total = int(self._starts[-1])
         tokens = self._tokenize_shared(total, names=[str(f) for f in files])
+        if not config.filter_overlong_prompts:
+            tokens = self._truncate(tokens)
         keep = tokens.lengths <= config.max_prompt_length
         self.rows = np.flatnonzero(keep)  # [kept] global row number of each kept prompt
         self.tokens = tokens.select(keep)
@@ -159,6 +165,27 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def _truncate(self, tokens: TokenTable) -> TokenTable:
+        """Prompts over ``max_prompt_length`` cut as ``truncation`` says (verl's rule: ``middle`` keeps the first
+        ⌊max/2⌋ and the last max − ⌊max/2⌋ tokens); ``error`` names the first such row."""
+        limit, lengths = self.config.max_prompt_length, tokens.lengths
+        over = np.flatnonzero(lengths > limit)
+        if not len(over):
+            return tokens
+        if self.config.truncation == "error":
+            g = int(over[0])
+            t = int(np.searchsorted(self._starts, g, side="right")) - 1
+            raise ValueError(f"{self.tables[t].source} row {g - int(self._starts[t])}: the prompt has {lengths[g]} "
+                             f"tokens, over data.max_prompt_length={limit} ({len(over)} such prompts in all), and "
+                             "data.truncation=error; set data.filter_overlong_prompts=true (drop them), "
+                             "data.truncation=left|right|middle (cut them) or raise data.max_prompt_length")
+        keep = np.ones(len(tokens.ids), dtype=bool)
+        head = {"left": 0, "right": limit, "middle": limit // 2}[self.config.truncation]
+        for i in over:  # drop the tokens between the kept head and the kept tail
+            start = int(tokens.offsets[i])
+            keep[start + head:start + int(lengths[i]) - (limit - head)] = False
+        return TokenTable.from_lengths(tokens.ids[keep], np.minimum(lengths, limit))
 
     @property
     def items(self) -> list[PromptItem]:

@@ -10,6 +10,8 @@ from typing import Any
 
 Row = dict[str, Any]
 SUFFIXES = (".parquet", ".jsonl")
+# data.truncation (verl's values): what happens to a prompt over data.max_prompt_length when it is not dropped
+TRUNCATIONS = ("error", "left", "right", "middle")
 
 
 def read_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, Row]]:

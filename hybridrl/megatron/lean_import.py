@@ -16,7 +16,7 @@ that runs megatron.core's own import (once, the first time anything imports it) 
 replaced by :func:`_deferred_compile` — the same ``torch.compile`` call, made at the decorated function's
 first call instead of at decoration (the result is the same compiled function) — and with ``wandb`` and
 ``tensorboard`` hidden (Megatron catches the ``ImportError`` and sets them to None), unless something
-imported them before. After it both are importable as usual (hybridrl's ``trainer.loggers`` import their own).
+imported them before. After it both are importable as usual (hybridrl's ``trainer.logger`` import their own).
 
 ``tests/megatron/test_lean_import.py`` checks that plain ``import megatron.core`` still imports them all
 (remove this module when it fails) and that with it none is imported and a deferred fusion still computes.

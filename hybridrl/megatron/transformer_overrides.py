@@ -5,8 +5,8 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 - ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
   (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
 - ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
-  :data:`OVERRIDES` are accepted (activation recompute); hybridrl itself sets the layout, the dtype and the
-  architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
+  :data:`OVERRIDES` (activation recompute) and :data:`FUSIONS` (kernel fusions) are accepted; hybridrl itself
+  sets the layout, the dtype and the architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
 
 :func:`megatron_config_problems` states every rule once: static validation collects its problems and the
 model builder (:func:`hybridrl.megatron.model.transformer_config`) raises them, so a config that passes
@@ -43,6 +43,12 @@ OVERRIDES = {
                          "default: [core_attn])",
 }
 
+# Megatron's kernel-fusion switches (booleans, verl's scripts set them): speed only, the same math up to kernel
+# rounding; passed as they are. They need the fused kernels (Transformer Engine / apex / CUDA): leave them off
+# on CPU, where Megatron's own checks refuse the ones it cannot run
+FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+           "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs")
+
 # TransformerConfig fields hybridrl sets itself, and the key that sets each
 OWNED_ELSEWHERE = {
     **{k: f"megatron.{k}" for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -64,8 +70,12 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
     for name, value in overrides.items():
         if name in OWNED_ELSEWHERE:
             problems.append((f"{okey}.{name}", value, f"set by {OWNED_ELSEWHERE[name]}, not here"))
+        elif name in FUSIONS:
+            if not isinstance(value, bool):
+                problems.append((f"{okey}.{name}", value, "a fusion switch: true or false"))
         elif name not in OVERRIDES:
-            problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)}"))
+            problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)} "
+                                                      f"and the fusion switches {', '.join(FUSIONS)}"))
     granularity = overrides.get("recompute_granularity")
     method = overrides.get("recompute_method")
     num_layers = overrides.get("recompute_num_layers")

@@ -1,4 +1,4 @@
-"""A run's metrics as the report reads them: the rows of its ``metrics.jsonl`` (what ``trainer.loggers``'
+"""A run's metrics as the report reads them: the rows of its ``metrics.jsonl`` (what ``trainer.logger``'
 ``jsonl`` writes, one object per logged step), tolerant of a run that is still writing its last line.
 
 ``RUN`` is a run's ``trainer.output_dir`` (its current ``metrics.jsonl``) or one metrics file — e.g. an
@@ -48,7 +48,7 @@ def metrics_file(run: Path) -> Path:
     if not path.is_file():
         older = sorted(p.name for p in run.glob("metrics.*.jsonl"))
         hint = (f"; earlier runs' files here: {', '.join(older)} (pass one as RUN)" if older
-                else "; the run logs it when trainer.loggers includes jsonl")
+                else "; the run logs it when trainer.logger includes jsonl")
         raise FileNotFoundError(f"{run}: no metrics.jsonl{hint}")
     return path
 

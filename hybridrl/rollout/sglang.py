@@ -24,7 +24,7 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
   on CPU: ~0.45 s per swap waiting for an idle scheduler (a cache flush, i.e. ``gc.collect()``).
 - **Memory phases.** ``release_memory`` releases the KV cache (and the weights, with
   ``release_weights``) through ``release_memory_occupation``; ``resume_memory`` restores weights
-  before the KV cache. On by default with ``enable_memory_saver`` (GPU), where it frees memory for the
+  before the KV cache. On by default on GPU (``enable_memory_saver``: null = on there), where it frees memory for the
   train phase; ``free_cache_engine=true`` runs it without (on CPU it frees nothing and costs a cache
   flush, ~0.5 s: SGLang's CPU ``empty_cache`` is a ``gc.collect()``).
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an
@@ -48,7 +48,7 @@ import torch
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.hf.tensors import checkpoint_shapes
-from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
 from hybridrl.rollout import sglang_compat as compat
 from hybridrl.rollout import sglang_process as process
 from hybridrl.rollout.seeding import request_seed
@@ -61,7 +61,8 @@ LOAD_FORMATS = ("flattened_bucket", "tensors")
 CPU_MAX_TOTAL_TOKENS = 16384
 # server args the engine sets itself; `server_args` may not override them
 _OWNED_SERVER_ARGS = frozenset({"model_path", "device", "tp_size", "skip_tokenizer_init", "base_gpu_id",
-                                "custom_sigquit_handler", "weight_version"})
+                                "custom_sigquit_handler", "weight_version",
+                                "mem_fraction_static"})  # actor_rollout_ref.rollout.gpu_memory_utilization
 
 
 class SGLangRolloutEngine:
@@ -72,13 +73,14 @@ class SGLangRolloutEngine:
         """Keys of ``actor_rollout_ref.rollout.engine_kwargs``; null = the right value for the device."""
 
         dtype: str | None = None  # auto | float32 | bfloat16 | float16; null: float32 on CPU, bfloat16 on GPU
-        mem_fraction_static: float | None = None  # share of device memory for weights + KV cache; null: SGLang's
         max_total_tokens: int | None = None  # KV cache size in tokens; null: 16384 on CPU, from memory on GPU
         max_running_requests: int | None = None  # null: SGLang's
         attention_backend: str | None = None  # null: torch_native on CPU, SGLang's choice on GPU
         sampling_backend: str | None = None  # null: pytorch on CPU, SGLang's choice on GPU
         disable_cuda_graph: bool | None = None  # null: true on CPU, SGLang's default on GPU
-        enable_memory_saver: bool = False  # GPU: release/resume really free memory (torch_memory_saver)
+        # release/resume really free device memory (torch_memory_saver); null: on for GPU (colocated with the
+        # trainer, as verl runs SGLang), off on CPU (where there is nothing to free)
+        enable_memory_saver: bool | None = None
         free_cache_engine: bool | None = None  # release the KV cache for the train phase; null: = enable_memory_saver
         release_weights: bool = False  # release_memory also frees the weights (needs enable_memory_saver)
         cpu_threads: int | None = None  # CPU: OpenMP threads of the engine's scheduler; null: 1
@@ -93,8 +95,6 @@ class SGLangRolloutEngine:
         def __post_init__(self) -> None:
             if self.dtype is not None and self.dtype not in DTYPES:
                 raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(DTYPES)} or null")
-            if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-                raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1] or null")
             for name in ("max_total_tokens", "max_running_requests", "cpu_threads"):
                 value = getattr(self, name)
                 if value is not None and value < 1:
@@ -102,8 +102,8 @@ class SGLangRolloutEngine:
             if self.update_weights_load_format not in LOAD_FORMATS:
                 raise ValueError(f"update_weights_load_format={self.update_weights_load_format!r}; "
                                  f"valid: {', '.join(LOAD_FORMATS)}")
-            if self.release_weights and not self.enable_memory_saver:
-                raise ValueError("release_weights=true needs enable_memory_saver=true")
+            if self.release_weights and self.enable_memory_saver is False:
+                raise ValueError("release_weights=true needs enable_memory_saver (true, or null on GPU)")
             if self.request_timeout_s is not None and self.request_timeout_s <= 0:
                 raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0 or null")
             if self.start_timeout_s <= 0:
@@ -114,12 +114,27 @@ class SGLangRolloutEngine:
                 raise ValueError(f"server_args may not set {clash}: use the engine's own keys or let the "
                                  "trainer set them")
 
+    @classmethod
+    def memory_budget(cls, config: Config, *, device_type: str, gpu_memory_utilization: float) -> EngineMemory | None:
+        """On GPU SGLang takes ``gpu_memory_utilization`` of the device at start (its ``mem_fraction_static``:
+        weights + KV pool); with the memory saver, release frees the KV pool (and the weights with
+        ``release_weights``)."""
+        if device_type == "cpu":
+            return None
+        saver = config.enable_memory_saver is not False
+        kv = saver if config.free_cache_engine is None else (config.free_cache_engine and saver)
+        return EngineMemory(fraction=gpu_memory_utilization, weights_released=config.release_weights,
+                            kv_released=kv)
+
     def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", tp_size: int = 1,
-                 **ctx: Any) -> None:
+                 gpu_memory_utilization: float = 0.5, **ctx: Any) -> None:
         self.config = config
         self.device = torch.device(device)
         self.model_path = str(model_path)
         self.tp_size = tp_size
+        self.gpu_memory_utilization = gpu_memory_utilization
+        cpu = self.device.type == "cpu"
+        self.memory_saver = not cpu if config.enable_memory_saver is None else config.enable_memory_saver
         self.version = 0
         self.engine: Any = None
         self.procs: list[Any] = []  # psutil.Process of the engine's own processes
@@ -133,7 +148,7 @@ class SGLangRolloutEngine:
     # ---- start / stop ----
     def _server_args(self) -> dict[str, Any]:
         c, cpu = self.config, self.device.type == "cpu"
-        if cpu and c.enable_memory_saver:
+        if cpu and (c.enable_memory_saver or c.release_weights):
             raise SGLangEngineError(f"{CONFIG_KEY}.enable_memory_saver=true needs a CUDA device "
                                     "(torch_memory_saver); on CPU release/resume are no-ops anyway: set false")
         if not cpu and c.cpu_threads is not None:
@@ -147,7 +162,7 @@ class SGLangRolloutEngine:
         args: dict[str, Any] = dict(
             model_path=self.model_path, tp_size=self.tp_size, skip_tokenizer_init=True,
             dtype=c.dtype or ("float32" if cpu else "bfloat16"), log_level=c.log_level, weight_version="0",
-            enable_memory_saver=c.enable_memory_saver, custom_sigquit_handler=process.on_sigquit,
+            enable_memory_saver=self.memory_saver, custom_sigquit_handler=process.on_sigquit,
         )
         if c.release_weights:
             args["enable_weights_cpu_backup"] = True  # a resume restores the weights' content
@@ -161,7 +176,9 @@ class SGLangRolloutEngine:
             for name in ("attention_backend", "sampling_backend", "disable_cuda_graph", "max_total_tokens"):
                 if getattr(c, name) is not None:
                     args[name] = getattr(c, name)
-        for name in ("mem_fraction_static", "max_running_requests", "random_seed"):
+        if not cpu:  # verl's rollout.gpu_memory_utilization is SGLang's mem_fraction_static
+            args["mem_fraction_static"] = self.gpu_memory_utilization
+        for name in ("max_running_requests", "random_seed"):
             if getattr(c, name) is not None:
                 args[name] = getattr(c, name)
         if c.enable_deterministic_inference:
@@ -293,7 +310,7 @@ class SGLangRolloutEngine:
     # ---- memory phases ----
     def release_memory(self) -> None:
         c = self.config
-        if not (c.enable_memory_saver if c.free_cache_engine is None else c.free_cache_engine):
+        if not (self.memory_saver if c.free_cache_engine is None else c.free_cache_engine):
             return  # without the memory saver there is nothing to free (SGLang would only flush its cache)
         tags = ["kv_cache", "weights"] if c.release_weights else ["kv_cache"]
         tags = [t for t in tags if t not in self._released]

@@ -40,7 +40,7 @@ import torch
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.hf.tensors import checkpoint_shapes
-from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
 from hybridrl.rollout import processes
 from hybridrl.rollout import vllm_compat as compat
 from hybridrl.rollout.seeding import request_seed
@@ -48,7 +48,6 @@ from hybridrl.rollout.weight_names import check_bucket
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-GPU_MEMORY_UTILIZATION = 0.5  # colocated: the trainer holds the rest of the device
 WORKER_EXTENSION = "hybridrl.rollout.vllm_worker.WeightReceiver"
 # engine args the engine sets itself; `engine_args` may not override them
 _OWNED_ENGINE_ARGS = frozenset({"model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "logprobs_mode",
@@ -68,8 +67,8 @@ class VLLMRolloutEngine:
         """Keys of ``actor_rollout_ref.rollout.engine_kwargs``; null = the right value for the device."""
 
         dtype: str | None = None  # auto | float32 | bfloat16 | float16; null: float32 on CPU, bfloat16 on GPU
-        gpu_memory_utilization: float | None = None  # GPU: share of device memory for weights + KV; null: 0.5
-        kv_cache_memory_bytes: int | None = None  # KV cache size; null: 256 MiB on CPU, from the share on GPU
+        # KV cache size; null: 256 MiB on CPU, from actor_rollout_ref.rollout.gpu_memory_utilization on GPU
+        kv_cache_memory_bytes: int | None = None
         max_num_seqs: int | None = None  # requests decoded together; null: vLLM's
         max_model_len: int | None = None  # null: the model's max_position_embeddings
         enforce_eager: bool | None = None  # no CUDA graphs; null: true on CPU, vLLM's default on GPU
@@ -85,8 +84,6 @@ class VLLMRolloutEngine:
         def __post_init__(self) -> None:
             if self.dtype is not None and self.dtype not in DTYPES:
                 raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(DTYPES)} or null")
-            if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1] or null")
             for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_model_len", "cpu_threads"):
                 value = getattr(self, name)
                 if value is not None and value < 1:
@@ -118,12 +115,23 @@ class VLLMRolloutEngine:
         return ["rollout engine vllm on CPU: release/resume around the train phase are no-ops (vLLM has no sleep "
                 f"mode on CPU); its KV cache ({CONFIG_KEY}.kv_cache_memory_bytes) stays allocated through training"]
 
+    @classmethod
+    def memory_budget(cls, config: Config, *, device_type: str, gpu_memory_utilization: float) -> EngineMemory | None:
+        """On GPU vLLM takes ``gpu_memory_utilization`` of the device at start (weights, KV pool, workspace); its
+        sleep mode frees both weights (level 1: to host memory) and KV for the train phase."""
+        if device_type == "cpu":
+            return None
+        sleeping = config.enable_sleep_mode is not False
+        return EngineMemory(fraction=gpu_memory_utilization, kv_pool_bytes=config.kv_cache_memory_bytes,
+                            weights_released=sleeping, kv_released=sleeping)
+
     def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", tp_size: int = 1,
-                 **ctx: Any) -> None:
+                 gpu_memory_utilization: float = 0.5, **ctx: Any) -> None:
         self.config = config
         self.device = torch.device(device)
         self.model_path = str(model_path)
         self.tp_size = tp_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.cpu = self.device.type == "cpu"
         self.version = 0
         self.llm: Any = None
@@ -161,7 +169,7 @@ class VLLMRolloutEngine:
         elif c.kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
         else:
-            args["gpu_memory_utilization"] = c.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
         for name in ("max_num_seqs", "max_model_len", "enable_prefix_caching"):
             if getattr(c, name) is not None:
                 args[name] = getattr(c, name)

@@ -92,6 +92,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     d = cfg.data
     ds_cfg = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.ground_truth_key,
                                  apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length,
+                                 filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                                  tools=tool_schemas(cfg))
     train = PromptDataset(d.train_files, config=ds_cfg, tokenizer=tokenizer)
     loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=plan.batch.prompts_per_generation,

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hybridrl.bootstrap import ensure_data, ensure_model
-from hybridrl.config.compose import to_typed
+from hybridrl.config.compose import available_recipes, compose_config, to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.schema import RLConfig
@@ -18,11 +18,30 @@ from hybridrl.config.validate import validate, validate_sft, world_from_env
 from hybridrl.distributed import check as dist_check
 from hybridrl.tracking import say
 
+USAGE = "usage: torchrun --nproc-per-node N launch/train.py recipe=NAME [key=value ...]"
 
-def run_rl(dcfg: DictConfig) -> dict[str, float]:
+
+def run_rl_cli(argv: list[str]) -> int:
+    """``launch/train.py``: compose ``argv`` (Hydra overrides) as ``hybridrl validate`` does, then run."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"{USAGE}\n  recipes: {', '.join(available_recipes())}; check a config first with: hybridrl validate "
+              "recipe=NAME [key=value ...]; verl's keys: docs/verl.md")
+        return 0
+    if flags := [a for a in argv if a.startswith("-")]:
+        print(f"hybridrl: launch/train.py takes key=value overrides only, not {' '.join(flags)} (Hydra's "
+              f"--config-path/--config-name: pick a recipe with recipe=NAME)\n{USAGE}", file=sys.stderr)
+        return 2
     try:
-        cfg = to_typed(dcfg)
-        assert isinstance(cfg, RLConfig)
+        cfg = compose_config(argv)
+    except ConfigError as e:
+        print(f"hybridrl: {e}", file=sys.stderr)
+        return 2
+    run_rl(cfg)
+    return 0
+
+
+def run_rl(cfg: RLConfig) -> dict[str, float]:
+    try:
         world, per_node = world_from_env()
         validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
         ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)

@@ -39,7 +39,8 @@ def fit(c: Components) -> dict[str, float]:
         with profiler.step(step), timer("step"):
             rolled = c.rollout.step(seed=t.seed * 1_000_003 + step, timer=timer)
             batch = rolled.batch
-            old_pass = old_log_prob_pass_needed(c)
+            warmup = step < t.critic_warmup  # verl's: the critic alone trains until step critic_warmup
+            old_pass = old_log_prob_pass_needed(c) or warmup
             entropy_BT = None
             if old_pass:
                 with timer("old_log_prob"):
@@ -65,18 +66,21 @@ def fit(c: Components) -> dict[str, float]:
             if hybrid.critic is not None:
                 with timer("update_critic"):
                     critic = critic_metrics(hybrid.update_critic(batch, seed=t.seed * 7919 + step), batch)
-            with timer("update_actor"):
-                if old_pass:
-                    updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
-                else:  # π_old = the update's own detached log-probs, filled into the batch afterwards
-                    updates, entropy_BT = hybrid.update_actor_on_policy(batch, seed=t.seed * 7919 + step)
-            skips.record(update_skip_cause(updates))
-            with timer("sync_weights"):
-                sync_mb = c.rollout.sync_weights()
+            updates, sync_mb = [], 0.0
+            if not warmup:
+                with timer("update_actor"):
+                    if old_pass:
+                        updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
+                    else:  # π_old = the update's own detached log-probs, filled into the batch afterwards
+                        updates, entropy_BT = hybrid.update_actor_on_policy(batch, seed=t.seed * 7919 + step)
+                skips.record(update_skip_cause(updates))
+                with timer("sync_weights"):
+                    sync_mb = c.rollout.sync_weights()
         assert entropy_BT is not None
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
-        metrics = m.reduce() | rolled.metrics | adv_metrics | actor_metrics(updates) | critic | timer.times
+        metrics = (m.reduce() | rolled.metrics | adv_metrics | (actor_metrics(updates) if updates else {}) | critic
+                   | timer.times)
         metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
@@ -88,7 +92,7 @@ def fit(c: Components) -> dict[str, float]:
         c.tracker.log(metrics, step=step)
         if t.rollout_data_dir is not None:
             rollout_dump.dump(t.rollout_data_dir, step, batch, scores_B, c.tokenizer)
-        if t.save_every and (step % t.save_every == 0 or step == t.total_training_steps):
+        if t.save_freq > 0 and (step % t.save_freq == 0 or step == t.total_training_steps):
             c.save(step)
     return metrics
 
@@ -187,7 +191,7 @@ def evaluate(c: Components) -> dict[str, float]:
     """Accuracy over the whole validation split, sampled as ``rollout.val_kwargs`` says (greedy by default):
     overall, and mean@n / pass@k per data source (:mod:`hybridrl.trainers.eval_metrics`)."""
     v = c.cfg.actor_rollout_ref.rollout.val_kwargs
-    params = SamplingParams(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
+    params = SamplingParams(temperature=v.sampling_temperature, top_p=v.top_p, top_k=v.top_k, n=v.n,
                             max_new_tokens=c.cfg.data.max_response_length)
     m = DPMeans()
     for k, prompts in enumerate(c.val_batches()):

@@ -44,7 +44,7 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
                           "actor_rollout_ref.rollout.n=8", "data.max_response_length=8",
-                          "trainer.loggers=[]", f"trainer.output_dir={tmp / 'out'}",
+                          "trainer.logger=[]", f"trainer.output_dir={tmp / 'out'}",
                           f"trainer.total_training_steps={steps + warmup}"])
     c = build_components(cfg, validate(cfg, world_size=1))
     prompts, rows = c.prompts(), []

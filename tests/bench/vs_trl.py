@@ -113,7 +113,7 @@ def run_hybridrl(wl: Workload, model: Path, train: Path, out: Path, steps: int, 
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={B}", "actor_rollout_ref.actor.ppo_epochs=1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={B}", f"actor_rollout_ref.actor.optim.lr={LR}",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean", "algorithm.use_kl_in_reward=false",
-        "trainer.loggers=[jsonl]", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
+        "trainer.logger=[jsonl]", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
         "trainer.test_freq=0", "trainer.val_before_train=false", f"trainer.seed={SEED}", *overrides])
     c = build_components(cfg, validate(cfg, world_size=1))
     try:

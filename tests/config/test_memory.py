@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.config.memory import GB, estimate, parameter_count
 from hybridrl.hf.arch import HFArch
+from hybridrl.interfaces import EngineMemory
 from hybridrl.models.tiny import make_tiny_model
 
 QWEN7B = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
@@ -50,7 +51,7 @@ def test_grpo_qwen7b_fits_and_a_layout_that_does_not_is_rejected_naming_the_keys
     ok = validate()
     assert ok.returncode == 0, ok.stderr
     line = next(x for x in ok.stdout.splitlines() if x.startswith("memory "))
-    assert "params 3.8, grads 7.6, optimizer 11.4, ref 3.8" in line and "engine KV" in line  # TP=4, bf16, DP=2
+    assert "params 3.8, grads 7.6, optimizer 11.4, ref 3.8" in line and "engine KV pool" in line  # TP=4, bf16, DP=2
     peak = max(float(v) for v in (line.split("generate ")[1].split(" GB")[0], line.split("train ")[1].split(" GB")[0]))
     assert peak * GB < 80 * GB
     tp1 = f"{AOR}.actor.megatron.tensor_model_parallel_size=1"
@@ -59,7 +60,9 @@ def test_grpo_qwen7b_fits_and_a_layout_that_does_not_is_rejected_naming_the_keys
     for key in ("tensor_model_parallel_size", "param_offload=true", "recompute_granularity=full",
                 "ppo_micro_batch_size_per_gpu (lower)"):
         assert key in bad.stderr, key
-    assert validate(tp1, "trainer.device_memory_gb=141").returncode == 0  # an H200 holds it
+    # an H200 holds it, once the engine's share (weights + KV pool) leaves room for the trainer's 72 GB
+    assert validate(tp1, "trainer.device_memory_gb=141").returncode == 2
+    assert validate(tp1, "trainer.device_memory_gb=141", f"{AOR}.rollout.gpu_memory_utilization=0.3").returncode == 0
 
 
 def test_a_critic_adds_a_second_trained_model_state_and_its_offload_takes_it_back() -> None:
@@ -72,3 +75,31 @@ def test_a_critic_adds_a_second_trained_model_state_and_its_offload_takes_it_bac
     assert critic.train == base.train + critic.critic  # trained between the actor's passes: no extra activations
     off = estimate(m, critic=True, critic_offload={"param": True, "grad": True, "optimizer": True}, **kw)
     assert off.generate == pytest.approx(base.generate)
+
+
+def test_an_engine_with_a_pool_counts_its_share_of_the_device_not_the_steps_tokens() -> None:
+    """Issue 25: the KV cache of every sample of a step at once refused setups verl runs; vLLM and SGLang page
+    a step's samples through the pool that gpu_memory_utilization of the device leaves after the weights."""
+    m = HFArch.from_hf(QWEN7B)
+    kw = dict(tp=2, pp=2, dp=2, dtype="bfloat16", optimizer="adam", ref=True, micro_tokens=8192, recompute=True,
+              rollout_tp=2, engine_tokens=1280 * 2048, distributed_optimizer=True, offload={}, seq_len=2048)
+    need = estimate(m, **kw)  # no pool (the hf engine): the KV of its whole share
+    assert need.engine_kv == pytest.approx(1280 * 2048 * 2 * 28 * 4 * 128 * 2 / 2) and need.sequences_at_once is None
+    sleeping = EngineMemory(fraction=0.6, weights_released=True, kv_released=True)
+    pooled = estimate(m, engine=sleeping, device_bytes=80 * GB, **kw)
+    assert pooled.engine_weights + pooled.engine_kv == pytest.approx(0.6 * 80 * GB)
+    assert pooled.sequences_at_once == int(pooled.engine_kv // (2048 * 2 * 28 * 4 * 128 * 2 / 2)) > 500
+    assert pooled.train == pytest.approx(need.train - need.engine_weights)  # slept: nothing kept on the device
+    awake = estimate(m, engine=EngineMemory(fraction=0.6, weights_released=False, kv_released=False),
+                     device_bytes=80 * GB, **kw)
+    assert awake.train == pytest.approx(pooled.train + 0.6 * 80 * GB)  # no sleep mode: the whole share stays
+    fixed = estimate(m, engine=EngineMemory(fraction=0.6, kv_pool_bytes=4 * GB, weights_released=True,
+                                            kv_released=True), device_bytes=80 * GB, **kw)
+    assert fixed.engine_kv == 4 * GB  # vLLM's kv_cache_memory_bytes
+
+
+def test_a_share_too_small_for_one_sequence_is_refused_naming_the_key() -> None:
+    r = validate(f"{AOR}.rollout.gpu_memory_utilization=0.09")  # 7.2 GB: not even the 7.6 GB of TP=2 weights
+    assert r.returncode == 2 and f"{AOR}.rollout.gpu_memory_utilization=0.09: the engine's KV pool" in r.stderr
+    ok = validate()
+    assert "each engine's KV pool holds" in ok.stdout and "sequences of the longest length" in ok.stdout

@@ -121,3 +121,28 @@ def test_long_prompts_are_dropped_with_one_counted_warning(
     with pytest.raises(ValueError, match="no prompts left"):
         PromptDataset([f], config=PromptDatasetConfig(apply_chat_template=False, max_prompt_length=2,
                                                       ground_truth_key=None), tokenizer=tok)
+
+
+def test_overlong_prompts_are_cut_as_data_truncation_says(tmp_path: Path, tok: PreTrainedTokenizerBase) -> None:
+    """verl's data.filter_overlong_prompts=false + data.truncation: left keeps the last tokens, right the first,
+    middle both ends (⌊max/2⌋ first, the rest last); error names the file and row. Short prompts are untouched."""
+    f = write_rows([{"prompt": "abcdefghij", "ground_truth": "x"}, {"prompt": "ab", "ground_truth": "y"},
+                    {"prompt": "0123456789", "ground_truth": "z"}], tmp_path / "long.jsonl")
+
+    def cut(truncation: str) -> list[str]:
+        cfg = PromptDatasetConfig(apply_chat_template=False, max_prompt_length=5, filter_overlong_prompts=False,
+                                  truncation=truncation)
+        ds = PromptDataset([f], config=cfg, tokenizer=tok)
+        return [decoded(ds, i) for i in range(len(ds))]
+
+    assert cut("left") == ["fghij", "ab", "56789"]
+    assert cut("right") == ["abcde", "ab", "01234"]
+    assert cut("middle") == ["abhij", "ab", "01789"]
+    with pytest.raises(ValueError, match=r"long.jsonl row 0: the prompt has 10 tokens, over data.max_prompt_length=5 "
+                                         r"\(2 such prompts in all\), and data.truncation=error"):
+        cut("error")
+    dropped = PromptDataset([f], config=PromptDatasetConfig(apply_chat_template=False, max_prompt_length=5),
+                            tokenizer=tok)
+    assert [decoded(dropped, i) for i in range(len(dropped))] == ["ab"]  # the default: dropped, counted
+    with pytest.raises(ValueError, match="data.truncation='both'; valid: error, left, right, middle"):
+        PromptDatasetConfig(truncation="both")

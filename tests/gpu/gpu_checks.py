@@ -47,10 +47,8 @@ GRPO_TINY_STEPS = 20
 ENGINE_OVERRIDES: dict[str, tuple[str, ...]] = {
     # the engine loads the checkpoint in the actor's dtype: the same bf16-rounded weights before the first sync
     "hf": ("+actor_rollout_ref.rollout.engine_kwargs.dtype=bfloat16",),
-    # bfloat16 is the sglang engine's default on GPU; the memory saver makes release_memory free memory
-    "sglang": ("actor_rollout_ref.rollout.name=sglang",
-               "+actor_rollout_ref.rollout.engine_kwargs.enable_memory_saver=true",
-               "+actor_rollout_ref.rollout.engine_kwargs.mem_fraction_static=0.4"),
+    # bfloat16 is the sglang engine's default on GPU, and its memory saver (release_memory frees memory)
+    "sglang": ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
 }
 # the sglang engine's parameter addresses are read by this test-only weight loader (tests/rollout/sglang_probes.py)
 SGLANG_STORAGE_PROBE = ("+actor_rollout_ref.rollout.engine_kwargs.server_args="

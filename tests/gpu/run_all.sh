@@ -38,7 +38,7 @@ if [ -n "$wheels" ]; then
 fi
 "$PY" - <<'EOF'
 # hybridrl's own requirements, installed --no-deps: each present at a version it accepts (wandb aside:
-# imported only with trainer.loggers=[..., wandb])
+# imported only with trainer.logger=[..., wandb])
 from importlib.metadata import PackageNotFoundError, requires, version
 from packaging.requirements import Requirement
 

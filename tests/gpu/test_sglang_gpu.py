@@ -42,9 +42,10 @@ KEY = "actor_rollout_ref.rollout.engine_kwargs"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 
-def build(path: Path, **kw: Any) -> Any:
+def build(path: Path, gpu_memory_utilization: float = 0.5, **kw: Any) -> Any:
     return Registry("rollout_engines").build("sglang", kw, key=KEY, model_path=str(path),
-                                             device=torch.device("cuda", 0))
+                                             device=torch.device("cuda", 0),
+                                             gpu_memory_utilization=gpu_memory_utilization)
 
 
 def buckets_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[WeightBucket]:
@@ -72,7 +73,7 @@ def test_colocated_swap_with_memory_saver(small: tuple[Path, Path]) -> None:
     a, b = small
     actor = {n: t.cuda() for n, t in load_file(b / "model.safetensors").items()}  # the trainer's copy, same GPU
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    eng = build(a, dtype="float32", enable_memory_saver=True, release_weights=True, mem_fraction_static=0.3,
+    eng = build(a, dtype="float32", enable_memory_saver=True, release_weights=True, gpu_memory_utilization=0.3,
                 server_args=SERVER_ARGS)
     try:
         before = eng.generate(PROMPTS, params)
@@ -118,7 +119,7 @@ def test_swap_time_per_gb(tmp_path: Path) -> None:
                             max_positions=256)
     actor = {n: t.to("cuda", torch.bfloat16) for n, t in load_file(model / "model.safetensors").items()}
     gb = sum(t.numel() * t.element_size() for t in actor.values()) / 2**30
-    eng = build(model, dtype="bfloat16", enable_memory_saver=True, mem_fraction_static=0.5)
+    eng = build(model, dtype="bfloat16", enable_memory_saver=True, gpu_memory_utilization=0.5)
     try:
         start_s = eng.start_seconds
         times = []
@@ -140,7 +141,7 @@ def test_swap_time_per_gb(tmp_path: Path) -> None:
 
 
 def test_per_sample_seeds_fix_each_prompts_samples(small: tuple[Path, Path]) -> None:
-    eng = build(small[0], enable_deterministic_inference=True, mem_fraction_static=0.3)
+    eng = build(small[0], enable_deterministic_inference=True, gpu_memory_utilization=0.3)
     params = SamplingParams(temperature=1.0, max_new_tokens=16, n=2)
     try:
         first = [g.token_ids for g in eng.generate(PROMPTS, params, seeds=[11, 12, 13])]

@@ -250,7 +250,8 @@ def test_start_failure_inside_the_engine_raises_and_leaves_no_process(engine: SG
 
 def test_config_is_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
     for kw, message in [({"dtype": "fp8"}, "dtype='fp8'; valid: auto, float32, bfloat16, float16"),
-                        ({"release_weights": True}, "release_weights=true needs enable_memory_saver=true"),
+                        ({"release_weights": True, "enable_memory_saver": False},
+                         "release_weights=true needs enable_memory_saver"),
                         ({"server_args": {"tp_size": 2}}, "server_args may not set \\['tp_size'\\]"),
                         ({"request_timeout_s": 0}, "request_timeout_s=0 must be > 0"),
                         ({"cpu_threads": 0}, "cpu_threads=0 must be ≥ 1"),

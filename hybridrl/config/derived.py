@@ -1,0 +1,76 @@
+"""Keys whose values follow from others (verl's rules), resolved in place before the plan is made.
+
+How long a run is: ``trainer.total_training_steps``, or ``trainer.total_epochs`` over the training rows.
+verl's rule: ``total_training_steps = len(train_dataloader) · total_epochs``, overridden by
+``trainer.total_training_steps`` when that is set; its dataloader drops the last incomplete batch, so
+``len(train_dataloader) = ⌊rows / data.train_batch_size⌋``. Deviation: the rows are counted as read (parquet
+metadata, jsonl lines), before the prompt-length filter drops any — the plan (LR schedule, checks) is made
+before the prompts are tokenized; a run whose filter drops prompts then trains slightly more than
+``total_epochs`` passes over what is left. Under ``algorithm.filter_groups`` a step draws
+``data.gen_batch_size`` prompts per round, so an epoch there is counted in steps of ``train_batch_size``, as
+verl counts it.
+
+``actor_rollout_ref.model.enable_gradient_checkpointing`` (verl's key) turns on Megatron's activation recompute
+for every trained and frozen model of the run — full granularity, uniform method, one layer per checkpoint,
+as verl's Megatron workers set it — unless ``megatron.override_transformer_config`` sets ``recompute_*`` itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridrl.config.schema import RLConfig
+from hybridrl.data.sources import is_hf
+
+
+def count_rows(files: list[str]) -> int | None:
+    """Rows of the data entries without reading them (None: one cannot be counted here: missing, or hf://)."""
+    total = 0
+    for f in files:
+        path = Path(f)
+        if is_hf(f) or not path.is_file():
+            return None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq  # only when there is a file to count (planning elsewhere imports none)
+
+            total += pq.ParquetFile(path).metadata.num_rows
+        else:
+            with path.open("rb") as fh:
+                total += sum(1 for line in fh if line.strip())
+    return total
+
+
+def resolve_total_steps(cfg: RLConfig) -> tuple[str | None, str | None]:
+    """Set ``cfg.trainer.total_training_steps`` from ``total_epochs`` when it is null and the rows can be
+    counted. Returns ``(problem, note)``: a problem is a config error (for the key ``trainer.total_epochs``), a
+    note says how the steps were found or why they are not known yet (the data is built or read later)."""
+    t, d = cfg.trainer, cfg.data
+    if t.total_training_steps is not None:
+        return None, None
+    if t.total_epochs < 1:
+        return f"must be ≥ 1 when trainer.total_training_steps is null (it is {t.total_epochs})", None
+    rows = count_rows(list(d.train_files)) if d.train_files else None
+    if rows is None:
+        return None, (f"total steps not known yet: trainer.total_epochs={t.total_epochs} × ⌊rows of data.train_files"
+                      f" / {d.train_batch_size}⌋, counted once the files are here (or set "
+                      "trainer.total_training_steps)")
+    per_epoch = rows // max(d.train_batch_size, 1)
+    if per_epoch < 1:
+        return (f"data.train_files hold {rows} rows, fewer than one batch of data.train_batch_size="
+                f"{d.train_batch_size}: no step in an epoch"), None
+    t.total_training_steps = per_epoch * t.total_epochs
+    return None, (f"total steps {t.total_training_steps} = trainer.total_epochs {t.total_epochs} × {per_epoch} "
+                  f"steps per epoch ({rows} rows // data.train_batch_size {d.train_batch_size})")
+
+
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def apply_gradient_checkpointing(cfg: RLConfig) -> None:
+    """``enable_gradient_checkpointing`` into the actor's ``override_transformer_config`` (the ref and critic use
+    the actor's), leaving alone any ``recompute_*`` key set there."""
+    if not cfg.actor_rollout_ref.model.enable_gradient_checkpointing:
+        return
+    override = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    if not any(k.startswith("recompute_") for k in override):
+        override.update(RECOMPUTE)

@@ -1,0 +1,225 @@
+"""The command line checked whole before Hydra composes it: every unknown key and bad value in one error.
+
+Hydra stops at the first override it cannot apply, so a launch script with ten keys we do not know took ten
+runs to read. Here each ``key=value`` is parsed with Hydra's own override grammar and tried on its own against
+the typed schema (``OmegaConf.structured``: the same type conversion Hydra applies), and every problem is
+collected, each with the valid keys closest to it. A ``recipe=NAME`` file's keys are checked the same way.
+
+verl's keys (:mod:`hybridrl.config.verl_keys`) are read first: a key hybridrl spells differently is
+translated to its hybridrl key, one that has no effect here is set aside, each with a one-line notice, and one
+that cannot run here is an error naming what to use. What is left goes to Hydra unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.verl_keys import AOR, VERL_KEYS, VerlKey
+
+
+@dataclass(slots=True, kw_only=True)
+class CheckedOverrides:
+    overrides: list[str]  # what Hydra composes (verl's keys translated)
+    notices: list[str] = field(default_factory=list)  # one line per verl key translated or set aside
+    # verl's engine knobs (``status: engine``): applied to the composed config, whose rollout.name decides where
+    engine_settings: list[tuple[VerlKey, Any]] = field(default_factory=list)
+
+
+def check_overrides(overrides: Sequence[str], *, schema: type, recipes: Path | None = None,
+                    verl: bool = True) -> CheckedOverrides:
+    """``overrides`` as Hydra should compose them; raises ConfigError listing every key of them (and of the
+    ``recipe=`` file under ``recipes``) that the schema does not have, and every value its type refuses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, issues, out, notices = OverridesParser.create(), [], [], []
+    engine_settings: list[tuple[VerlKey, Any]] = []
+    implied: list[str] = []
+    typed = OmegaConf.structured(schema)
+    table = VERL_KEYS if verl else {}
+    for line in overrides:
+        try:
+            (o,) = parser.parse_overrides([line])
+        except HydraException as e:
+            issues.append(ConfigIssue(key=line, value=None, message=f"not an override: {str(e).splitlines()[0]}"))
+            continue
+        key = o.key_or_group
+        if o.package is not None or key.startswith("hydra") or (recipes is not None and (recipes / key).is_dir()):
+            out.append(line)  # a config group (recipe=...) or Hydra's own settings
+            continue
+        if key in table and table[key].status != "same":
+            entry = table[key]
+            value = None if o.is_delete() or o.is_sweep_override() else o.value()
+            if entry.status == "refused" or (entry.status == "ignored" and entry.refuses(value)):
+                issues.append(ConfigIssue(key=key, value=value if entry.status == "ignored" else None,
+                                          message=f"verl's key is not supported here: {entry.note}"))
+                continue
+            if entry.status == "engine":
+                if not (o.is_delete() or o.is_sweep_override()):
+                    engine_settings.append((entry, o.value()))
+                continue
+            notices.append(entry.notice())
+            if entry.status != "alias":  # ignored: accepted, no effect
+                continue
+            assert entry.target is not None
+            prefix = "++" if _free_form_part(schema, entry.target) else ""
+            value = line.split("=", 1)[1] if "=" in line else ""
+            value = entry.values.get(str(o.value()), value) if not o.is_sweep_override() else value
+            line, key = f"{prefix}{entry.target}={value}", entry.target
+            (o,) = parser.parse_overrides([line])
+            given = {x.split("=", 1)[0].lstrip("+~") for x in overrides}
+            implied += [i for i in entry.implies if i.split("=", 1)[0] not in given]
+        if o.is_delete() or o.is_sweep_override():
+            out.append(line)
+            continue
+        problem = key_problem(schema, key)
+        if problem is None and isinstance(o.value(), str) and _is_list(schema, key) and "${" not in o.value():
+            quoted = o.value().replace("\\", "\\\\").replace("'", "\\'")
+            line = f"{line.split('=', 1)[0]}=['{quoted}']"  # one entry for a list (as verl reads a lone path)
+            (o,) = parser.parse_overrides([line])
+        if problem is None and not _free_form_part(schema, key):
+            problem = _value_problem(typed, schema, key, o.value())
+        if problem is not None:
+            issues.append(ConfigIssue(key=key, value=None, message=problem))
+        out.append(line)
+    out += list(dict.fromkeys(implied))
+    if recipes is not None:
+        issues += _recipe_problems(overrides, schema, recipes, parser)
+    if issues:
+        raise ConfigError(issues)
+    return CheckedOverrides(overrides=out, notices=notices, engine_settings=engine_settings)
+
+
+def apply_engine_settings(cfg: Any, settings: list[tuple[VerlKey, Any]]) -> list[str]:
+    """verl's engine knobs into the composed config's ``rollout.engine_kwargs``, named as the chosen engine names
+    them; returns the notices. A knob also set in engine_kwargs itself must agree with it."""
+    rollout, notices, issues = cfg.actor_rollout_ref.rollout, [], []
+    for entry, value in settings:
+        notices.append(entry.notice(rollout.name))
+        where = entry.engines.get(rollout.name)
+        if where is None:
+            continue
+        if where in rollout.engine_kwargs and rollout.engine_kwargs[where] != value:
+            issues.append(ConfigIssue(key=entry.key, value=value, message=(
+                f"disagrees with {AOR}.rollout.engine_kwargs.{where}={rollout.engine_kwargs[where]!r}: set one")))
+            continue
+        rollout.engine_kwargs[where] = value
+    if issues:
+        raise ConfigError(issues)
+    return notices
+
+
+def key_problem(schema: type, key: str) -> str | None:
+    """Why ``key`` is not a key of ``schema`` (with the closest valid keys), or None. Keys under a free-form
+    block (a plugin's kwargs: ``dict[str, Any]``) are that plugin's to check."""
+    node: Any = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not is_dataclass(node):
+            return None if _free_form(node) else f"{'.'.join(parts[:i])} is a value, not a block"
+        hints = typing.get_type_hints(node)
+        names = {f.name for f in fields(node)}
+        if part not in names:
+            return _unknown(schema, key)
+        node = hints[part]
+    return None
+
+
+RENAMED = {"trainer.loggers": "trainer.logger", "trainer.save_every": "trainer.save_freq"}  # hybridrl's old names
+
+
+def _unknown(schema: type, key: str) -> str:
+    from hybridrl.config.compose import schema_keys
+
+    if key in RENAMED:
+        return f"is now {RENAMED[key]} (verl's name)"
+    keys = [k for k in schema_keys(schema) if not key.startswith(k + ".")]
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    close = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(
+        leaf, [k.rpartition(".")[2] for k in siblings], n=3, cutoff=0.6)]
+    close = close or difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    if not close:  # the same last name elsewhere in the tree (verl and hybridrl place some keys differently)
+        close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:3]
+    message = "is not a config key" + (f"; did you mean {' or '.join(close)}?" if close else "")
+    if key.split(".")[0] in ("actor_rollout_ref", "data", "trainer", "algorithm", "critic",
+                             "reward_model", "custom_reward_function"):
+        message += " (verl's keys and their hybridrl names: docs/verl.md)"
+    return message
+
+
+def _is_list(schema: type, key: str) -> bool:
+    node: Any = schema
+    for part in key.split("."):
+        if not is_dataclass(node):
+            return False
+        node = typing.get_type_hints(node)[part]
+    return (typing.get_origin(node) or node) is list
+
+
+def _free_form(node: Any) -> bool:
+    origin = typing.get_origin(node) or node
+    return node is Any or origin is dict
+
+
+def _free_form_part(schema: type, key: str) -> bool:
+    """``key`` lies inside a free-form block (set with ``++``: it may not exist yet)."""
+    node: Any = schema
+    for part in key.split("."):
+        if _free_form(node):
+            return True
+        if not is_dataclass(node) or part not in {f.name for f in fields(node)}:
+            return False
+        node = typing.get_type_hints(node)[part]
+    return False
+
+
+def _value_problem(typed: Any, schema: type, key: str, value: Any) -> str | None:
+    """What the schema's type of ``key`` says about ``value`` (Hydra would refuse it), or None."""
+    if isinstance(value, str) and "${" in value:
+        return None  # an interpolation: resolved after composition
+    try:
+        OmegaConf.update(typed, key, value, force_add=False)
+    except OmegaConfBaseException as e:
+        return str(e).splitlines()[0]
+    except (ValueError, TypeError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def _recipe_problems(overrides: Sequence[str], schema: type, recipes: Path, parser: Any) -> list[ConfigIssue]:
+    """Unknown keys in the ``recipe=NAME`` file the overrides choose (a user's own recipe)."""
+    name = None
+    for line in overrides:
+        if line.split("=", 1)[0].lstrip("+") == "recipe" and "=" in line:
+            name = line.split("=", 1)[1]
+    path = recipes / "recipe" / f"{name}.yaml" if name else None
+    if path is None or not path.is_file():
+        return []  # Hydra names a missing recipe with the available ones
+    try:
+        node = OmegaConf.load(path)
+    except (OSError, OmegaConfBaseException) as e:
+        return [ConfigIssue(key="recipe", value=name, message=f"{path}: {e}")]
+    issues = []
+    for key in _leaf_keys(OmegaConf.to_container(node, resolve=False)):
+        if key.split(".")[0] == "defaults" or key.startswith("hydra"):
+            continue
+        if (problem := key_problem(schema, key)) is not None:
+            issues.append(ConfigIssue(key=key, value=None, message=f"in {path}: {problem}"))
+    return issues
+
+
+def _leaf_keys(d: Any, prefix: str = "") -> list[str]:
+    if not isinstance(d, dict) or not d:
+        return [prefix.rstrip(".")] if prefix else []
+    return [k for name, v in d.items() for k in _leaf_keys(v, f"{prefix}{name}.")]
+
