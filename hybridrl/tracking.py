@@ -31,7 +31,7 @@ class TrackerSettings(Protocol):
     logger: list[str]  # LOGGERS entries
     project_name: str
     experiment_name: str
-    total_training_steps: int
+    total_training_steps: int | None  # resolved (from trainer.total_epochs where null) by validate()
 
 
 class _Backend(Protocol):
@@ -243,6 +243,8 @@ class Tracker:
         out = Path(cfg.output_dir)
         for name in cfg.logger:
             if name == "console":
+                if cfg.total_training_steps is None:  # validate() resolves it from trainer.total_epochs
+                    raise ValueError("trainer.total_training_steps is not resolved: validate the config first")
                 self.backends.append(ConsoleBackend(cfg.total_training_steps, resume_step))
             elif name == "jsonl":
                 self.backends.append(JsonlBackend(out / "metrics.jsonl", resume_step=resume_step))

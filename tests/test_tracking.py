@@ -144,7 +144,7 @@ def test_mlflow_honours_the_tracking_uri(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_optional_loggers_are_imported_only_when_chosen(tmp_path: Path) -> None:
     code = ("import sys\nfrom hybridrl.config.schema import TrainerConfig\nfrom hybridrl.tracking import Tracker\n"
-            f"t = Tracker(TrainerConfig(output_dir={str(tmp_path)!r}), config={{}}, rank=0)\n"
+            f"t = Tracker(TrainerConfig(output_dir={str(tmp_path)!r}, total_training_steps=3), config={{}}, rank=0)\n"
             "t.log({'reward/mean': 1.0}, step=1)\nt.close()\n"
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -87,7 +87,9 @@ def check_overrides(overrides: Sequence[str], *, schema: type, recipes: Path | N
             line = f"{line.split('=', 1)[0]}=['{quoted}']"  # one entry for a list (as verl reads a lone path)
             (o,) = parser.parse_overrides([line])
         if problem is None and not _free_form_part(schema, key):
-            problem = _value_problem(typed, schema, key, o.value())
+            if (bad := _value_problem(typed, schema, key, o.value())) is not None:
+                issues.append(ConfigIssue(key=key, value=o.value(), message=bad))
+                continue
         if problem is not None:
             issues.append(ConfigIssue(key=key, value=None, message=problem))
         out.append(line)

@@ -124,7 +124,7 @@ def test_three_misspelled_keys_are_reported_in_one_run_of_the_trainer() -> None:
                          (f"{AOR}.rollout.gpu_memory_utilisation", f"{AOR}.rollout.gpu_memory_utilization"),
                          ("data.max_promt_length", "data.max_prompt_length")):
         assert f"{wrong}: is not a config key; did you mean {right}" in r.stderr
-    assert "trainer.seed: Value 'abc'" in r.stderr and "loading" not in r.stdout
+    assert "trainer.seed='abc': Value 'abc'" in r.stderr and "loading" not in r.stdout
 
 
 def test_a_recipe_files_unknown_keys_are_reported_with_the_overrides(tmp_path: Path) -> None:
