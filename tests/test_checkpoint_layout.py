@@ -173,6 +173,7 @@ def test_a_crash_at_any_point_of_a_commit_leaves_a_complete_checkpoint_to_resume
 
 def test_changed_optimizer_settings_are_listed_and_a_changed_optimizer_kind_is_rejected(tmp_path: Path) -> None:
     cfg = RLConfig()
+    cfg.trainer.total_training_steps = 100  # as resolve_total_steps leaves it before a resume compares
     saved = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {
         **OmegaConf.to_container(OmegaConf.structured(cfg.actor_rollout_ref.actor.optim)),  # type: ignore[dict-item]
         "lr": 5e-7, "lr_decay_style": "cosine"}}}, "trainer": {"total_training_steps": 10}})

@@ -59,7 +59,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return [f"{AOR}.model.path={model}", f"data.train_files=[{data}]", f"{AOR}.rollout.n=4",
             "data.train_batch_size=8", f"{AOR}.actor.ppo_mini_batch_size=4",
             f"{AOR}.actor.ppo_micro_batch_size_per_gpu=4", "data.max_prompt_length=32", "data.max_response_length=16",
-            f"trainer.output_dir={Path(tmp) / 'out'}"]
+            f"trainer.output_dir={Path(tmp) / 'out'}", "trainer.total_training_steps=2"]
 
 
 def _issues(base: list[str], *overrides: str) -> list[str]:

@@ -250,7 +250,7 @@ def test_validate_reports_rollout_correction_keys(tmp_path: Path) -> None:
     base = [f"actor_rollout_ref.model.path={model}", f"data.train_files=[{data}]", "actor_rollout_ref.rollout.n=4",
             "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_prompt_length=32",
-            "data.max_response_length=16"]
+            "data.max_response_length=16", "trainer.total_training_steps=2"]
     cfg = compose_config([*base, "algorithm.rollout_correction.rollout_is=sequence",
                           "algorithm.rollout_correction.rollout_is_threshold=3.0"])
     assert cfg.algorithm.rollout_correction.rollout_is == "sequence"

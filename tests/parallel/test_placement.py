@@ -69,7 +69,7 @@ def overrides(run: dict[str, Path], extra: list[str]) -> list[str]:
     return [f"{AOR}.model.path={run['model']}", f"data.train_files=[{run['data']}]", f"{AOR}.rollout.n=2",
             "data.train_batch_size=8", f"{AOR}.actor.ppo_mini_batch_size=8",
             f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2", "data.max_prompt_length=16",
-            "data.max_response_length=16", *extra]
+            "data.max_response_length=16", "trainer.total_training_steps=2", *extra]
 
 
 def printed_engines(text: str) -> list[dict[str, object]]:
