@@ -198,15 +198,17 @@ class SGLangRolloutEngine:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         t0 = time.perf_counter()
         threads = process.thread_env(self.config.cpu_threads or 1) if cpu else nullcontext()
+        contexts: list[Any] = []
         with process.starting(self):  # until the failed start's processes are killed too
             try:
-                with compat.keep_start_method(), compat.without_torchrun_env(), threads, \
-                        process.deadline(self.config.start_timeout_s, what="start"):
+                with compat.contexts_made() as contexts, compat.keep_start_method(), compat.without_torchrun_env(), \
+                        threads, process.deadline(self.config.start_timeout_s, what="start"):
                     from sglang.srt.entrypoints.engine import Engine
 
                     self.engine = Engine(**self.server_args)
             except BaseException as e:
                 compat.kill_processes(compat.new_children(before))
+                compat.destroy_contexts(contexts)  # no engine object to shut down: its sockets would hang a GC
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 raise SGLangEngineError(f"the SGLang engine failed to start: {type(e).__name__}: {e}. "

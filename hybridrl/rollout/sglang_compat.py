@@ -50,7 +50,10 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
    and both ``zmq.Context`` objects (each with its I/O threads) alive after the engine's processes are gone. They
    are destroyed whenever a later garbage collection reaches them (``Context.__del__`` → ``term()``), in
    whatever the trainer is doing then, and ``term()`` waits on every socket's linger. :func:`shutdown_engine`
-   destroys them itself, with linger 0, once the processes are dead.
+   destroys them itself, with linger 0, once the processes are dead. A start that fails inside ``Engine()``
+   leaves no engine object to reach them through: :func:`contexts_made` records the contexts made during the
+   start, and the failed start destroys them (left to a later collection, one hung a test run in
+   ``Context.__del__`` twenty minutes after the failed start, inside an unrelated tokenizer call).
 
 Nothing here imports sglang at module import time.
 """
@@ -179,6 +182,36 @@ def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
             if transport is not None:
                 transport.shutdown()
         for context in contexts:  # item 9: the peers are dead, nothing left to deliver
+            context.destroy(linger=0)
+
+
+@contextmanager
+def contexts_made() -> Iterator[list[Any]]:
+    """The ``zmq.Context`` objects (sync and asyncio) made inside, in a list filled as they are made (item 9)."""
+    import weakref
+
+    from zmq.sugar.context import Context
+
+    made: list[weakref.ref[Any]] = []
+    found: list[Any] = []
+    original = Context.__init__
+
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    Context.__init__ = recording_init  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        Context.__init__ = original  # type: ignore[method-assign]
+        found += [c for c in (r() for r in made) if c is not None]
+
+
+def destroy_contexts(contexts: list[Any]) -> None:
+    """Close every socket of ``contexts`` with linger 0 and terminate them (their peers are dead; item 9)."""
+    for context in contexts:
+        if not context.closed:
             context.destroy(linger=0)
 
 

@@ -240,9 +240,12 @@ def test_start_failure_inside_the_engine_raises_and_leaves_no_process(engine: SG
     broken = make_tiny_model(tmp_path / "broken", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=128)
     (broken / "config.json").write_bytes((models[0] / "config.json").read_bytes())
     before = {p.pid for p in compat.new_children(set())}
-    with pytest.raises(SGLangEngineError, match="the SGLang engine failed to start") as e:
+    with compat.contexts_made() as made, \
+            pytest.raises(SGLangEngineError, match="the SGLang engine failed to start") as e:
         build(broken)  # SGLang's own SIGQUIT handler would SIGKILL this (the trainer's) process
     assert CONFIG_KEY in str(e.value)
+    # its IPC contexts are destroyed now, not by a later garbage collection (which can hang: compat item 9)
+    assert made and [c for c in made if not c.closed] == []
     time.sleep(1)
     assert compat.new_children(before) == []
     assert len(engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
