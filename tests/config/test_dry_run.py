@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from hybridrl.cli import main
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,23 +50,24 @@ def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_pa
     print(f"rejected in {took:.1f} s")
 
 
-def test_every_run_command_in_the_readme_validates(tmp_path: Path) -> None:
+def test_every_run_command_in_the_readme_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """The ``torchrun ... launch/train.py`` lines of README.md and every docs/*.md page pass ``hybridrl validate``
-    at their world size (the same files, in the same order, as the project's before-stop hook reads)."""
+    at their world size (the same files, in the same order, as the project's before-stop hook reads). In this
+    process: ``hybridrl validate`` is ``main(["validate", ...])`` (one interpreter start per line cost CI ~70 s)."""
     files = [REPO / "README.md", *sorted(glob.glob(str(REPO / "docs" / "*.md")))]
     text = "\n".join(open(f).read() for f in files).replace("\\\n", " ")
     runs = [m for m in re.finditer(r"torchrun\s+(.*?)launch/train\.py\s+(.*)", text)]
     assert len(runs) >= 3
-    env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path / "cache"))
     commands: dict[tuple[str, ...], str] = {}  # each distinct command once (pages repeat the quick starts)
     for m in runs:
         n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1))
         args = [a for a in shlex.split(m.group(2).split("#")[0]) if "=" in a and not a.startswith("--")]
         commands.setdefault((*args, "--world-size", n.group(1) if n else "1"), m.group(0))
     for command, line in commands.items():
-        r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *command], capture_output=True,
-                           text=True, env=env)
-        assert r.returncode == 0, (line, r.stderr)
+        code = main(["validate", *command])
+        assert code == 0, (line, capsys.readouterr().err)
 
 
 def test_planning_for_another_machine_imports_no_backend() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.cli import main
 from hybridrl.config.compose import compose_config
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.validate import validate
@@ -280,41 +281,44 @@ def test_three_mistakes_one_error_before_any_model(base: list[str]) -> None:
     assert heavy == "HEAVY []"
 
 
-def test_validate_cli_prints_topology(base: list[str]) -> None:
-    r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base,
-                        f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", "--world-size", "2"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "actor   TP=1 PP=2 CP=1 DP=1" in r.stdout and "rank 1: cpu actor(tp0 pp1 cp0 dp0)" in r.stdout
-    assert r.stdout.strip().endswith("config OK")
-    vpp = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base,
-                          f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", f"{VPP}=2", "--world-size", "2"],
-                         capture_output=True, text=True)
-    assert vpp.returncode == 0, vpp.stderr
-    assert "actor   TP=1 PP=2 VPP=2 CP=1 DP=1" in vpp.stdout  # layer blocks interleave over the stages
-    assert "rank 0: cpu actor(tp0 pp0 cp0 dp0 layers 0 + 2)" in vpp.stdout
-    assert "rank 1: cpu actor(tp0 pp1 cp0 dp0 layers 1 + 3)" in vpp.stdout
-    bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", *base, f"{AOR}.rollout.n=1",
-                          f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and f"{AOR}.rollout.n=1" in bad.stderr
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``hybridrl validate ARGS`` in this process: (exit code, stdout, stderr). (A subprocess per call cost ~5 s.)"""
+    capsys.readouterr()
+    code = main(["validate", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_validate_cli_prints_topology(base: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, *base, f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", "--world-size", "2")
+    assert code == 0, err
+    assert "actor   TP=1 PP=2 CP=1 DP=1" in out and "rank 1: cpu actor(tp0 pp1 cp0 dp0)" in out
+    assert out.strip().endswith("config OK")
+    code, out, err = cli(capsys, *base, f"{AOR}.actor.megatron.pipeline_model_parallel_size=2", f"{VPP}=2",
+                         "--world-size", "2")
+    assert code == 0, err
+    assert "actor   TP=1 PP=2 VPP=2 CP=1 DP=1" in out  # layer blocks interleave over the stages
+    assert "rank 0: cpu actor(tp0 pp0 cp0 dp0 layers 0 + 2)" in out
+    assert "rank 1: cpu actor(tp0 pp1 cp0 dp0 layers 1 + 3)" in out
+    code, out, err = cli(capsys, *base, f"{AOR}.rollout.n=1", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2")
+    assert code == 2 and f"{AOR}.rollout.n=1" in err
 
 
 @pytest.mark.parametrize(("recipe", "world", "layout"), [
     ("grpo_qwen7b", 8, "actor   TP=4 PP=1 CP=1 DP=2"),
     ("grpo_qwen7b_2nodes", 16, "actor   TP=4 PP=2 CP=1 DP=2"),
 ])
-def test_scale_recipes_plan_on_a_cpu_machine(recipe: str, world: int, layout: str) -> None:
+def test_scale_recipes_plan_on_a_cpu_machine(recipe: str, world: int, layout: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     """The 7B recipes' topology arithmetic is checked here, with the real architecture, no weights."""
-    qwen7b = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
-    r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", f"recipe={recipe}",
-                        "--model-config", str(qwen7b)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert f"world_size: {world}" in r.stdout and layout in r.stdout
-    assert "heads 28 (kv 4)" in r.stdout and r.stdout.strip().endswith("config OK")
-    bad = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", f"recipe={recipe}", "--model-config",
-                          str(qwen7b), f"{AOR}.actor.megatron.tensor_model_parallel_size=8"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "must divide the model's 4 KV heads" in bad.stderr
+    qwen7b = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json")
+    code, out, err = cli(capsys, f"recipe={recipe}", "--model-config", qwen7b)
+    assert code == 0, err
+    assert f"world_size: {world}" in out and layout in out
+    assert "heads 28 (kv 4)" in out and out.strip().endswith("config OK")
+    code, _, err = cli(capsys, f"recipe={recipe}", "--model-config", qwen7b,
+                       f"{AOR}.actor.megatron.tensor_model_parallel_size=8")
+    assert code == 2 and "must divide the model's 4 KV heads" in err
 
 
 def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
