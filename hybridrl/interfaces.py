@@ -216,7 +216,8 @@ class AdvantageEstimator(Protocol):
 
 @runtime_checkable
 class PolicyLoss(Protocol):
-    """The actor's surrogate objective. Built with no ctx."""
+    """The actor's surrogate objective. Built with no ctx. Optional ``trust_region: ClassVar[bool]`` (absent:
+    False): the objective is clipped, which ``async_training`` requires for off-policy samples."""
 
     Config: ClassVar[type]
 

@@ -26,6 +26,7 @@ from hybridrl.algorithms.kl_controller import KLControlConfig
 from hybridrl.algorithms.rollout_correction import RolloutCorrectionConfig
 from hybridrl.megatron.config import CriticMegatronConfig, MegatronConfig, OptimConfig, RefMegatronConfig
 from hybridrl.rewards.execution import RewardConfig
+from hybridrl.rollout.async_training import AsyncTrainingConfig
 from hybridrl.tools.config import MultiTurnConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")  # trainer.device
@@ -107,6 +108,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     n: int = 1  # samples per prompt
     tensor_model_parallel_size: int = 1  # ranks per engine
+    # colocated: an engine on every rank's devices, asleep while they train | disaggregated: engines on the last
+    # num_ranks ranks only, the others train (hybridrl/rollout/async_training.py)
+    placement: str = "colocated"
+    num_ranks: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 disables
@@ -237,3 +242,4 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # verl's block

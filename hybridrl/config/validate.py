@@ -44,6 +44,8 @@ from hybridrl.megatron.transformer_overrides import megatron_config_problems
 from hybridrl.registry import PluginError, Registry
 from hybridrl.rewards.execution import config_problems as reward_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
+from hybridrl.rollout.async_training import KEY as ASYNC_KEY
+from hybridrl.rollout.async_training import config_problems as async_problems
 from hybridrl.run_lock import output_dir_problem
 from hybridrl.tools.config import config_problems as multi_turn_problems
 from hybridrl.tracking import LOGGERS, missing_logger_packages
@@ -126,6 +128,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     for key, value, message in sampling + overlong:  # DAPO's two
         issues.add(key, value, message)
     _check_rollout_correction(cfg, issues)
+    _check_async(cfg, world, issues)
     _check_plugins(cfg, plan, issues)
     _check_multi_turn(cfg, issues)
     if "critic" in plan.roles:
@@ -269,7 +272,7 @@ def _check_sampling(cfg: RLConfig, issues: _Issues) -> None:
     issues.positive(f"{key}.update_weights_bucket_megabytes", r.update_weights_bucket_megabytes)
     if r.mode not in ROLLOUT_MODES:
         issues.add(f"{key}.mode", r.mode, f"valid: {', '.join(ROLLOUT_MODES)} (asynchronous, off-policy training is "
-                   "not supported yet)")
+                   f"{ASYNC_KEY}.enable)")
     if not 0 < r.gpu_memory_utilization <= 1:
         issues.add(f"{key}.gpu_memory_utilization", r.gpu_memory_utilization, "must be in (0, 1]: the share of "
                    "each GPU the engine takes for weights and KV cache")
@@ -337,6 +340,26 @@ def _check_rollout_correction(cfg: RLConfig, issues: _Issues) -> None:
     # RolloutEngine contract, and the batch builder rejects a missing one), so no engine capability is checked
     for key, value, message in rollout_correction_problems(cfg.algorithm.rollout_correction):
         issues.add(key, value, message)
+
+
+def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
+    r, a, alg = cfg.actor_rollout_ref.rollout, cfg.async_training, cfg.algorithm
+    try:
+        loss = Registry("policy_losses").load(alg.policy_loss, key="algorithm.policy_loss")
+    except PluginError:  # reported by _check_plugins
+        loss = None
+    correction = alg.rollout_correction
+    problems = async_problems(a, placement=r.placement, num_ranks=r.num_ranks, world_size=world,
+                              rollout_tp=max(r.tensor_model_parallel_size, 1),
+                              correction_on=correction.rollout_is is not None or correction.rollout_rs is not None,
+                              policy_loss=alg.policy_loss, loss_is_clipped=getattr(loss, "trust_region", False))
+    for key, value, message in problems:
+        issues.add(key, value, message)
+    if not problems and (a.enable or r.placement == "disaggregated"):  # a valid setting the loop cannot run yet
+        key, value = (f"{ASYNC_KEY}.enable", True) if a.enable else (f"{AOR}.rollout.placement", r.placement)
+        issues.add(key, value, "valid, but not built yet: the disaggregated placement and the asynchronous driver "
+                   "are issue 26's next steps (the staleness gate, hybridrl/rollout/staleness.py, is in); "
+                   f"run with {ASYNC_KEY}.enable=false and placement=colocated")
 
 
 def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:

@@ -26,6 +26,7 @@ Deviations and choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +38,8 @@ from hybridrl.algorithms.policy_losses.ppo_clip import LOG_RATIO_CLAMP
 
 class CISPOLoss:
     """CISPO policy loss (``algorithm.policy_loss: cispo``)."""
+
+    trust_region: ClassVar[bool] = True  # clipped: off-policy (async) samples are allowed with it
 
     @dataclass(slots=True, kw_only=True)
     class Config:

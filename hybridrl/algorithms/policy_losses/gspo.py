@@ -21,6 +21,7 @@ Deviations and choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,8 @@ from hybridrl.algorithms.policy_losses.ppo_clip import LOG_RATIO_CLAMP, clip_ran
 
 class GSPOLoss:
     """Group Sequence Policy Optimization loss (``algorithm.policy_loss: gspo``)."""
+
+    trust_region: ClassVar[bool] = True  # clipped: off-policy (async) samples are allowed with it
 
     @dataclass(slots=True, kw_only=True)
     class Config:

@@ -20,6 +20,7 @@ Deviations and choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +55,8 @@ def clipped_surrogate(
 
 class PPOClipLoss:
     """PPO-clip policy loss (``algorithm.policy_loss: ppo_clip``)."""
+
+    trust_region: ClassVar[bool] = True  # clipped: off-policy (async) samples are allowed with it
 
     @dataclass(slots=True, kw_only=True)
     class Config:

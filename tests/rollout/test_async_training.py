@@ -1,0 +1,99 @@
+"""``async_training`` and the placement keys: every silently wrong combination refused before any model, each
+naming its key (``hybridrl/rollout/async_training.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.config.compose import compose_config
+from hybridrl.config.errors import ConfigError
+from hybridrl.config.validate import validate
+from hybridrl.models.tiny import make_tiny_model
+from hybridrl.registry import Registry
+from hybridrl.rollout.async_training import AsyncTrainingConfig, config_problems
+
+AOR = "actor_rollout_ref"
+CORRECTION = "algorithm.rollout_correction.rollout_is=token"
+DISAGG = [f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    tmp = tmp_path_factory.mktemp("async")
+    model = make_tiny_model(tmp / "model", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=128)
+    data = tmp / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "ground_truth": "2"}) + "\n")
+    return [f"{AOR}.model.path={model}", f"data.train_files=[{data}]", f"{AOR}.rollout.n=2",
+            "data.train_batch_size=4", f"{AOR}.actor.ppo_mini_batch_size=4",
+            f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2",
+            "data.max_prompt_length=16", "data.max_response_length=8", "trainer.total_training_steps=2",
+            f"trainer.output_dir={tmp / 'out'}"]
+
+
+def issues(base: list[str], *overrides: str, world_size: int = 2) -> dict[str, str]:
+    try:
+        validate(compose_config([*base, *overrides]), world_size=world_size)
+    except ConfigError as e:
+        return {i.key: str(i) for i in e.issues}
+    return {}
+
+
+def test_off_by_default_and_the_synchronous_run_validates(base: list[str]) -> None:
+    cfg = compose_config(base)
+    assert (cfg.async_training.enable, cfg.actor_rollout_ref.rollout.placement) == (False, "colocated")
+    assert issues(base) == {}
+
+
+def test_off_policy_without_correction_on_colocated_ranks_is_refused_all_at_once(base: list[str]) -> None:
+    found = issues(base, "async_training.enable=true", "async_training.staleness_threshold=1")
+    assert sorted(found) == ["async_training.enable", "async_training.staleness_threshold"]
+    assert "placement=disaggregated" in found["async_training.enable"]
+    assert "algorithm.rollout_correction.rollout_is" in found["async_training.staleness_threshold"]
+
+
+def test_placement_keys_name_what_is_valid(base: list[str]) -> None:
+    assert "valid: colocated, disaggregated" in issues(base, f"{AOR}.rollout.placement=apart")[
+        f"{AOR}.rollout.placement"]
+    assert "at least one rank must train" in issues(base, f"{AOR}.rollout.placement=disaggregated",
+                                                    f"{AOR}.rollout.num_ranks=2")[f"{AOR}.rollout.num_ranks"]
+    assert "needs the number of ranks" in issues(base, f"{AOR}.rollout.placement=disaggregated")[
+        f"{AOR}.rollout.num_ranks"]
+    assert "only with placement=disaggregated" in issues(base, f"{AOR}.rollout.num_ranks=1")[
+        f"{AOR}.rollout.num_ranks"]
+    assert "multiple of" in issues(base, *DISAGG[:1], f"{AOR}.rollout.num_ranks=3", f"{AOR}.rollout.name=sglang",
+                                   f"{AOR}.rollout.tensor_model_parallel_size=2", world_size=4)[
+        f"{AOR}.rollout.num_ranks"]
+
+
+def test_options_that_need_enable_or_partial_rollout_say_so(base: list[str]) -> None:
+    found = issues(base, "async_training.staleness_threshold=2", "async_training.mask_stale_prefix=true")
+    assert sorted(found) == ["async_training.mask_stale_prefix", "async_training.staleness_threshold"]
+    assert all("takes effect with async_training.enable=true" in m for m in found.values())
+    found = issues(base, *DISAGG, "async_training.enable=true", "async_training.mask_stale_prefix=true")
+    assert "partial_rollout=true" in found["async_training.mask_stale_prefix"]
+    assert "must be ≥ 0" in issues(base, "async_training.staleness_threshold=-1")["async_training.staleness_threshold"]
+
+
+def test_an_unclipped_loss_is_refused_for_off_policy_samples() -> None:
+    problems = config_problems(AsyncTrainingConfig(enable=True, staleness_threshold=3), placement="disaggregated",
+                               num_ranks=1, world_size=2, rollout_tp=1, correction_on=True,
+                               policy_loss="my_is_loss", loss_is_clipped=False)
+    assert [(k, v) for k, v, _ in problems] == [("algorithm.policy_loss", "my_is_loss")]
+    assert "ppo_clip, dual_clip, gspo or cispo" in problems[0][2]
+    assert config_problems(AsyncTrainingConfig(enable=True, staleness_threshold=0), placement="disaggregated",
+                           num_ranks=1, world_size=2, rollout_tp=1, correction_on=False, policy_loss="my_is_loss",
+                           loss_is_clipped=False) == []  # S = 0, no partial rollout: on-policy, nothing to correct
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "dual_clip", "gspo", "cispo"])
+def test_the_built_in_losses_declare_their_trust_region(name: str) -> None:
+    assert Registry("policy_losses").load(name, key="algorithm.policy_loss").trust_region is True
+
+
+def test_a_valid_async_setup_is_refused_until_the_driver_exists(base: list[str]) -> None:
+    """Not silently run synchronously: the setting is valid, and the error says it is not built yet."""
+    found = issues(base, *DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION)
+    assert list(found) == ["async_training.enable"] and "not built yet" in found["async_training.enable"]
+    assert list(issues(base, *DISAGG)) == [f"{AOR}.rollout.placement"]
