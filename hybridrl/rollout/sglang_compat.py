@@ -187,7 +187,7 @@ def shutdown_engine(engine: Any, procs: list[psutil.Process]) -> None:
 
 @contextmanager
 def contexts_made() -> Iterator[list[Any]]:
-    """The ``zmq.Context`` objects (sync and asyncio) made inside, in a list filled as they are made (item 9)."""
+    """The ``zmq.Context`` objects (sync and asyncio) made inside the block, in a list filled when it ends (item 9)."""
     import weakref
 
     from zmq.sugar.context import Context
