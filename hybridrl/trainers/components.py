@@ -100,7 +100,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
-                             critic=cfg.critic, seed=cfg.trainer.seed)
+                             critic=cfg.critic, seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.dist_timeout_s)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
