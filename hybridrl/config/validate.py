@@ -359,10 +359,15 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
                               policy_loss=alg.policy_loss, loss_is_clipped=getattr(loss, "trust_region", False))
     for key, value, message in problems:
         issues.add(key, value, message)
-    if not problems and a.enable:  # a valid setting the loop cannot run yet
-        issues.add(f"{ASYNC_KEY}.enable", True, "valid, but not built yet: the asynchronous driver is issue 26's "
-                   "next step (the staleness gate, hybridrl/rollout/staleness.py, and the disaggregated placement "
-                   f"are in); run with {ASYNC_KEY}.enable=false")
+    if problems or not a.enable:
+        return
+    unbuilt = [(f"{ASYNC_KEY}.partial_rollout", a.partial_rollout, "in-flight interruption of the engines"),
+               (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, "multi-turn episodes"),
+               ("algorithm.filter_groups.enable", alg.filter_groups.enable, "dynamic sampling")]
+    for key, on, what in unbuilt:  # valid settings the asynchronous rollout cannot run yet: never run otherwise
+        if on:
+            issues.add(key, True, f"valid, but not built yet with {ASYNC_KEY}.enable=true ({what}: issue 26's next "
+                       f"steps); set it to false, or {ASYNC_KEY}.enable=false")
 
 
 def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:

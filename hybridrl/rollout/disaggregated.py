@@ -23,6 +23,7 @@ wait for the update; the asynchronous driver overlaps the two.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -68,6 +69,9 @@ class RemoteEngines(EngineRouting):
         self.bridge = (Bridge(rank=0, launch_ranks=bridge_ranks(plan), timeout_s=timeout_s) if self.rank == 0
                        else None)
         self._leaders = [1 + e.leader - plan.trainer_world_size for e in plan.engines]  # bridge ranks
+        self._tickets = 0
+        self.engine_busy_s = 0.0  # the busiest engine's generating time, summed over collects (all ranks)
+        self.waited_s = 0.0  # rank 0's time waiting for samples and for the engines to take weights
 
     @contextmanager
     def awake(self) -> Iterator[None]:
@@ -78,18 +82,39 @@ class RemoteEngines(EngineRouting):
                      max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """As :meth:`ColocatedEngines.generate_ids <hybridrl.rollout.colocated.ColocatedEngines.generate_ids>`:
         every trainer rank gets all the samples, in context order."""
+        return self.collect(self.submit(contexts, params, seeds=seeds, max_new_tokens=max_new_tokens))
+
+    def submit(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+               max_new_tokens: Sequence[int] | None = None) -> int:
+        """Queue a generation on the engines (they run their commands in order) and return its ticket for
+        :meth:`collect`; the trainer goes on meanwhile."""
+        self._tickets += 1
+        if self.bridge is not None:
+            self.bridge.broadcast_object(("generate", self._tickets, list(contexts), params, list(seeds),
+                                          None if max_new_tokens is None else list(max_new_tokens)))
+        return self._tickets
+
+    def collect(self, ticket: int) -> list[Generation]:
+        """The samples of the generation ``ticket`` (waiting for them), on every trainer rank; the engines' busy
+        seconds since the last collect are added to :attr:`engine_busy_s`."""
         out: list[Any] = [None]
         if self.bridge is not None:
-            self.bridge.broadcast_object(("generate", list(contexts), params, list(seeds),
-                                          None if max_new_tokens is None else list(max_new_tokens)))
-            out = [[g for leader in self._leaders for g in self.bridge.recv_object(src=leader)]]
+            start = time.perf_counter()
+            self.bridge.broadcast_object(("collect", ticket))
+            parts = [self.bridge.recv_object(src=leader) for leader in self._leaders]
+            self.waited_s += time.perf_counter() - start
+            out = [([g for gens, _ in parts for g in gens], max(busy for _, busy in parts))]
         dist.broadcast_object_list(out, src=0, group=host_group.get())
-        return out[0]
+        gens, busy = out[0]
+        self.engine_busy_s += busy
+        return gens
 
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
         """Every trainer rank consumes the stream (it is made of collectives); rank 0 forwards each bucket."""
-        if self.bridge is not None:
+        start = time.perf_counter()
+        if self.bridge is not None:  # the engines take it after the generations queued before it
             self.bridge.broadcast_object(("update_weights", version))
+            self.waited_s += time.perf_counter() - start
         for bucket in stream:
             if self.bridge is not None:
                 self.bridge.broadcast_bucket(bucket)
@@ -105,8 +130,10 @@ class RemoteEngines(EngineRouting):
 
 
 def serve(cfg: RLConfig, plan: Plan) -> None:
-    """Engine side: build this rank's engine (the leader of its group does) and answer trainer rank 0's calls —
-    generate this engine's share of a batch, take a weight stream in place — until it says stop."""
+    """Engine side: build this rank's engine (the leader of its group does) and answer trainer rank 0's commands,
+    in order — generate this engine's share of a batch (kept under its ticket), send a ticket's samples, take a
+    weight stream in place — until it says stop. A weight update queued behind generations waits for them: each
+    generation runs on the weights of the last update before it (no partial rollouts)."""
     rank, r = launch_rank(), cfg.actor_rollout_ref.rollout
     placement = plan.engine_of(rank)
     torch.manual_seed(cfg.trainer.seed)
@@ -118,15 +145,22 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
             device=torch.device(placement.devices[0]), tp_size=plan.rollout_tp)
     bridge = Bridge(rank=1 + rank - plan.trainer_world_size, launch_ranks=bridge_ranks(plan),
                     timeout_s=cfg.trainer.dist_timeout_s)
+    done: dict[int, list[Generation]] = {}  # generations by ticket, until collected
+    busy = 0.0  # seconds generating since the last collect
     try:
         while True:
             command, *args = bridge.broadcast_object()
-            if command == "generate":
-                contexts, params, seeds, caps = args
+            if command == "generate":  # kept until collected: the trainer may queue several
+                ticket, contexts, params, seeds, caps = args
+                start = time.perf_counter()
                 share = plan.engine_prompts(placement.index, len(contexts))
-                made = generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
+                done[ticket] = generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
+                busy += time.perf_counter() - start
+            elif command == "collect":
+                made = done.pop(args[0])
                 if engine is not None:
-                    bridge.send_object(made, dst=0)
+                    bridge.send_object((made, busy), dst=0)
+                busy = 0.0
             elif command == "update_weights":
                 buckets = _buckets(bridge)
                 if engine is not None:

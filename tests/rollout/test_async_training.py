@@ -92,10 +92,14 @@ def test_the_built_in_losses_declare_their_trust_region(name: str) -> None:
     assert Registry("policy_losses").load(name, key="algorithm.policy_loss").trust_region is True
 
 
-def test_a_valid_async_setup_is_refused_until_the_driver_exists(base: list[str]) -> None:
-    """Not silently run synchronously: the setting is valid, and the error says it is not built yet."""
-    found = issues(base, *DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION)
-    assert list(found) == ["async_training.enable"] and "not built yet" in found["async_training.enable"]
+def test_what_the_asynchronous_rollout_cannot_run_yet_is_refused_not_run_otherwise(base: list[str]) -> None:
+    """Valid settings the driver does not build yet are refused, each naming its key; never silently synchronous."""
+    on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION]
+    assert issues(base, *on) == {}
+    found = issues(base, *on, "async_training.partial_rollout=true", f"{AOR}.rollout.multi_turn.enable=true",
+                   "algorithm.filter_groups.enable=true", "data.gen_batch_size=8")
+    for key in ("async_training.partial_rollout", f"{AOR}.rollout.multi_turn.enable", "algorithm.filter_groups.enable"):
+        assert "not built yet" in found[key], found
 
 
 def test_a_disaggregated_plan_trains_on_the_other_ranks_and_shows_both_groups(base: list[str]) -> None:

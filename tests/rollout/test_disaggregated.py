@@ -115,20 +115,56 @@ def run(torchrun, tiny: dict[str, Path], name: str, nproc: int, *extra: str) -> 
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.distributed
-def test_a_disaggregated_run_equals_the_colocated_one(torchrun, tiny: dict[str, Path]) -> None:
-    """2 trainer ranks (DP=2) + 2 engine ranks against 2 colocated ranks (DP=2, 2 engines): the same samples (the
-    ``hf`` engine honours per-prompt seeds), so the same metrics; the weights reach the engine ranks at every
-    step (log-probs agree, versions rise). ~30 s: two launches, one of 4 ranks on 2 cores."""
-    colocated = run(torchrun, tiny, "colocated", 2)
-    apart = run(torchrun, tiny, "disaggregated", 4, f"{AOR}.rollout.placement=disaggregated",
-                f"{AOR}.rollout.num_ranks=2")
-    assert [r["step"] for r in apart] == [1, 2, 3]
-    assert [r["rollout/weight_version"] for r in apart] == [0.0, 1.0, 2.0]
-    assert 0 < apart[0]["reward/mean"] < 1 and "eval/accuracy" in apart[-1]
-    for a, c in zip(apart, colocated, strict=True):
-        assert a["rollout/logprob_abs_diff"] <= 1e-4
+def same_metrics(got: list[dict[str, float]], want: list[dict[str, float]]) -> None:
+    """Every metric of ``want`` but times equal in ``got`` to 1e-6, step by step."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, c in zip(got, want, strict=True):
         compared = {k for k in c if not k.startswith(("timing", "perf/"))}  # timing/, timing_cpu/
         assert compared <= a.keys()
         for k in compared:
-            assert math.isclose(a[k], c[k], rel_tol=0, abs_tol=1e-6), (k, a[k], c[k])
+            assert math.isclose(a[k], c[k], rel_tol=0, abs_tol=1e-6), (a["step"], k, a[k], c[k])
+
+
+@pytest.fixture(scope="module")
+def colocated(torchrun, tiny: dict[str, Path]) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    return run(torchrun, tiny, "colocated", 2)
+
+
+DISAGG = (f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=2")
+
+
+@pytest.mark.distributed
+def test_a_disaggregated_run_equals_the_colocated_one(torchrun, tiny: dict[str, Path],  # type: ignore[no-untyped-def]
+                                                      colocated: list[dict[str, float]]) -> None:
+    """2 trainer ranks (DP=2) + 2 engine ranks against 2 colocated ranks (DP=2, 2 engines): the same samples (the
+    ``hf`` engine honours per-prompt seeds), so the same metrics; the weights reach the engine ranks at every
+    step (log-probs agree, versions rise). ~30 s: the colocated reference (shared with the next test) and a launch
+    of 4 ranks on 2 cores."""
+    apart = run(torchrun, tiny, "disaggregated", 4, *DISAGG)
+    assert [r["rollout/weight_version"] for r in apart] == [0.0, 1.0, 2.0]
+    assert 0 < apart[0]["reward/mean"] < 1 and "eval/accuracy" in apart[-1]
+    assert all(r["rollout/logprob_abs_diff"] <= 1e-4 for r in apart)
+    same_metrics(apart, colocated)
+
+
+@pytest.mark.distributed
+def test_asynchronous_at_staleness_0_is_the_synchronous_run(torchrun, tiny: dict[str, Path],  # type: ignore[no-untyped-def]
+                                                            colocated: list[dict[str, float]]) -> None:
+    """S = 0 admits one batch per weight version: the synchronous schedule, the same run (verl#6780 reports the
+    opposite for its fully-async trainer). ~17 s: a launch of 4 ranks."""
+    got = run(torchrun, tiny, "async0", 4, *DISAGG, "async_training.enable=true")
+    same_metrics(got, colocated)
+    assert [(r["async/staleness_max"], r["async/dropped_samples"]) for r in got] == [(0.0, 0.0)] * 3
+
+
+@pytest.mark.distributed
+def test_one_step_off_policy_trains_each_batch_one_version_late(torchrun, tiny: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    """S = 1: step k's batch was generated while step k − 1 trained, on the weights before that update — every
+    sample exactly one version behind from step 2 on, never more; the rollout correction sees the mismatch."""
+    got = run(torchrun, tiny, "async1", 2, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1",
+              "async_training.enable=true", "async_training.staleness_threshold=1",
+              "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=4")
+    assert [r["rollout/weight_version"] for r in got] == [0.0, 0.0, 1.0, 2.0]
+    assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in got] == [(0.0, 0.0)] + [(1.0, 1.0)] * 3
+    assert all(r["async/dropped_samples"] == 0 and 0 <= r["async/trainer_idle_ratio"] <= 1 for r in got)
+    assert got[0]["rollout/logprob_abs_diff"] <= 1e-4 < got[1]["rollout/logprob_abs_diff"]  # off-policy from step 2
