@@ -5,7 +5,9 @@ Who does what (every rank runs this same code):
   the critic share the actor's process groups). With LoRA (``model.lora_rank`` > 0) the ref is the actor's
   own frozen base with its adapters off, and the weight sync sends the merged W + (alpha/r)·B·A.
 - The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
-  rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples.
+  rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples. With
+  ``rollout.placement=disaggregated`` they run on ranks of their own (:mod:`hybridrl.rollout.disaggregated`), and
+  the Megatron roles span the trainer ranks only.
 - Phases: an engine resumes its memory to generate and releases it before training; while it
   generates, the actor's and the critic's params/grads/optimizer state and the ref's params wait in host
   memory as the ``*_offload`` keys say (:mod:`hybridrl.megatron.offload`), each back on the device before it is used.
@@ -33,14 +35,16 @@ from hybridrl.lora.config import LoRAConfig
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, reference_policy
-from hybridrl.registry import Registry
-from hybridrl.rollout.colocated import ColocatedEngines
+from hybridrl.rollout.colocated import ColocatedEngines, EngineRouting, build_engine_factory
+from hybridrl.rollout.disaggregated import RemoteEngines
 
 
 class ActorRolloutRef:
     def __init__(self, config: ActorRolloutRefConfig, *, plan: Plan, objective: ActorObjective,
-                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1) -> None:
-        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head)."""
+                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1,
+                 dist_timeout_s: float = 3600.0) -> None:
+        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head);
+        ``dist_timeout_s``: the disaggregated bridge's (``trainer.dist_timeout_s``)."""
         self.config, self.plan, self.objective = config, plan, objective
         a, model_dir = config.actor, config.model.path
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
@@ -64,9 +68,12 @@ class ActorRolloutRef:
             self.critic_offload = PolicyOffload(self.critic, params=cm.param_offload, grads=cm.grad_offload,
                                                 optimizer=cm.optimizer_offload)
         r = config.rollout
-        self.engines = ColocatedEngines(plan, pad_token_id=pad_token_id, build_engine=lambda **where: Registry(
-            "rollout_engines").build(r.name, r.engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs",
-                                     model_path=model_dir, gpu_memory_utilization=r.gpu_memory_utilization, **where))
+        self.engines: EngineRouting
+        if plan.num_engine_ranks:  # the engines run on their own ranks (hybridrl.rollout.disaggregated)
+            self.engines = RemoteEngines(plan, pad_token_id=pad_token_id, timeout_s=dist_timeout_s)
+        else:
+            self.engines = ColocatedEngines(plan, pad_token_id=pad_token_id, build_engine=build_engine_factory(
+                r.name, r.engine_kwargs, model_path=model_dir, gpu_memory_utilization=r.gpu_memory_utilization))
         self.logprob_temperature = r.temperature if r.temperature > 0 else 1.0  # engines: T=0 is untempered
 
     @property
@@ -80,7 +87,7 @@ class ActorRolloutRef:
             return engines.generate(prompts, params, seed=seed)
 
     @contextmanager
-    def generating(self) -> Iterator[ColocatedEngines]:
+    def generating(self) -> Iterator[EngineRouting]:
         """The generate phase: the trainers' state waits in host memory as the ``*_offload`` keys say, the engines
         hold theirs (over all the calls inside: a multi-turn rollout's turns)."""
         for offload in (self.actor_offload, self.ref_offload, self.critic_offload):

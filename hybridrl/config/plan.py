@@ -24,12 +24,17 @@ Rollout TP must therefore divide the world size and the ranks per node (an engin
 one node). A step's prompts are split over the engines in contiguous, nearly equal shares; each rank
 then trains on its DP rank's contiguous share of the samples, whichever engine made them. Sampling
 is seeded per prompt, so the samples do not depend on this split (the same rollouts at any layout).
+
+**Disaggregated** (``rollout.placement=disaggregated``, ``rollout.num_ranks`` = k): the last k ranks of the
+launched world run the engines (one per rollout-TP group of them) and nothing else; the first W − k ranks
+train, and the trainer's layout (TP/PP/CP/DP) spans only those. Prompts and samples travel between the two
+groups over a bridge group (:mod:`hybridrl.rollout.disaggregated`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.memory import BYTES, GB, MemoryEstimate
@@ -195,8 +200,19 @@ class Plan:
     engines: tuple[EnginePlacement, ...]
     batch: BatchPlan
     model: HFArch | None = None
-    memory: MemoryEstimate | None = None  # the largest rank's device memory (needs the model)
+    memory: MemoryEstimate | None = None  # the largest trainer rank's device memory (needs the model)
     notes: list[str] = field(default_factory=list)
+    placement: str = "colocated"  # actor_rollout_ref.rollout.placement
+    num_engine_ranks: int = 0  # disaggregated: the last ranks of the world, which run the engines only
+
+    @property
+    def trainer_world_size(self) -> int:
+        """The ranks that train (Megatron's world): all of them when colocated."""
+        return self.world_size - self.num_engine_ranks
+
+    def is_engine_rank(self, rank: int) -> bool:
+        """Whether ``rank`` (of the launched world) runs an engine only (disaggregated placement)."""
+        return rank >= self.trainer_world_size
 
     @classmethod
     def build(cls, cfg: RLConfig, *, world_size: int, device_type: str, model: HFArch | None = None,
@@ -205,22 +221,33 @@ class Plan:
         issues: list[ConfigIssue] = []
         aor, world = cfg.actor_rollout_ref, max(world_size, 1)
         per_node = ranks_per_node or max(world // max(cfg.trainer.nnodes, 1), 1)
-        roles = {"actor": RoleLayout.of(aor.actor.megatron, world)}
+        engine_ranks = disaggregated_ranks(cfg, world)
+        trainers = world - engine_ranks
+        roles = {"actor": RoleLayout.of(aor.actor.megatron, trainers)}
         if ref_needed(cfg):
             roles["ref"] = roles["actor"]  # one Megatron parallel_state per process: the actor's
         if critic_needed(cfg):
             roles["critic"] = roles["actor"]  # likewise
         rtp = max(aor.rollout.tensor_model_parallel_size, 1)
         issues += _placement_problems(cfg, world=world, per_node=per_node, model=model)
+        first, span = (trainers, engine_ranks) if engine_ranks else (0, world)
         engines = tuple(
-            EnginePlacement(index=e, ranks=tuple(ranks),
-                            devices=tuple(_device(device_type, r, per_node) for r in ranks))
-            for e, ranks in enumerate(shares(world, world // rtp)) if world % rtp == 0)
+            EnginePlacement(index=e, ranks=tuple(first + r for r in ranks),
+                            devices=tuple(_device(device_type, first + r, per_node) for r in ranks))
+            for e, ranks in enumerate(shares(span, span // rtp)) if span % rtp == 0)
         batch = _batch_plan(cfg, roles, issues)
+        memory, engine_note = None, ""
+        if model is not None:
+            memory = _memory(cfg, roles, batch, model, rtp, len(engines), device_type)
+            if engine_ranks:  # a trainer rank holds no engine; an engine rank nothing else
+                engine_note = (f"an engine rank holds its engine only, estimated: weights "
+                               f"{memory.engine_weights / GB:.1f} GB + KV {memory.engine_kv / GB:.1f} GB")
+                memory = replace(memory, engine_weights=0.0, engine_kv=0.0, engine_kept=0.0, pooled=False)
         plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
-                   rollout_tp=rtp, engines=engines, batch=batch, model=model,
-                   memory=_memory(cfg, roles, batch, model, rtp, len(engines), device_type)
-                   if model is not None else None)
+                   rollout_tp=rtp, engines=engines, batch=batch, model=model, memory=memory,
+                   placement="disaggregated" if engine_ranks else "colocated", num_engine_ranks=engine_ranks)
+        if engine_ranks and model is not None:
+            plan.notes.append(engine_note)
         return plan, issues
 
     # ---- what the runtime reads ----
@@ -231,7 +258,11 @@ class Plan:
         return self.roles["actor"].coords(rank)["dp"]
 
     def engine_of(self, rank: int) -> EnginePlacement:
-        return self.engines[rank // self.rollout_tp]
+        """The engine ``rank`` belongs to (disaggregated: engine ranks only)."""
+        first = self.trainer_world_size if self.num_engine_ranks else 0
+        if rank < first:
+            raise ValueError(f"rank {rank} trains; the engines run on ranks {first}..{self.world_size - 1}")
+        return self.engines[(rank - first) // self.rollout_tp]
 
     def engine_prompts(self, engine: int, num_prompts: int) -> range:
         """The positions of a batch of ``num_prompts`` prompts that engine ``engine`` generates."""
@@ -242,8 +273,14 @@ class Plan:
         b = self.batch
         lines = [f"world_size: {self.world_size} ({self.ranks_per_node} per node, {self.device_type})"]
         lines += [f"{role:<7} {lay}" for role, lay in self.roles.items()]
-        lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, colocated: each takes "
-                     f"{self.rollout_tp} consecutive rank(s) and their devices; its first rank starts it")
+        if self.num_engine_ranks:
+            t = self.trainer_world_size
+            lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, disaggregated: ranks "
+                         f"{t}..{self.world_size - 1} run engines only, ranks 0..{t - 1} train (the layout above "
+                         f"spans those {t}); samples and weights cross over a gloo bridge")
+        else:
+            lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, colocated: each takes "
+                         f"{self.rollout_tp} consecutive rank(s) and their devices; its first rank starts it")
         lines += [f"  {e}" for e in self.engines]
         if self.model is not None:
             m = self.model
@@ -251,7 +288,8 @@ class Plan:
                          f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
                          f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
         if self.memory is not None:
-            lines.append(f"memory  largest rank, estimated: {self.memory}")
+            who = "trainer rank" if self.num_engine_ranks else "rank"
+            lines.append(f"memory  largest {who}, estimated: {self.memory}")
         micro = (f"{b.micro_batches_per_optimizer_step} micro-batch(es) of {b.update}"
                  if b.micro_batches_per_optimizer_step else f"micro-batches of {b.update} (use_dynamic_bsz)")
         lines += [
@@ -274,11 +312,16 @@ class Plan:
         lines.append("ranks:")
         for rank in range(self.world_size):
             parts = []
+            if self.is_engine_rank(rank):
+                e = self.engine_of(rank)
+                lines.append(f"  rank {rank}: {self.device_of(rank)} "
+                             f"rollout(engine {e.index}{', leader' if e.leader == rank else ''}) only")
+                continue
             for role, lay in self.roles.items():
                 c = lay.coords(rank)
                 layers = self._chunk_layers(lay, c["pp"])
                 parts.append(f"{role}(tp{c['tp']} pp{c['pp']} cp{c['cp']} dp{c['dp']}{layers})")
-            if self.engines:
+            if self.engines and not self.num_engine_ranks:
                 e = self.engine_of(rank)
                 parts.append(f"rollout(engine {e.index}{', leader' if e.leader == rank else ''})")
             lines.append(f"  rank {rank}: {self.device_of(rank)} " + " ".join(parts))
@@ -358,6 +401,15 @@ def ref_needed(cfg: RLConfig) -> bool:
     return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
+def disaggregated_ranks(cfg: RLConfig, world: int) -> int:
+    """How many (last) ranks run only engines: ``rollout.num_ranks`` under ``placement=disaggregated`` when it
+    leaves at least one rank to train; 0 otherwise (colocated, or invalid: validation reports it)."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.placement != "disaggregated" or r.num_ranks is None or not 1 <= r.num_ranks < world:
+        return 0
+    return r.num_ranks
+
+
 def _device(device_type: str, rank: int, per_node: int) -> str:
     return f"cuda:{rank % per_node}" if device_type == "cuda" else device_type
 
@@ -367,7 +419,15 @@ def _placement_problems(cfg: RLConfig, *, world: int, per_node: int, model: HFAr
     rtp, out = r.tensor_model_parallel_size, []
     if rtp < 1:
         return [ConfigIssue(key=key, value=rtp, message="must be ≥ 1")]
-    if world % rtp:
+    if engine_ranks := disaggregated_ranks(cfg, world):  # num_ranks % rtp: async_training.config_problems
+        first = world - engine_ranks
+        crossing = [g for g in range(first, world - rtp + 1, rtp) if g // per_node != (g + rtp - 1) // per_node]
+        if crossing and not engine_ranks % rtp:
+            out.append(ConfigIssue(key=f"{AOR}.rollout.num_ranks", value=engine_ranks, message=(
+                f"puts the engine of ranks {crossing[0]}..{crossing[0] + rtp - 1} on two nodes ({per_node} ranks "
+                f"per node): an engine's devices are on one node; pick num_ranks so that every {rtp} engine ranks "
+                f"(from rank {first} on) share a node")))
+    elif world % rtp:
         out.append(ConfigIssue(key=key, value=rtp, message=(
             f"must divide the world size {world}: each engine takes {rtp} consecutive ranks' devices "
             f"(colocated); valid: {divisors(world)}")))

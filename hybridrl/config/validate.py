@@ -106,7 +106,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                                    device_type=device_type(t.device, planning=planning) if t.device in DEVICES
                                    else "cpu")
     issues += plan_issues
-    _check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, world, model, issues)
+    _check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, plan.trainer_world_size, model, issues,
+                  world_note=f" (the {plan.trainer_world_size} trainer ranks: the world size {world} less "
+                             f"{AOR}.rollout.num_ranks={plan.num_engine_ranks})" if plan.num_engine_ranks else "")
     for key, value, message in megatron_config_problems(aor.actor.megatron.dtype,
                                                         aor.actor.megatron.override_transformer_config,
                                                         key=f"{AOR}.actor.megatron"):
@@ -256,10 +258,12 @@ def _check_model(key: str, m: ModelConfig, issues: _Issues, *, before_bootstrap:
     return info
 
 
-def _check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, issues: _Issues) -> None:
+def _check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, issues: _Issues, *,
+                  world_note: str = "") -> None:
+    """``world``: the ranks the layout spans (``world_note`` says why, when that is not the launched world)."""
     te = importlib.util.find_spec("transformer_engine") is not None
     for size, value, message in layout_problems(m, world_size=world, transformer_engine=te):
-        issues.add(f"{key}.{size}", value, message)
+        issues.add(f"{key}.{size}", value, message + world_note)
     if model is not None:
         for size, value, message in model.split_problems(
                 tp=max(m.tensor_model_parallel_size, 1), pp=max(m.pipeline_model_parallel_size, 1),
@@ -355,11 +359,15 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
                               policy_loss=alg.policy_loss, loss_is_clipped=getattr(loss, "trust_region", False))
     for key, value, message in problems:
         issues.add(key, value, message)
-    if not problems and (a.enable or r.placement == "disaggregated"):  # a valid setting the loop cannot run yet
-        key, value = (f"{ASYNC_KEY}.enable", True) if a.enable else (f"{AOR}.rollout.placement", r.placement)
-        issues.add(key, value, "valid, but not built yet: the disaggregated placement and the asynchronous driver "
-                   "are issue 26's next steps (the staleness gate, hybridrl/rollout/staleness.py, is in); "
-                   f"run with {ASYNC_KEY}.enable=false and placement=colocated")
+    if problems or not a.enable:
+        return
+    unbuilt = [(f"{ASYNC_KEY}.partial_rollout", a.partial_rollout, "in-flight interruption of the engines"),
+               (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, "multi-turn episodes"),
+               ("algorithm.filter_groups.enable", alg.filter_groups.enable, "dynamic sampling")]
+    for key, on, what in unbuilt:  # valid settings the asynchronous rollout cannot run yet: never run otherwise
+        if on:
+            issues.add(key, True, f"valid, but not built yet with {ASYNC_KEY}.enable=true ({what}: issue 26's next "
+                       f"steps); set it to false, or {ASYNC_KEY}.enable=false")
 
 
 def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:

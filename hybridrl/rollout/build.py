@@ -3,7 +3,9 @@
 - the single-turn rollout over the colocated engines (:mod:`hybridrl.rollout.single_turn`);
 - the multi-turn rollout when ``actor_rollout_ref.rollout.multi_turn.enable`` (:mod:`hybridrl.rollout.multi_turn`):
   its tools and environment built from their plugin groups, its chat template proven token-exact first;
-- wrapped in DAPO's dynamic sampling when ``algorithm.filter_groups.enable`` (:mod:`hybridrl.rollout.dynamic_sampling`).
+- wrapped in DAPO's dynamic sampling when ``algorithm.filter_groups.enable`` (:mod:`hybridrl.rollout.dynamic_sampling`);
+- the asynchronous rollout when ``async_training.enable`` (:mod:`hybridrl.rollout.async_rollout`): batches generated
+  ahead on the disaggregated engine ranks, within the staleness bound.
 
 Rollout kinds are chosen by the config keys their users already know (verl's), not by a plugin name: a kind
 decides placement, weight sync and what a step is, so it belongs to the framework; what third parties plug in
@@ -45,6 +47,16 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
 def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts: Iterator[PromptBatch],
                   reward: RewardRunner, tokenizer: PreTrainedTokenizerBase) -> Rollout:
     rollout: Rollout
+    if cfg.async_training.enable:  # validation allows it single-turn, disaggregated, without dynamic sampling
+        from hybridrl.rollout.async_rollout import AsyncRollout
+        from hybridrl.rollout.disaggregated import RemoteEngines
+        from hybridrl.rollout.staleness import StalenessGate
+
+        assert isinstance(hybrid.engines, RemoteEngines)
+        gate = StalenessGate(max_staleness=cfg.async_training.staleness_threshold,
+                             groups_per_step=plan.batch.prompts_per_step)
+        return AsyncRollout(hybrid, engines=hybrid.engines, prompts=prompts, reward=reward,
+                            params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         rollout = MultiTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg),
                                    actors=episode_actors(cfg, tokenizer), on_error=cfg.reward.on_error,

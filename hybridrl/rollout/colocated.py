@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -33,7 +33,48 @@ from hybridrl.rollout.batching import rollout_batch_from_generations
 EngineFactory = Callable[..., RolloutEngine]
 
 
-class ColocatedEngines:
+class EngineRouting:
+    """What both placements share: a batch of prompts in, this rank's DP share of the samples out."""
+
+    plan: Plan
+    dp_rank: int
+    pad_token_id: int
+    weight_version: int
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
+        """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
+        returns this rank's DP share of them."""
+        with self.awake():
+            gens = self.generate_ids(prompts.token_lists(), params,
+                                     seeds=[prompt_seed(seed, i) for i in range(len(prompts))])
+        return self.dp_share(prompts, gens)
+
+    def awake(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        raise NotImplementedError
+
+    def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def dp_share(self, prompts: PromptBatch, gens: Sequence[Generation]) -> RolloutBatch:
+        """This rank's DP share of the samples ``gens`` of the whole batch ``prompts`` (every rank holds all)."""
+        mine = self.dp_prompts(len(prompts))
+        kept = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)
+                for g in gens if g.prompt_index in mine]
+        return rollout_batch_from_generations(prompts.select(mine), kept, pad_token_id=self.pad_token_id)
+
+    def dp_prompts(self, num_prompts: int) -> range:
+        """The positions of the prompts of a batch of ``num_prompts`` whose samples this rank keeps."""
+        return self.plan.batch.dp_prompts(self.dp_rank, num_prompts)
+
+
+class ColocatedEngines(EngineRouting):
     def __init__(self, plan: Plan, *, build_engine: EngineFactory, pad_token_id: int) -> None:
         self.plan = plan
         self.rank = dist.get_rank()
@@ -45,17 +86,6 @@ class ColocatedEngines:
         self._awake = 0  # nesting depth of awake()
         if self.rank == self.placement.leader:
             self.engine = build_engine(device=self.placement.devices[0], tp_size=plan.rollout_tp)
-        # RolloutEngine.generate's optional per-prompt caps (an engine written before them does without)
-        self._takes_caps = self.engine is not None and "max_new_tokens" in inspect.signature(
-            self.engine.generate).parameters
-
-    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
-        """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
-        returns this rank's DP share of them."""
-        with self.awake():
-            gens = self.generate_ids(prompts.token_lists(), params,
-                                     seeds=[prompt_seed(seed, i) for i in range(len(prompts))])
-        return self.dp_share(prompts, gens)
 
     @contextmanager
     def awake(self) -> Iterator[None]:
@@ -77,28 +107,10 @@ class ColocatedEngines:
         ``i``'s; ``max_new_tokens[i]`` caps it), split over the engines in contiguous shares; every rank gets all of
         them, in context order (``prompt_index``: the context's position). Call inside :meth:`awake`."""
         share = self.plan.engine_prompts(self.placement.index, len(contexts))
-        made: list[Generation] = []
-        if self.engine is not None and len(share):
-            caps = None if max_new_tokens is None else [max_new_tokens[i] for i in share]
-            kw = {} if caps is None or not self._takes_caps else {"max_new_tokens": caps}
-            gens = self.engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share], **kw)
-            if caps is not None and not kw:  # an engine without per-prompt caps: cut its samples here
-                gens = [_cut(g, caps[g.prompt_index]) for g in gens]
-            made = [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
+        made = generate_share(self.engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, made, group=host_group.get())  # host objects: over gloo
         return [g for part in everyone for g in part]  # engines in rank order: context order, then sample order
-
-    def dp_share(self, prompts: PromptBatch, gens: Sequence[Generation]) -> RolloutBatch:
-        """This rank's DP share of the samples ``gens`` of the whole batch ``prompts`` (every rank holds all)."""
-        mine = self.dp_prompts(len(prompts))
-        kept = [dataclasses.replace(g, prompt_index=g.prompt_index - mine.start)
-                for g in gens if g.prompt_index in mine]
-        return rollout_batch_from_generations(prompts.select(mine), kept, pad_token_id=self.pad_token_id)
-
-    def dp_prompts(self, num_prompts: int) -> range:
-        """The positions of the prompts of a batch of ``num_prompts`` whose samples this rank keeps."""
-        return self.plan.batch.dp_prompts(self.dp_rank, num_prompts)
 
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
         """Feed the weight stream to this rank's engine (if any) in place; every rank consumes the stream,
@@ -114,6 +126,33 @@ class ColocatedEngines:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def build_engine_factory(name: str, engine_kwargs: dict[str, Any], *, model_path: str,
+                         gpu_memory_utilization: float) -> EngineFactory:
+    """``(device=, tp_size=) -> engine``: the ``rollout_engines`` plugin ``name`` with its config."""
+    from hybridrl.registry import Registry
+
+    return lambda **where: Registry("rollout_engines").build(
+        name, engine_kwargs, key="actor_rollout_ref.rollout.engine_kwargs", model_path=model_path,
+        gpu_memory_utilization=gpu_memory_utilization, **where)
+
+
+def generate_share(engine: RolloutEngine | None, share: range, contexts: Sequence[list[int]],
+                   params: SamplingParams, *, seeds: Sequence[int],
+                   max_new_tokens: Sequence[int] | None) -> list[Generation]:
+    """``engine``'s samples of the contexts at positions ``share`` (``prompt_index``: the position in
+    ``contexts``); [] on a rank without an engine."""
+    if engine is None or not len(share):
+        return []
+    caps = None if max_new_tokens is None else [max_new_tokens[i] for i in share]
+    # RolloutEngine.generate's optional per-prompt caps (an engine written before them does without)
+    takes_caps = "max_new_tokens" in inspect.signature(engine.generate).parameters
+    kw = {} if caps is None or not takes_caps else {"max_new_tokens": caps}
+    gens = engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share], **kw)
+    if caps is not None and not kw:  # an engine without per-prompt caps: cut its samples here
+        gens = [_cut(g, caps[g.prompt_index]) for g in gens]
+    return [dataclasses.replace(g, prompt_index=share.start + g.prompt_index) for g in gens]
 
 
 def _cut(g: Generation, cap: int) -> Generation:

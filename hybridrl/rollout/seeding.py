@@ -11,3 +11,9 @@ def request_seed(seed: int, sample_index: int) -> int:
     the prompt's position in a call, so a prompt samples the same wherever it sits."""
     digest = hashlib.blake2b(f"{seed},{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of training step ``step`` of a run seeded ``seed`` (``trainer.seed``): the loop's, and the
+    asynchronous rollout's for a batch it draws ahead for that step."""
+    return seed * 1_000_003 + step

@@ -78,6 +78,11 @@ class StalenessGate:
         self.dropped += 1
         return False
 
+    def discard(self, groups: int) -> None:
+        """``groups`` kept groups leave without training (the fresh groups of a batch dropped whole)."""
+        self.accepted -= groups
+        self.dropped += groups
+
     def trained(self, groups: int) -> None:
         """``groups`` kept groups went into a trainer step."""
         self.consumed += groups

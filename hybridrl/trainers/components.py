@@ -84,6 +84,10 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     init_parallel(parallel_config(aor.actor.megatron), timeout_s=cfg.trainer.dist_timeout_s)
     hold_output_dir(cfg.trainer.output_dir)  # before anything is written: a second run on it fails here
     resume_from = resume_point(cfg)  # checkpoints that are not this run's history are moved aside
+    if resume_from is not None and cfg.async_training.enable:
+        raise RuntimeError(f"{resume_from}: resuming with async_training.enable=true is not built yet (its batches "
+                           "generated ahead and the staleness count are not saved); resume it with "
+                           "async_training.enable=false, or start a new trainer.output_dir")
     seed_everything(cfg.trainer.seed)
     model_path = aor.model.path
     say(f"world {dist.get_world_size()}: actor {plan.roles['actor']}; loading {model_path}")
@@ -100,7 +104,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
-                             critic=cfg.critic, seed=cfg.trainer.seed)
+                             critic=cfg.critic, seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.dist_timeout_s)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")

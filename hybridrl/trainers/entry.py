@@ -51,6 +51,11 @@ def run_rl(cfg: RLConfig) -> dict[str, float]:
         print(f"hybridrl: {e}", file=sys.stderr)
         sys.exit(2)
     say("config OK\n" + plan.render())
+    from hybridrl.rollout import disaggregated
+
+    if disaggregated.split_world(plan):  # an engine rank: serves the trainer, builds nothing of it
+        disaggregated.serve(cfg, plan)
+        return {}
     from hybridrl.megatron.parallel import destroy_parallel
     from hybridrl.trainers.components import build_components  # heavy imports (Megatron) only after validation
     from hybridrl.trainers.rl import fit

@@ -21,6 +21,7 @@ from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
 from hybridrl.interfaces import PendingScores, RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
 from hybridrl.rewards.overlong import overlong_penalty_B
+from hybridrl.rollout.seeding import step_seed
 from hybridrl.tracking import say
 from hybridrl.trainers import rollout_dump
 from hybridrl.trainers.components import Components
@@ -37,7 +38,7 @@ def fit(c: Components) -> dict[str, float]:
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
         with profiler.step(step), timer("step"):
-            rolled = c.rollout.step(seed=t.seed * 1_000_003 + step, timer=timer)
+            rolled = c.rollout.step(seed=step_seed(t.seed, step), timer=timer)
             batch = rolled.batch
             warmup = step < t.critic_warmup  # verl's: the critic alone trains until step critic_warmup
             old_pass = old_log_prob_pass_needed(c) or warmup

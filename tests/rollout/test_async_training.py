@@ -92,8 +92,34 @@ def test_the_built_in_losses_declare_their_trust_region(name: str) -> None:
     assert Registry("policy_losses").load(name, key="algorithm.policy_loss").trust_region is True
 
 
-def test_a_valid_async_setup_is_refused_until_the_driver_exists(base: list[str]) -> None:
-    """Not silently run synchronously: the setting is valid, and the error says it is not built yet."""
-    found = issues(base, *DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION)
-    assert list(found) == ["async_training.enable"] and "not built yet" in found["async_training.enable"]
-    assert list(issues(base, *DISAGG)) == [f"{AOR}.rollout.placement"]
+def test_what_the_asynchronous_rollout_cannot_run_yet_is_refused_not_run_otherwise(base: list[str]) -> None:
+    """Valid settings the driver does not build yet are refused, each naming its key; never silently synchronous."""
+    on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION]
+    assert issues(base, *on) == {}
+    found = issues(base, *on, "async_training.partial_rollout=true", f"{AOR}.rollout.multi_turn.enable=true",
+                   "algorithm.filter_groups.enable=true", "data.gen_batch_size=8")
+    for key in ("async_training.partial_rollout", f"{AOR}.rollout.multi_turn.enable", "algorithm.filter_groups.enable"):
+        assert "not built yet" in found[key], found
+
+
+def test_a_disaggregated_plan_trains_on_the_other_ranks_and_shows_both_groups(base: list[str]) -> None:
+    """The synchronous disaggregated run validates; the trainer's layout spans only the trainer ranks."""
+    cfg = compose_config([*base, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=2"])
+    plan = validate(cfg, world_size=4)
+    assert (plan.trainer_world_size, plan.roles["actor"].dp) == (2, 2)
+    assert [e.ranks for e in plan.engines] == [(2,), (3,)]
+    assert [plan.is_engine_rank(r) for r in range(4)] == [False] * 2 + [True] * 2
+    text = plan.render()
+    assert "ranks 2..3 run engines only, ranks 0..1 train" in text
+    assert "rank 3: cpu rollout(engine 1, leader) only" in text and "rank 1: cpu actor(tp0 pp0 cp0 dp1)" in text
+    # a layout that does not divide the trainer ranks is named with why the world is smaller
+    found = issues(base, *DISAGG, f"{AOR}.actor.megatron.tensor_model_parallel_size=2", world_size=4)
+    assert "the 3 trainer ranks: the world size 4 less actor_rollout_ref.rollout.num_ranks=1" in found[
+        f"{AOR}.actor.megatron.tensor_model_parallel_size"]
+    # an engine of 2 ranks must not straddle two nodes (3 per node: engine ranks 2-3 would)
+    found = issues(base, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=4",
+                   f"{AOR}.rollout.tensor_model_parallel_size=2", "trainer.nnodes=2", world_size=6)
+    assert "engine of ranks 2..3 on two nodes" in found[f"{AOR}.rollout.num_ranks"]
+    assert f"{AOR}.rollout.num_ranks" not in issues(  # ranks 4-5 share the second node
+        base, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=2",
+        f"{AOR}.rollout.tensor_model_parallel_size=2", "trainer.nnodes=2", world_size=6)

@@ -1,0 +1,132 @@
+"""Asynchronous rollouts (``async_training.enable``) on a disaggregated placement: the engines generate the next
+steps' batches while the trainer trains on this one, S = ``async_training.staleness_threshold`` versions behind
+at most.
+
+Schedule (per trainer step, every trainer rank; trainer rank 0 talks to the engines,
+:mod:`hybridrl.rollout.disaggregated`):
+
+1. **top up**: while the staleness gate (:mod:`hybridrl.rollout.staleness`) admits a whole step's groups at the
+   trainer's weight version v, the next prompt batch is queued on the engines. The engines run their commands in
+   order, so a batch queued after the update to version u generates on weights ≥ u;
+2. **collect** the oldest queued batch (waiting only if the engines are behind) and check each of its groups at
+   consumption: trained version − oldest token version ≤ S. A batch with a stale group is dropped whole (counted
+   in ``async/dropped_samples``; the gate's admission rule makes this rare: it needs a resume or a reordering);
+3. the loop trains on it, then syncs the weights — queued behind the generations already submitted.
+
+With S = 0 the gate admits one batch per version: the synchronous schedule, the same samples (the seeds are the
+step's, whichever step queued the batch), the same run. S = 1 without partial rollouts is one-step-off-policy
+(verl's ``one_step_off_policy``): generation of step k + 1 overlaps the update of step k. Deviation: a weight
+update waits for the generations queued before it (no in-flight interruption yet: ``partial_rollout`` is refused),
+so S > 1 overlaps no more than S = 1 does.
+
+Metrics per step: ``async/staleness_mean`` and ``async/staleness_max`` (trained version − each sample's weight
+version), ``async/dropped_samples`` (so far), ``async/trainer_idle_ratio`` (the share of the last step's wall
+time trainer rank 0 spent waiting for samples or for the engines to take weights) and
+``async/engine_idle_ratio`` (the share the busiest engine spent not generating).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridrl.batch import RolloutBatch
+from hybridrl.data.collate import PromptBatch
+from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
+from hybridrl.rewards.execution import PendingReward, RewardRunner
+from hybridrl.rollout.colocated import prompt_seed
+from hybridrl.rollout.disaggregated import RemoteEngines
+from hybridrl.rollout.seeding import step_seed
+from hybridrl.rollout.single_turn import ColocatedWorkers
+from hybridrl.rollout.staleness import StalenessGate
+
+if TYPE_CHECKING:
+    from hybridrl.metrics import Timer
+
+
+@dataclass(slots=True)
+class _Queued:
+    ticket: int
+    prompts: PromptBatch
+    step: int  # the trainer step it was drawn for (its seed)
+
+
+class AsyncRollout:
+    """:class:`~hybridrl.interfaces.Rollout` whose batches are generated ahead, within the staleness bound."""
+
+    def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
+                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int,
+                 first_step: int = 1) -> None:
+        self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
+        self.gate, self.seed = gate, seed
+        self.queued: deque[_Queued] = deque()
+        self.next_step = first_step  # the step the next drawn batch is for
+        self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
+
+    @property
+    def weight_version(self) -> int:
+        return self.hybrid.weight_version
+
+    def step(self, *, seed: int, timer: Timer) -> RolloutStep:
+        version = self.weight_version
+        with timer("gen"):  # the wait for this step's samples (about 0 when the engines were ahead)
+            batch, gens = self._next(version, seed)
+        staleness = [version - g.weight_version for g in gens]
+        metrics = {"async/staleness_mean": sum(staleness) / len(staleness),
+                   "async/staleness_max": float(max(staleness)),
+                   "async/dropped_samples": float(self.gate.dropped * self.params.n), **self._idle()}
+        with timer("reward"):
+            scores = self.reward.submit(batch) if len(batch) else PendingReward.finished(self.reward.empty())
+        return RolloutStep(batch=batch, scores=scores, metrics=metrics)
+
+    def _next(self, version: int, seed: int) -> tuple[RolloutBatch, list[Generation]]:
+        """This step's batch (this rank's DP share) and all its samples; batches with a stale group are dropped."""
+        groups = self.gate.groups_per_step
+        while True:
+            self._top_up(version)
+            queued = self.queued.popleft()
+            gens = self.engines.collect(queued.ticket)
+            for _ in range(groups):
+                self.gate.finished(kept=True)
+            oldest: dict[int, int] = {}
+            for g in gens:
+                oldest[g.prompt_index] = min(oldest.get(g.prompt_index, g.weight_version), g.weight_version)
+            kept = [self.gate.admissible(oldest_version=v, train_version=version) for v in oldest.values()]
+            if all(kept):
+                break
+            self.gate.discard(sum(kept))  # the rest of a dropped batch goes too
+        if seed != step_seed(self.seed, queued.step) and not self.gate.dropped:
+            raise RuntimeError(f"async rollout: the batch for step {queued.step} came at the loop's seed {seed}")
+        self.gate.trained(groups)
+        return self.engines.dp_share(queued.prompts, gens), gens
+
+    def _top_up(self, version: int) -> None:
+        """Queue whole batches while the gate admits a step's groups at ``version``."""
+        groups = self.gate.groups_per_step
+        while self.gate.capacity(version) >= groups:
+            for _ in range(groups):
+                self.gate.try_admit(version)
+            prompts = next(self.prompts)
+            base = step_seed(self.seed, self.next_step)
+            ticket = self.engines.submit(prompts.token_lists(), self.params,
+                                         seeds=[prompt_seed(base, i) for i in range(len(prompts))])
+            self.queued.append(_Queued(ticket=ticket, prompts=prompts, step=self.next_step))
+            self.next_step += 1
+
+    def _idle(self) -> dict[str, float]:
+        start, waited, busy = self._window
+        now, e = time.perf_counter(), self.engines
+        wall = max(now - start, 1e-9)
+        self._window = (now, e.waited_s, e.engine_busy_s)
+        return {"async/trainer_idle_ratio": min((e.waited_s - waited) / wall, 1.0),
+                "async/engine_idle_ratio": max(1.0 - (e.engine_busy_s - busy) / wall, 0.0)}
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
+        """Evaluation: queued behind the generations already submitted, on the weights of the latest update."""
+        return self.hybrid.generate(prompts, params, seed=seed)
+
+    def sync_weights(self, *, version: int | None = None) -> float:
+        return self.hybrid.sync_weights(version=version)
