@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,9 +132,10 @@ class RemoteEngines(EngineRouting):
 
 def serve(cfg: RLConfig, plan: Plan) -> None:
     """Engine side: build this rank's engine (the leader of its group does) and answer trainer rank 0's commands,
-    in order — generate this engine's share of a batch (kept under its ticket), send a ticket's samples, take a
-    weight stream in place — until it says stop. A weight update queued behind generations waits for them: each
-    generation runs on the weights of the last update before it (no partial rollouts)."""
+    in order — queue a generation of this engine's share of a batch (a worker thread runs them in order; the
+    samples are kept under its ticket), send a ticket's samples once done, take a weight stream in place — until it
+    says stop. A weight update waits for the generations queued before it: each generation runs on the weights of
+    the last update before it (no partial rollouts)."""
     rank, r = launch_rank(), cfg.actor_rollout_ref.rollout
     placement = plan.engine_of(rank)
     torch.manual_seed(cfg.trainer.seed)
@@ -145,23 +147,35 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
             device=torch.device(placement.devices[0]), tp_size=plan.rollout_tp)
     bridge = Bridge(rank=1 + rank - plan.trainer_world_size, launch_ranks=bridge_ranks(plan),
                     timeout_s=cfg.trainer.dist_timeout_s)
-    done: dict[int, list[Generation]] = {}  # generations by ticket, until collected
-    busy = 0.0  # seconds generating since the last collect
+    # generations run on a worker thread, in submission order, so a collect is answered as soon as its ticket is
+    # done even while a later batch generates (the command stream would otherwise queue it behind that batch)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-generate")
+    done: dict[int, Future[list[Generation]]] = {}  # by ticket, until collected
+    busy = [0.0]  # seconds generating since the last collect
+
+    def generate(contexts: list[list[int]], params: SamplingParams, seeds: list[int],
+                 caps: list[int] | None) -> list[Generation]:
+        start = time.perf_counter()
+        share = plan.engine_prompts(placement.index, len(contexts))
+        try:
+            return generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
+        finally:
+            busy[0] += time.perf_counter() - start
+
     try:
         while True:
             command, *args = bridge.broadcast_object()
             if command == "generate":  # kept until collected: the trainer may queue several
-                ticket, contexts, params, seeds, caps = args
-                start = time.perf_counter()
-                share = plan.engine_prompts(placement.index, len(contexts))
-                done[ticket] = generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
-                busy += time.perf_counter() - start
+                ticket, *call = args
+                done[ticket] = worker.submit(generate, *call)
             elif command == "collect":
-                made = done.pop(args[0])
+                made = done.pop(args[0]).result()
                 if engine is not None:
-                    bridge.send_object((made, busy), dst=0)
-                busy = 0.0
-            elif command == "update_weights":
+                    bridge.send_object((made, busy[0]), dst=0)
+                busy[0] = 0.0
+            elif command == "update_weights":  # after the generations queued before it: they keep their weights
+                for pending in done.values():
+                    pending.result()
                 buckets = _buckets(bridge)
                 if engine is not None:
                     engine.update_weights(buckets, version=args[0])
@@ -172,6 +186,7 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
             else:
                 raise RuntimeError(f"rank {rank}: unknown bridge command {command!r}")
     finally:
+        worker.shutdown(wait=True, cancel_futures=True)
         if engine is not None:
             engine.shutdown()
         bridge.close()

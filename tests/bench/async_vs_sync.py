@@ -83,8 +83,8 @@ def main() -> None:
         for workload in args.workloads.split(","):
             sync = None
             for mode, keys in MODES.items():
-                rows = run(Path(tmp) / f"{workload}-{mode.replace(' ', '_')}", [*WORKLOADS[workload], *keys],
-                           args.steps + args.warmup)[args.warmup:]
+                name = f"{workload}-{mode.replace(' ', '_').replace('=', '')}"  # '=' would read as an override
+                rows = run(Path(tmp) / name, [*WORKLOADS[workload], *keys], args.steps + args.warmup)[args.warmup:]
                 t = median(rows, "timing/step")
                 cells = [workload, mode, f"{t:.2f}"]
                 if mode == "disaggregated sync":
