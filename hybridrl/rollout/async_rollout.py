@@ -58,12 +58,11 @@ class AsyncRollout:
     """:class:`~hybridrl.interfaces.Rollout` whose batches are generated ahead, within the staleness bound."""
 
     def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
-                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int,
-                 first_step: int = 1) -> None:
+                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int) -> None:
         self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
         self.gate, self.seed = gate, seed
         self.queued: deque[_Queued] = deque()
-        self.next_step = first_step  # the step the next drawn batch is for
+        self.next_step = 1  # the step the next drawn batch is for (a resumed async run is refused for now)
         self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
 
     @property
