@@ -53,11 +53,16 @@ class Generation:
     prompt_index: int  # which input prompt it answers
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (0.0 where not sampled)
-    finish_reason: str  # "stop" (EOS / stop token) or "length"
-    weight_version: int
+    # "stop" (EOS / stop token) or "length"; "abort": cut short by an interrupted engine (``abort``), a partial
+    # output that the rollout continues and never trains as it is
+    finish_reason: str
+    weight_version: int  # the oldest version that sampled any of its tokens
     # 1 where the policy sampled the token (trained on), 0 where it did not (a tool's output, a template
     # separator of a multi-turn response); None: every token was sampled (an engine's own output)
     loss_mask: list[int] | None = None
+    # the weight version that sampled each token (a partial rollout continued on newer weights spans several);
+    # None: every token was sampled at ``weight_version``
+    token_versions: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +93,10 @@ class RolloutEngine(Protocol):
     # Optional classmethod ``memory_budget(config, *, device_type: str, gpu_memory_utilization: float) ->
     # EngineMemory | None``: what the plan's memory check counts for the engine (None or absent: its bf16 weights
     # plus the KV cache of its whole share of a step, held only while it generates).
+    # Optional interruption (``supports_abort = True``; ``async_training.partial_rollout`` needs it): ``abort()``,
+    # called from another thread, makes the running ``generate`` (and any started before ``resume()``) return soon,
+    # each unfinished sample with the tokens it has and ``finish_reason="abort"``; ``resume()`` ends that. The
+    # weights may be updated in between (hybridrl.rollout.partial continues the samples on them).
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,

@@ -361,8 +361,15 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
         issues.add(key, value, message)
     if problems or not a.enable:
         return
-    unbuilt = [(f"{ASYNC_KEY}.partial_rollout", a.partial_rollout, "in-flight interruption of the engines"),
-               (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, "multi-turn episodes"),
+    if a.partial_rollout:
+        try:
+            engine = Registry("rollout_engines").load(r.name, key=f"{AOR}.rollout.name")
+        except PluginError:  # reported by _check_plugins
+            engine = None
+        if engine is not None and not getattr(engine, "supports_abort", False):
+            issues.add(f"{AOR}.rollout.name", r.name, f"cannot interrupt its generations (no abort/resume), which "
+                       f"{ASYNC_KEY}.partial_rollout=true needs: use hf, or set partial_rollout=false")
+    unbuilt = [(f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, "multi-turn episodes"),
                ("algorithm.filter_groups.enable", alg.filter_groups.enable, "dynamic sampling")]
     for key, on, what in unbuilt:  # valid settings the asynchronous rollout cannot run yet: never run otherwise
         if on:

@@ -15,13 +15,16 @@ Schedule (per trainer step, every trainer rank; trainer rank 0 talks to the engi
 
 With S = 0 the gate admits one batch per version: the synchronous schedule, the same samples (the seeds are the
 step's, whichever step queued the batch), the same run. S = 1 without partial rollouts is one-step-off-policy
-(verl's ``one_step_off_policy``): generation of step k + 1 overlaps the update of step k. Deviation: a weight
-update waits for the generations queued before it (no in-flight interruption yet: ``partial_rollout`` is refused),
-so S > 1 overlaps no more than S = 1 does.
+(verl's ``one_step_off_policy``): generation of step k + 1 overlaps the update of step k; a weight update waits
+for the generations queued before it. With ``partial_rollout`` it interrupts them instead: they continue on the new
+weights (:mod:`hybridrl.rollout.partial`), each token carrying the version that sampled it, and
+``mask_stale_prefix`` keeps the tokens of older versions out of the loss.
 
-Metrics per step: ``async/staleness_mean`` and ``async/staleness_max`` (trained version − each sample's weight
-version), ``async/dropped_samples`` (so far), ``async/trainer_idle_ratio`` (the share of the last step's wall
-time trainer rank 0 spent waiting for samples or for the engines to take weights) and
+Metrics per step: ``async/staleness_mean`` and ``async/staleness_max`` (trained version − each sample's oldest
+token version), ``async/dropped_samples`` (so far), ``async/partial_samples`` (this step's samples whose tokens
+came from more than one version) and ``async/stale_prefix_tokens`` (their tokens sampled before the version that
+finished them: out of the loss under ``mask_stale_prefix``), ``async/trainer_idle_ratio`` (the share of the last
+step's wall time trainer rank 0 spent waiting for samples or for the engines to take weights) and
 ``async/engine_idle_ratio`` (the share the busiest engine spent not generating).
 """
 
@@ -39,6 +42,7 @@ from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
 from hybridrl.rewards.execution import PendingReward, RewardRunner
 from hybridrl.rollout.colocated import prompt_seed
 from hybridrl.rollout.disaggregated import RemoteEngines
+from hybridrl.rollout.partial import mask_stale_prefix
 from hybridrl.rollout.seeding import step_seed
 from hybridrl.rollout.single_turn import ColocatedWorkers
 from hybridrl.rollout.staleness import StalenessGate
@@ -58,9 +62,10 @@ class AsyncRollout:
     """:class:`~hybridrl.interfaces.Rollout` whose batches are generated ahead, within the staleness bound."""
 
     def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
-                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int) -> None:
+                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int,
+                 mask_stale: bool = False) -> None:
         self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
-        self.gate, self.seed = gate, seed
+        self.gate, self.seed, self.mask_stale = gate, seed, mask_stale
         self.queued: deque[_Queued] = deque()
         self.next_step = 1  # the step the next drawn batch is for (a resumed async run is refused for now)
         self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
@@ -76,7 +81,11 @@ class AsyncRollout:
         staleness = [version - g.weight_version for g in gens]
         metrics = {"async/staleness_mean": sum(staleness) / len(staleness),
                    "async/staleness_max": float(max(staleness)),
-                   "async/dropped_samples": float(self.gate.dropped * self.params.n), **self._idle()}
+                   "async/dropped_samples": float(self.gate.dropped * self.params.n),
+                   "async/partial_samples": float(sum(len(set(g.token_versions or ())) > 1 for g in gens)),
+                   "async/stale_prefix_tokens": float(sum(v < g.token_versions[-1] for g in gens
+                                                          for v in g.token_versions or ())),
+                   **self._idle()}
         with timer("reward"):
             scores = self.reward.submit(batch) if len(batch) else PendingReward.finished(self.reward.empty())
         return RolloutStep(batch=batch, scores=scores, metrics=metrics)
@@ -100,7 +109,8 @@ class AsyncRollout:
         if seed != step_seed(self.seed, queued.step) and not self.gate.dropped:
             raise RuntimeError(f"async rollout: the batch for step {queued.step} came at the loop's seed {seed}")
         self.gate.trained(groups)
-        return self.engines.dp_share(queued.prompts, gens), gens
+        trained = [mask_stale_prefix(g) for g in gens] if self.mask_stale else gens
+        return self.engines.dp_share(queued.prompts, trained), gens
 
     def _top_up(self, version: int) -> None:
         """Queue whole batches while the gate admits a step's groups at ``version``."""

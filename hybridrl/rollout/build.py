@@ -56,7 +56,8 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
         gate = StalenessGate(max_staleness=cfg.async_training.staleness_threshold,
                              groups_per_step=plan.batch.prompts_per_step)
         return AsyncRollout(hybrid, engines=hybrid.engines, prompts=prompts, reward=reward,
-                            params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed)
+                            params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed,
+                            mask_stale=cfg.async_training.mask_stale_prefix)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         rollout = MultiTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg),
                                    actors=episode_actors(cfg, tokenizer), on_error=cfg.reward.on_error,

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from hybridrl.distributed import host_group
 from hybridrl.distributed.bridge import Bridge
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket
 from hybridrl.rollout.colocated import EngineRouting, build_engine_factory, generate_share
+from hybridrl.rollout.partial import Interrupt, generate_continued
 
 
 def launch_rank() -> int:
@@ -134,8 +135,9 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
     """Engine side: build this rank's engine (the leader of its group does) and answer trainer rank 0's commands,
     in order — queue a generation of this engine's share of a batch (a worker thread runs them in order; the
     samples are kept under its ticket), send a ticket's samples once done, take a weight stream in place — until it
-    says stop. A weight update waits for the generations queued before it: each generation runs on the weights of
-    the last update before it (no partial rollouts)."""
+    says stop. A weight update waits for the generations queued before it (each runs on the weights of the last
+    update before it) or, with ``async_training.partial_rollout``, interrupts the running one, which continues on
+    the new weights (:mod:`hybridrl.rollout.partial`)."""
     rank, r = launch_rank(), cfg.actor_rollout_ref.rollout
     placement = plan.engine_of(rank)
     torch.manual_seed(cfg.trainer.seed)
@@ -152,15 +154,20 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-generate")
     done: dict[int, Future[list[Generation]]] = {}  # by ticket, until collected
     busy = [0.0]  # seconds generating since the last collect
+    a = cfg.async_training
+    interrupt = Interrupt(engine) if engine is not None and a.enable and a.partial_rollout else None
 
     def generate(contexts: list[list[int]], params: SamplingParams, seeds: list[int],
                  caps: list[int] | None) -> list[Generation]:
-        start = time.perf_counter()
+        start, held = time.perf_counter(), 0.0 if interrupt is None else interrupt.waited_s
         share = plan.engine_prompts(placement.index, len(contexts))
         try:
+            if interrupt is not None:
+                return generate_continued(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps,
+                                          interrupt=interrupt)
             return generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
-        finally:
-            busy[0] += time.perf_counter() - start
+        finally:  # a pause's wait is not generating
+            busy[0] += time.perf_counter() - start - (0.0 if interrupt is None else interrupt.waited_s - held)
 
     try:
         while True:
@@ -173,12 +180,14 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
                 if engine is not None:
                     bridge.send_object((made, busy[0]), dst=0)
                 busy[0] = 0.0
-            elif command == "update_weights":  # after the generations queued before it: they keep their weights
-                for pending in done.values():
-                    pending.result()
+            elif command == "update_weights":
+                if interrupt is None:  # after the generations queued before it: they keep their weights
+                    for pending in done.values():
+                        pending.result()
                 buckets = _buckets(bridge)
                 if engine is not None:
-                    engine.update_weights(buckets, version=args[0])
+                    with nullcontext() if interrupt is None else interrupt.paused():
+                        engine.update_weights(buckets, version=args[0])
                 for _ in buckets:  # a rank without an engine (or an engine that stopped early) drains it
                     pass
             elif command == "stop":

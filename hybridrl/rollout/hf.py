@@ -9,6 +9,10 @@ log-probs under the untempered softmax.
 ``update_weights`` copies each streamed tensor into the existing parameter storage (``copy_``), so
 the engine never reallocates or reloads: the weight swap is in place.
 
+``abort()`` (from another thread) stops the running ``generate`` before its next decoding step: each unfinished
+sample comes back with its tokens so far and ``finish_reason="abort"`` until ``resume()``
+(``async_training.partial_rollout``, :mod:`hybridrl.rollout.partial`).
+
 Sampling is seeded per sample: each row draws its uniforms from a counter-based generator keyed by
 ``(seeds[i], j)`` and the decoding step (SplitMix64, Steele et al. 2014), and picks its token by
 inverting the CDF of its filtered distribution. A sample therefore does not depend on the other rows
@@ -18,6 +22,7 @@ of the batch, so the same seeds give the same samples however prompts are groupe
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class HFRolloutEngine:
     supports_tensor_parallel: ClassVar[bool] = False
+    supports_abort: ClassVar[bool] = True
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -62,6 +68,7 @@ class HFRolloutEngine:
         self.pad_id: int = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.version = 0
+        self._abort = threading.Event()
         # transformers ≥ 5.2x names the KV cache `cache` (argument and output); earlier, `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -101,8 +108,11 @@ class HFRolloutEngine:
         past = None
         step_ids, attn = ids_BP, mask_BP
         pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        n_B = torch.zeros(B, dtype=torch.long, device=self.device)  # tokens sampled per row
         steps = 0
         for t in range(T):
+            if self._abort.is_set():  # interrupted: every row keeps what it has
+                break
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: past})
             past = getattr(out, self._cache_kw)
@@ -110,6 +120,7 @@ class HFRolloutEngine:
             live_A = ~done_A
             tok_BT[rows_A[live_A], t] = token_A[live_A]
             lp_BT[rows_A[live_A], t] = logprob_A[live_A].float()
+            n_B[rows_A[live_A]] = t + 1
             hit_A = torch.isin(token_A, stop) & live_A
             finished_by_stop_B[rows_A[hit_A]] = True
             done_A |= hit_A | (limit_B[rows_A] <= t + 1)  # a row's own cap (RolloutEngine.generate's max_new_tokens)
@@ -127,15 +138,22 @@ class HFRolloutEngine:
                     rows_A[keep_A], done_A[keep_A], step_ids[keep_A], attn[keep_A], pos_AP[keep_A])
         tok_BT = tok_BT[:, :steps].cpu()
         lp_BT = lp_BT[:, :steps].cpu()
-        results = []
+        results, stops, n_B = [], set(stop.tolist()), n_B.tolist()
         for b, (prompt_index, _, _, cap) in enumerate(chunk):
-            row = tok_BT[b, :cap].tolist()
-            length = next((t + 1 for t, tok in enumerate(row) if tok in set(stop.tolist())), len(row))
-            results.append(Generation(
-                prompt_index=prompt_index, token_ids=row[:length], logprobs=lp_BT[b, :length].tolist(),
-                finish_reason="stop" if bool(finished_by_stop_B[b]) else "length", weight_version=self.version,
-            ))
+            row = tok_BT[b, :n_B[b]].tolist()
+            length = next((t + 1 for t, tok in enumerate(row) if tok in stops), len(row))
+            finish = "stop" if bool(finished_by_stop_B[b]) else "length" if n_B[b] >= cap else "abort"
+            results.append(Generation(prompt_index=prompt_index, token_ids=row[:length],
+                                      logprobs=lp_BT[b, :length].tolist(), finish_reason=finish,
+                                      weight_version=self.version))
         return results
+
+    def abort(self) -> None:
+        """Make the running ``generate`` (and any until :meth:`resume`) return its samples as they stand."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        self._abort.clear()
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:

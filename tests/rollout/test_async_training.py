@@ -96,10 +96,18 @@ def test_what_the_asynchronous_rollout_cannot_run_yet_is_refused_not_run_otherwi
     """Valid settings the driver does not build yet are refused, each naming its key; never silently synchronous."""
     on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION]
     assert issues(base, *on) == {}
-    found = issues(base, *on, "async_training.partial_rollout=true", f"{AOR}.rollout.multi_turn.enable=true",
+    found = issues(base, *on, f"{AOR}.rollout.multi_turn.enable=true",
                    "algorithm.filter_groups.enable=true", "data.gen_batch_size=8")
-    for key in ("async_training.partial_rollout", f"{AOR}.rollout.multi_turn.enable", "algorithm.filter_groups.enable"):
+    for key in (f"{AOR}.rollout.multi_turn.enable", "algorithm.filter_groups.enable"):
         assert "not built yet" in found[key], found
+
+
+def test_partial_rollouts_need_an_engine_that_can_be_interrupted(base: list[str]) -> None:
+    on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION,
+          "async_training.partial_rollout=true", "async_training.mask_stale_prefix=true"]
+    assert issues(base, *on) == {}  # hf: abort / resume
+    found = issues(base, *on, f"{AOR}.rollout.name=vllm")
+    assert "cannot interrupt its generations" in found[f"{AOR}.rollout.name"], found
 
 
 def test_a_disaggregated_plan_trains_on_the_other_ranks_and_shows_both_groups(base: list[str]) -> None:

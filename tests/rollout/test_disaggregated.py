@@ -168,3 +168,21 @@ def test_one_step_off_policy_trains_each_batch_one_version_late(torchrun, tiny: 
     assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in got] == [(0.0, 0.0)] + [(1.0, 1.0)] * 3
     assert all(r["async/dropped_samples"] == 0 and 0 <= r["async/trainer_idle_ratio"] <= 1 for r in got)
     assert got[0]["rollout/logprob_abs_diff"] <= 1e-4 < got[1]["rollout/logprob_abs_diff"]  # off-policy from step 2
+
+
+@pytest.mark.distributed
+def test_partial_rollouts_continue_interrupted_samples_within_the_bound(torchrun, tiny: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    """S = 2 with ``partial_rollout``: the engine (one sample at a time: ``max_batch_size=1``) is the bottleneck, so
+    every weight update finds a generation running, interrupts it, and it continues on the new weights — samples
+    spanning two versions from step 2 on, still never more than S behind. ~25 s: a 2-rank launch whose engine is
+    slowed on purpose."""
+    got = run(torchrun, tiny, "partial", 2, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1",
+              "async_training.enable=true", "async_training.staleness_threshold=2",
+              "async_training.partial_rollout=true", "async_training.mask_stale_prefix=true",
+              "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=4",
+              "+actor_rollout_ref.rollout.engine_kwargs.max_batch_size=1", "data.max_response_length=24")
+    assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in got)
+    assert got[0]["async/partial_samples"] == 0  # trained before any update
+    assert sum(r["async/partial_samples"] for r in got[1:]) > 0 and sum(r["async/stale_prefix_tokens"]
+                                                                        for r in got) > 0
+    assert max(r["async/staleness_max"] for r in got) >= 1
