@@ -176,6 +176,18 @@ class Rollout(Protocol):
         """Put the actor's current weights into the engines as ``version`` (default: the next one); the MB sent."""
 
 
+@runtime_checkable
+class ResumableRollout(Rollout, Protocol):
+    """A rollout with a position of its own that a checkpoint must hold (the asynchronous rollout draws batches
+    ahead of the trainer, so the loader's position is not the trained one)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved with each checkpoint; its ``"sampler"`` entry is the data position a resumed run draws from."""
+
+    def load_state_dict(self, state: dict[str, Any] | None, *, step: int) -> None:
+        """Continue after ``step`` trained steps; ``state`` None: the checkpoint was written without one."""
+
+
 @dataclass(slots=True, kw_only=True)
 class RewardOutput:
     scores_B: torch.Tensor  # [B] sequence-level score, placed on the last trained (loss_mask) token by the loop

@@ -302,7 +302,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_version: int,
-                    sampler_state: dict[str, int], model_dir: str,
+                    sampler_state: dict[str, int], model_dir: str, rollout_state: dict[str, Any] | None = None,
                     kl_ctrl_state: dict[str, float] | None = None, critic: MegatronRunner | None = None) -> Path:
     root = checkpoint_root(cfg)
     final, tmp = root / _step_name(step), root / f".tmp_{_step_name(step)}"
@@ -322,7 +322,8 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
         assert policy.scheduler is not None and (critic is None or critic.scheduler is not None)
         torch.save({"step": step, "weight_version": weight_version, "scheduler": policy.scheduler.state_dict(),
                     "critic_scheduler": critic.scheduler.state_dict() if critic and critic.scheduler else None,
-                    "sampler": sampler_state, "kl_ctrl": kl_ctrl_state, "world_size": dist.get_world_size()},
+                    "sampler": sampler_state, "kl_ctrl": kl_ctrl_state, "rollout": rollout_state,
+                    "world_size": dist.get_world_size()},
                    tmp / "trainer_state.pt")
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))))
         if policy.lora is not None:  # the base this checkpoint's adapters belong to

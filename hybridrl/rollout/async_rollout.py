@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridrl.batch import RolloutBatch
 from hybridrl.data.collate import PromptBatch
@@ -56,18 +56,19 @@ class _Queued:
     ticket: int
     prompts: PromptBatch
     step: int  # the trainer step it was drawn for (its seed)
+    position: dict[str, int]  # the loader's position before it was drawn (a resume draws it again)
 
 
 class AsyncRollout:
     """:class:`~hybridrl.interfaces.Rollout` whose batches are generated ahead, within the staleness bound."""
 
     def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
-                 reward: RewardRunner, params: SamplingParams, gate: StalenessGate, seed: int,
-                 mask_stale: bool = False) -> None:
+                 position: Callable[[], dict[str, int]], reward: RewardRunner, params: SamplingParams,
+                 gate: StalenessGate, seed: int, mask_stale: bool = False) -> None:
         self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
-        self.gate, self.seed, self.mask_stale = gate, seed, mask_stale
+        self.position, self.gate, self.seed, self.mask_stale = position, gate, seed, mask_stale
         self.queued: deque[_Queued] = deque()
-        self.next_step = 1  # the step the next drawn batch is for (a resumed async run is refused for now)
+        self.next_step = 1  # the step the next drawn batch is for
         self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
 
     @property
@@ -118,12 +119,31 @@ class AsyncRollout:
         while self.gate.capacity(version) >= groups:
             for _ in range(groups):
                 self.gate.try_admit(version)
+            position = self.position()
             prompts = next(self.prompts)
             base = step_seed(self.seed, self.next_step)
             ticket = self.engines.submit(prompts.token_lists(), self.params,
                                          seeds=[prompt_seed(base, i) for i in range(len(prompts))])
-            self.queued.append(_Queued(ticket=ticket, prompts=prompts, step=self.next_step))
+            self.queued.append(_Queued(ticket=ticket, prompts=prompts, step=self.next_step, position=position))
             self.next_step += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The staleness count and the position of the oldest batch not trained yet (the batches generated ahead,
+        and any in flight, are not saved: a resumed run draws them again and generates them on its weights)."""
+        oldest = self.queued[0] if self.queued else None
+        return {"gate": self.gate.state_dict(), "next_step": oldest.step if oldest else self.next_step,
+                "sampler": oldest.position if oldest else self.position()}
+
+    def load_state_dict(self, state: dict[str, Any] | None, *, step: int) -> None:
+        """Continue after ``step`` trained steps: the gate counts only trained groups (AReaL#1388: a bound restored
+        with the buffered samples grew past S), so admission restarts from the restored weights."""
+        if self.queued:
+            raise RuntimeError("AsyncRollout.load_state_dict after batches were queued: resume before the first step")
+        gate = state["gate"] if state else {"consumed": step * self.gate.groups_per_step, "dropped": 0}
+        self.gate.load_state_dict(gate)
+        self.next_step = int(state["next_step"]) if state else step + 1
+        if self.next_step != step + 1:
+            raise RuntimeError(f"async rollout state is for step {self.next_step - 1}, the checkpoint for {step}")
 
     def _idle(self) -> dict[str, float]:
         start, waited, busy = self._window

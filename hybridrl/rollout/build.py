@@ -14,7 +14,7 @@ below it are engines, rewards, tools and environments (their entry-point groups)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hybridrl.config.schema import RLConfig
@@ -45,7 +45,10 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
 
 
 def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts: Iterator[PromptBatch],
-                  reward: RewardRunner, tokenizer: PreTrainedTokenizerBase) -> Rollout:
+                  position: Callable[[], dict[str, int]], reward: RewardRunner,
+                  tokenizer: PreTrainedTokenizerBase) -> Rollout:
+    """``prompts``: the stream of training batches; ``position()``: where that stream stands (a resumable
+    position, saved by rollouts that draw ahead of the trainer)."""
     rollout: Rollout
     if cfg.async_training.enable:  # validation allows it single-turn, disaggregated, without dynamic sampling
         from hybridrl.rollout.async_rollout import AsyncRollout
@@ -55,7 +58,7 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
         assert isinstance(hybrid.engines, RemoteEngines)
         gate = StalenessGate(max_staleness=cfg.async_training.staleness_threshold,
                              groups_per_step=plan.batch.prompts_per_step)
-        return AsyncRollout(hybrid, engines=hybrid.engines, prompts=prompts, reward=reward,
+        return AsyncRollout(hybrid, engines=hybrid.engines, prompts=prompts, position=position, reward=reward,
                             params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed,
                             mask_stale=cfg.async_training.mask_stale_prefix)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:

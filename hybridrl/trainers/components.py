@@ -22,7 +22,7 @@ from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sampler import SamplerConfig
 from hybridrl.guards import require_finite
 from hybridrl.hybrid import ActorRolloutRef
-from hybridrl.interfaces import AdvantageEstimator, Rollout
+from hybridrl.interfaces import AdvantageEstimator, ResumableRollout, Rollout
 from hybridrl.megatron.parallel import init_parallel, rank_device, seed_everything
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
@@ -67,9 +67,12 @@ class Components:
         if self.hybrid.critic_offload is not None:
             self.hybrid.critic_offload.reload()
         require_finite(self.hybrid.actor.parameters(), what="the actor's weights")  # a NaN model is never saved
+        # a rollout that draws ahead (async) saves the position of its oldest untrained batch, and its own count
+        rollout_state = self.rollout.state_dict() if isinstance(self.rollout, ResumableRollout) else None
+        sampler = rollout_state["sampler"] if rollout_state else self.loader.state_dict()
         path = save_checkpoint(cfg=self.cfg, step=step, policy=self.hybrid.actor,
-                               weight_version=self.rollout.weight_version, sampler_state=self.loader.state_dict(),
-                               kl_ctrl_state=self.kl_ctrl.state_dict(),
+                               weight_version=self.rollout.weight_version, sampler_state=sampler,
+                               rollout_state=rollout_state, kl_ctrl_state=self.kl_ctrl.state_dict(),
                                model_dir=self.model_path, critic=self.hybrid.critic)
         say(f"saved checkpoint {path}")
 
@@ -84,10 +87,6 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
     init_parallel(parallel_config(aor.actor.megatron), timeout_s=cfg.trainer.dist_timeout_s)
     hold_output_dir(cfg.trainer.output_dir)  # before anything is written: a second run on it fails here
     resume_from = resume_point(cfg)  # checkpoints that are not this run's history are moved aside
-    if resume_from is not None and cfg.async_training.enable:
-        raise RuntimeError(f"{resume_from}: resuming with async_training.enable=true is not built yet (its batches "
-                           "generated ahead and the staleness count are not saved); resume it with "
-                           "async_training.enable=false, or start a new trainer.output_dir")
     seed_everything(cfg.trainer.seed)
     model_path = aor.model.path
     say(f"world {dist.get_world_size()}: actor {plan.roles['actor']}; loading {model_path}")
@@ -110,7 +109,8 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     # each step's whole prompt batch, the same on every rank (under algorithm.filter_groups: each round's); the
     # rollout hands each rank its DP share of the samples; resumable through the loader
-    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), reward=reward, tokenizer=tokenizer)
+    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), position=loader.state_dict,
+                            reward=reward, tokenizer=tokenizer)
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:
         say(f"resuming from {resume_from}")
@@ -118,6 +118,8 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
         loader.load_state_dict(state["sampler"])
         rollout.sync_weights(version=state["weight_version"])  # the engines get the restored actor and version
         resume_step = state["step"]
+        if isinstance(rollout, ResumableRollout):  # the staleness count: the bound holds across the resume
+            rollout.load_state_dict(state.get("rollout"), step=resume_step)
         if state.get("kl_ctrl") is not None:  # else saved without one: β starts again at kl_ctrl.kl_coef
             kl_ctrl.load_state_dict(state["kl_ctrl"])
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 
 Fields: ``step``, ``input`` (the prompt's text), ``output`` (the response's text, special tokens dropped, as verl),
 ``score`` (the sequence score the advantages saw: the reward plus any overlong penalty), ``turns`` (the policy's
-turns: runs of ``loss_mask`` = 1), ``data_source``, ``response_ids`` and ``loss_mask`` (lists, the response's real
-tokens). Rank 0 writes the whole step (every DP rank's share, in DP order); a file is written whole or not at all
-(a temporary file renamed into place).
+turns: runs of ``loss_mask`` = 1), ``data_source``, ``weight_version`` (the oldest version that sampled its tokens),
+``response_ids`` and ``loss_mask`` (lists, the response's real tokens). Rank 0 writes the whole step (every DP
+rank's share, in DP order); a file is written whole or not at all (a temporary file renamed into place).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def rows(batch: RolloutBatch, scores_B: torch.Tensor, tokenizer: PreTrainedToken
         out.append({"step": step, "input": tokenizer.decode(prompt, skip_special_tokens=True),
                     "output": tokenizer.decode(ids, skip_special_tokens=True), "score": float(scores_B[b]),
                     "turns": sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])),
-                    "data_source": batch.meta[b].data_source, "response_ids": ids, "loss_mask": mask})
+                    "data_source": batch.meta[b].data_source, "weight_version": int(batch.weight_version[b]),
+                    "response_ids": ids, "loss_mask": mask})
     return out
 
 

@@ -102,16 +102,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"model": model, "train": tmp / "train.parquet", "test": tmp / "test.parquet", "tmp": tmp}
 
 
-def run(torchrun, tiny: dict[str, Path], name: str, nproc: int, *extra: str) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+# a random model never solves arithmetic; a keyword reward gives it a learning signal
+KEYWORD = ("reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any")
+
+
+def run(torchrun, tiny: dict[str, Path], name: str, nproc: int, *extra: str,  # type: ignore[no-untyped-def]
+        reward: tuple[str, ...] = KEYWORD) -> list[dict[str, float]]:
     out = tiny["tmp"] / name
     torchrun([TRAIN, "recipe=grpo_tiny", f"{AOR}.model.path={tiny['model']}", f"{AOR}.model.build_if_missing=null",
               f"data.train_files=[{tiny['train']}]", f"data.val_files=[{tiny['test']}]", "data.build_if_missing=null",
               f"trainer.output_dir={out}", "data.train_batch_size=4", f"{AOR}.actor.ppo_mini_batch_size=2",
               f"{AOR}.actor.ppo_micro_batch_size_per_gpu=4", f"{AOR}.rollout.n=4", "data.val_batch_size=32",
               "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.val_before_train=false",
-              # a random model never solves arithmetic; a keyword reward gives it a learning signal
-              "reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any",
-              *extra], nproc=nproc, timeout=600)
+              *reward, *extra], nproc=nproc, timeout=600)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -157,13 +160,26 @@ def test_asynchronous_at_staleness_0_is_the_synchronous_run(torchrun, tiny: dict
     assert [(r["async/staleness_max"], r["async/dropped_samples"]) for r in got] == [(0.0, 0.0)] * 3
 
 
+ONE_OFF = (f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1", "async_training.enable=true",
+           "async_training.staleness_threshold=1", "algorithm.rollout_correction.rollout_is=token",
+           "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_checkpoints_to_keep=0")
+
+
+@pytest.fixture(scope="module")
+def one_step_off(torchrun, tiny: dict[str, Path]) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    """S = 1 on 1 trainer + 1 engine rank, 4 steps, checkpoints at steps 2 and 4, every step's samples dumped."""
+    return run(torchrun, tiny, "async1", 2, *ONE_OFF, f"trainer.rollout_data_dir={tiny['tmp'] / 'async1_samples'}")
+
+
+def _samples(directory: Path, step: int) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (directory / f"{step}.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.distributed
-def test_one_step_off_policy_trains_each_batch_one_version_late(torchrun, tiny: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+def test_one_step_off_policy_trains_each_batch_one_version_late(one_step_off: list[dict[str, float]]) -> None:
     """S = 1: step k's batch was generated while step k − 1 trained, on the weights before that update — every
     sample exactly one version behind from step 2 on, never more; the rollout correction sees the mismatch."""
-    got = run(torchrun, tiny, "async1", 2, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1",
-              "async_training.enable=true", "async_training.staleness_threshold=1",
-              "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=4")
+    got = one_step_off
     assert [r["rollout/weight_version"] for r in got] == [0.0, 0.0, 1.0, 2.0]
     assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in got] == [(0.0, 0.0)] + [(1.0, 1.0)] * 3
     assert all(r["async/dropped_samples"] == 0 and 0 <= r["async/trainer_idle_ratio"] <= 1 for r in got)
@@ -186,3 +202,60 @@ def test_partial_rollouts_continue_interrupted_samples_within_the_bound(torchrun
     assert sum(r["async/partial_samples"] for r in got[1:]) > 0 and sum(r["async/stale_prefix_tokens"]
                                                                         for r in got) > 0
     assert max(r["async/staleness_max"] for r in got) >= 1
+
+
+@pytest.mark.distributed
+def test_a_resumed_asynchronous_run_trains_the_same_prompts_within_the_bound(  # type: ignore[no-untyped-def]
+        torchrun, tiny: dict[str, Path], one_step_off: list[dict[str, float]]) -> None:
+    """Resumed from the S = 1 run's step-2 checkpoint (the batch of step 3 had been generated ahead, not trained):
+    the resumed run draws it again from the saved position — steps 3 and 4 train the uninterrupted run's prompts,
+    with the same per-step seeds — regenerated on the restored weights, so step 3 is fresh (staleness 0) and the
+    bound holds after it (AReaL#1388: there it grew past S). ~15 s: a 2-rank launch of 2 steps."""
+    checkpoint = tiny["tmp"] / "async1" / "checkpoints" / "step_00000002"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    assert state["rollout"]["next_step"] == 3 and state["rollout"]["gate"]["consumed"] == 2 * 4
+    assert state["sampler"]["batch_in_epoch"] == 2  # the oldest untrained batch, though the loader had run ahead
+    got = run(torchrun, tiny, "async1_resumed", 2, *ONE_OFF, f"trainer.resume={checkpoint}",
+              f"trainer.rollout_data_dir={tiny['tmp'] / 'resumed_samples'}")
+    assert [r["step"] for r in got] == [3, 4]
+    assert [(r["async/staleness_max"], r["async/dropped_samples"]) for r in got] == [(0.0, 0.0), (1.0, 0.0)]
+    assert [r["rollout/weight_version"] for r in got] == [2.0, 2.0]  # step 4's batch was made while 3 trained
+    for step in (3, 4):
+        before, after = _samples(tiny["tmp"] / "async1_samples", step), _samples(tiny["tmp"] / "resumed_samples", step)
+        assert [r["input"] for r in after] == [r["input"] for r in before]
+    # the batch regenerated on the restored (newer) weights is not the stale one the first run trained
+    assert [r["response_ids"] for r in _samples(tiny["tmp"] / "resumed_samples", 3)] != [
+        r["response_ids"] for r in _samples(tiny["tmp"] / "async1_samples", 3)]
+
+
+SLOW_REWARD = '''
+import time
+
+def score(batch, tokenizer):
+    time.sleep(0.6)  # a slow reward: the trainer takes longer per step than the engine
+    return [float(len(r) > 0) for r in batch.response_ids]
+'''
+
+
+@pytest.mark.distributed
+def test_a_slowed_trainer_meets_the_bound_sample_by_sample_and_never_passes_it(  # type: ignore[no-untyped-def]
+        torchrun, tiny: dict[str, Path]) -> None:
+    """S = 2 with a trainer slowed by its reward (0.6 s a step): the engine runs as far ahead as the gate lets it,
+    so from step 3 on the samples are exactly S versions old — read sample by sample from the dumped rollouts:
+    each sample trained at version v was sampled at a version ≥ v − S. ~20 s: a 2-rank launch of 5 steps."""
+    fn = tiny["tmp"] / "slow_reward.py"
+    fn.write_text(SLOW_REWARD)
+    samples = tiny["tmp"] / "slow_samples"
+    got = run(torchrun, tiny, "slow", 2, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1",
+              "async_training.enable=true", "async_training.staleness_threshold=2",
+              "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=5",
+              f"trainer.rollout_data_dir={samples}",
+              reward=("reward.name=function", f"+reward.kwargs.path={fn}:score", "+reward.kwargs.granularity=batch"))
+    for step, r in enumerate(got, start=1):
+        trained = step - 1  # one update per step
+        versions = [s["weight_version"] for s in _samples(samples, step)]
+        assert len(versions) == 16 and all(trained - 2 <= v <= trained for v in versions), (step, versions)
+        assert r["async/staleness_max"] == trained - min(versions)
+    assert [r["async/staleness_max"] for r in got] == [0.0, 1.0, 2.0, 2.0, 2.0]  # ahead as far as S allows
+    assert all(r["async/dropped_samples"] == 0 for r in got)
+    assert got[-1]["async/trainer_idle_ratio"] < 0.5  # the engine kept up: the trainer hardly waits

@@ -109,12 +109,12 @@ def test_build_rollout_wraps_the_single_turn_rollout_under_filter_groups() -> No
     plan, problems = Plan.build(cfg, world_size=1, device_type="cpu")
     assert not problems, problems
     hybrid = SimpleNamespace(weight_version=3)
-    wrapped = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), reward=None,  # type: ignore[arg-type]
+    wrapped = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
                             tokenizer=None)
     assert isinstance(wrapped, DynamicSamplingRollout) and isinstance(wrapped.inner, SingleTurnRollout)
     assert isinstance(wrapped, Rollout) and wrapped.weight_version == 3
     cfg.algorithm.filter_groups.enable = False
-    plain = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), reward=None,  # type: ignore[arg-type]
+    plain = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
                             tokenizer=None)
     assert isinstance(plain, SingleTurnRollout) and isinstance(plain, Rollout)
     assert plain.params.n == N and plain.params.max_new_tokens == cfg.data.max_response_length
