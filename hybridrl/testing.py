@@ -27,7 +27,8 @@ attributes. ``config=None`` means ``Config()`` (its defaults).
   tensors without grad; on-policy ``ppo_kl == clipfrac == 0``; micro-batch losses with the
   mini-batch's ``global_normalizer`` add up to the mini-batch loss; deterministic; inputs unchanged.
 - :func:`check_rollout_engine`: ``Generation`` fields, ``n`` samples per prompt prompt-major, one
-  log-prob ≤ 0 per token, finish reasons that match the tokens, ``[] -> []``; greedy repeats itself;
+  log-prob ≤ 0 per token, finish reasons that match the tokens, ``[] -> []``; greedy repeats itself; with
+  ``supports_abort``, a call after ``abort()`` returns its samples cut short and ``resume()`` restores sampling;
   with ``seeded``, the same seeds give the same samples, whatever the other prompts of the call;
   ``update_weights`` from a lazy stream of buckets takes effect (new log-probs, new version), keeps
   the parameters' storage (``data_ptr``, read by ``storage``) and restores the original outputs when
@@ -469,6 +470,25 @@ class _EngineRun:
         self.expect_greedy("greedy (temperature 0) repeats itself", version=0)
         if "max_new_tokens" in inspect.signature(self.engine.generate).parameters:
             self.check_caps()
+        if getattr(self.engine, "supports_abort", False):
+            self.check_abort()
+
+    def check_abort(self) -> None:
+        """``supports_abort``: after ``abort()`` a call returns at once, every sample cut short (``"abort"``) with
+        no more tokens than it could have; after ``resume()`` the engine samples as before."""
+        with self.p.step("abort(), then generate"):
+            self.engine.abort()
+            try:
+                cut = self.engine.generate(self.prompts, self.GREEDY)
+            finally:
+                self.engine.resume()
+        self.p.expect(len(cut) == len(self.prompts) and all(g.finish_reason == "abort" for g in cut),
+                      "after abort() every unfinished sample comes back with finish_reason 'abort'",
+                      lambda: f"got {[(g.token_ids, g.finish_reason) for g in cut]}")
+        self.p.expect(all(g.token_ids == s.token_ids[:len(g.token_ids)] for g, s in zip(cut, self.greedy, strict=True)),
+                      "an aborted sample holds a prefix of what it would have sampled",
+                      lambda: f"got {_tokens(cut)}, full {_tokens(self.greedy)}")
+        self.expect_greedy("after resume() the engine samples as before", version=0)
 
     def check_caps(self) -> None:
         """The optional per-prompt caps (``generate(..., max_new_tokens=[...])``): each prompt's greedy samples are

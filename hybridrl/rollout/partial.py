@@ -71,7 +71,9 @@ class Interrupt:
             self._paused = True
             self.interruptions += self._active
             self.engine.abort()
-            self._cv.wait_for(lambda: not self._active)
+            # again while it runs: an abort can land between a call's check and its requests reaching the engine
+            while not self._cv.wait_for(lambda: not self._active, timeout=0.5):
+                self.engine.abort()
         try:
             yield
         finally:

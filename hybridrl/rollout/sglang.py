@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import nullcontext
@@ -67,6 +68,7 @@ _OWNED_SERVER_ARGS = frozenset({"model_path", "device", "tp_size", "skip_tokeniz
 
 class SGLangRolloutEngine:
     supports_tensor_parallel: ClassVar[bool] = True
+    supports_abort: ClassVar[bool] = True  # abort(): SGLang's abort of every request, partial outputs kept
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -136,6 +138,7 @@ class SGLangRolloutEngine:
         cpu = self.device.type == "cpu"
         self.memory_saver = not cpu if config.enable_memory_saver is None else config.enable_memory_saver
         self.version = 0
+        self._abort = threading.Event()  # abort() until resume(): requests come back cut short
         self.engine: Any = None
         self.procs: list[Any] = []  # psutil.Process of the engine's own processes
         self._released: set[str] = set()
@@ -238,6 +241,9 @@ class SGLangRolloutEngine:
         if not expanded:
             return []
         self._check_alive()
+        if self._abort.is_set():  # interrupted before it started: nothing sampled
+            return [Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort",
+                               weight_version=self.version) for i, _ in expanded]
         stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
         base = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     max_new_tokens=params.max_new_tokens, stop_token_ids=stop)
@@ -252,7 +258,9 @@ class SGLangRolloutEngine:
     def _generation(self, prompt_index: int, out: dict[str, Any]) -> Generation:
         meta = out["meta_info"]
         finish = meta["finish_reason"] or {}
-        if finish.get("type") not in ("stop", "length"):
+        if finish.get("type") == "abort" and self._abort.is_set():  # abort(): the tokens so far, continued later
+            finish = {"type": "abort"}
+        elif finish.get("type") not in ("stop", "length"):
             raise SGLangEngineError(f"the SGLang engine did not finish a request: {finish}. "
                                     f"Engine config: {self.describe()}")
         token_ids = list(out["output_ids"])
@@ -262,6 +270,16 @@ class SGLangRolloutEngine:
         spans = meta.get("weight_versions") or [{"version": meta["weight_version"]}]
         return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
                           finish_reason=finish["type"], weight_version=min(int(s["version"]) for s in spans))
+
+    def abort(self) -> None:
+        """From another thread: the running ``generate`` returns soon, each unfinished sample with its tokens so far
+        (``finish_reason="abort"``), and so does any until :meth:`resume`."""
+        self._abort.set()
+        if self.engine is not None:
+            compat.abort_all(self.engine)
+
+    def resume(self) -> None:
+        self._abort.clear()
 
     # ---- weight swap ----
     def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:

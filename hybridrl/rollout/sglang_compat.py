@@ -121,6 +121,13 @@ def wait_until_idle(engine: Any, timeout_s: float | None) -> Coroutine[Any, Any,
     return engine.tokenizer_manager.flush_cache(timeout_s=timeout_s or 3600.0)
 
 
+def abort_all(engine: Any) -> None:
+    """Abort every request of the engine from any thread: ``TokenizerManager.abort_request`` sends on the
+    tokenizer's zmq socket, which only the engine loop's thread may use, so it is scheduled on that loop (it runs
+    while a call of the generating thread drives the loop, or at the next one)."""
+    engine.loop.call_soon_threadsafe(lambda: engine.tokenizer_manager.abort_request(abort_all=True))
+
+
 def run(engine: Any, coroutine: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
     """Run an engine coroutine on the engine's loop within ``timeout_s``, as ``Engine``'s methods do without one."""
     try:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from hybridrl.interfaces import Generation, SamplingParams
 from hybridrl.models.tiny import make_tiny_model
 from hybridrl.registry import PluginConfigError, Registry
 from hybridrl.rollout import sglang_compat as compat
+from hybridrl.rollout.partial import Interrupt, generate_continued
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh` (CI's test command does)",
@@ -179,6 +181,49 @@ def test_swap_in_place_equals_a_fresh_engine(engine: SGLangRolloutEngine, models
     back = engine.generate(PROMPTS, params)
     assert [(g.token_ids, g.weight_version) for g in back] == [(g.token_ids, version + 1) for g in before]
     assert parameter_storage(engine) == storage
+
+
+def test_an_interrupted_generation_continues_after_a_weight_update(engine: SGLangRolloutEngine,
+                                                                    models: tuple[Path, Path]) -> None:
+    """``async_training.partial_rollout`` on SGLang: ``abort()`` from another thread cuts the running requests short
+    (SGLang's abort keeps their tokens), the weights are updated while paused, and every sample then continues to
+    its own end on the new version — its tokens sampled by both. The weights streamed are A's own (the module's
+    engine stays A); the version is new."""
+    started = threading.Event()
+    call = engine._call
+
+    def watched(coroutine: object, *, what: str) -> object:
+        if what == "generate":
+            started.set()
+        return call(coroutine, what=what)
+
+    engine._call = watched  # type: ignore[method-assign]
+    interrupt, out = Interrupt(engine), []
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=96)
+    prompts = PROMPTS * 8  # 48 samples decoding together: the interruption finds them running
+    worker = threading.Thread(target=lambda: out.append(generate_continued(
+        engine, range(len(prompts)), prompts, params, seeds=list(range(len(prompts))), max_new_tokens=None,
+        interrupt=interrupt)))
+    version = engine.version + 1
+    try:
+        worker.start()
+        assert started.wait(60)
+        time.sleep(0.05)  # a few decoding steps
+        with interrupt.paused():
+            engine.update_weights([list(load_file(models[0] / "model.safetensors").items())], version=version)
+        worker.join(120)
+    finally:
+        engine._call = call  # type: ignore[method-assign]
+    gens = out[0]
+    assert interrupt.interruptions == 1 and len(gens) == 48
+    assert all(g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.logprobs) for g in gens)
+    spanning = [g for g in gens if g.token_versions and len(set(g.token_versions)) > 1]
+    assert spanning, [g.token_versions for g in gens[:3]]
+    for g in spanning:  # the old version's tokens, then the new one's; the sample counts as old
+        cut = g.token_versions.index(version)
+        assert g.token_versions == [version - 1] * cut + [version] * (len(g.token_ids) - cut) and cut > 0
+        assert g.weight_version == version - 1
+    assert engine.generate(PROMPTS[:1], params, seeds=[1])[0].finish_reason in ("stop", "length")  # resumed
 
 
 def test_a_refused_update_raises_with_the_engines_message(engine: SGLangRolloutEngine) -> None:
