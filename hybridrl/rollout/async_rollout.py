@@ -13,6 +13,11 @@ Schedule (per trainer step, every trainer rank; trainer rank 0 talks to the engi
    in ``async/dropped_samples``; the gate's admission rule makes this rare: it needs a resume or a reordering);
 3. the loop trains on it, then syncs the weights — queued behind the generations already submitted.
 
+Multi-turn (``multi_turn.enable``): a queued batch is a batch of whole episodes, each played out on the engine
+rank that holds its prompt — its engine, tools and environment (:func:`hybridrl.rollout.multi_turn.play_share`), with
+the seeds the synchronous rollout gives it; a turn that a partial rollout interrupts continues on the new weights,
+so an episode's turns may span versions (its version: the oldest that sampled a token of it).
+
 With S = 0 the gate admits one batch per version: the synchronous schedule, the same samples (the seeds are the
 step's, whichever step queued the batch), the same run. S = 1 without partial rollouts is one-step-off-policy
 (verl's ``one_step_off_policy``): generation of step k + 1 overlaps the update of step k; a weight update waits
@@ -42,6 +47,7 @@ from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
 from hybridrl.rewards.execution import PendingReward, RewardRunner
 from hybridrl.rollout.colocated import prompt_seed
 from hybridrl.rollout.disaggregated import RemoteEngines
+from hybridrl.rollout.multi_turn import Episodes, raise_failures, with_episode_meta
 from hybridrl.rollout.partial import mask_stale_prefix
 from hybridrl.rollout.seeding import step_seed
 from hybridrl.rollout.single_turn import ColocatedWorkers
@@ -49,6 +55,14 @@ from hybridrl.rollout.staleness import StalenessGate
 
 if TYPE_CHECKING:
     from hybridrl.metrics import Timer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeOptions:
+    """Multi-turn (``multi_turn.enable``): what the trainer side applies to the episodes the engine ranks play."""
+
+    on_error: str  # reward.on_error
+    environment: str | None  # multi_turn.environment (named in a failure)
 
 
 @dataclass(slots=True)
@@ -64,9 +78,11 @@ class AsyncRollout:
 
     def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
                  position: Callable[[], dict[str, int]], reward: RewardRunner, params: SamplingParams,
-                 gate: StalenessGate, seed: int, mask_stale: bool = False) -> None:
+                 gate: StalenessGate, seed: int, mask_stale: bool = False,
+                 episodes: EpisodeOptions | None = None) -> None:
         self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
         self.position, self.gate, self.seed, self.mask_stale = position, gate, seed, mask_stale
+        self.episodes = episodes  # multi-turn: whole episodes are played on the engine ranks
         self.queued: deque[_Queued] = deque()
         self.next_step = 1  # the step the next drawn batch is for
         self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
@@ -78,7 +94,7 @@ class AsyncRollout:
     def step(self, *, seed: int, timer: Timer) -> RolloutStep:
         version = self.weight_version
         with timer("gen"):  # the wait for this step's samples (about 0 when the engines were ahead)
-            batch, gens = self._next(version, seed)
+            batch, gens, episode_metrics = self._next(version, seed)
         staleness = [version - g.weight_version for g in gens]
         metrics = {"async/staleness_mean": sum(staleness) / len(staleness),
                    "async/staleness_max": float(max(staleness)),
@@ -86,18 +102,20 @@ class AsyncRollout:
                    "async/partial_samples": float(sum(len(set(g.token_versions or ())) > 1 for g in gens)),
                    "async/stale_prefix_tokens": float(sum(v < g.token_versions[-1] for g in gens
                                                           for v in g.token_versions or ())),
-                   **self._idle()}
+                   **self._idle(), **episode_metrics}
         with timer("reward"):
             scores = self.reward.submit(batch) if len(batch) else PendingReward.finished(self.reward.empty())
         return RolloutStep(batch=batch, scores=scores, metrics=metrics)
 
-    def _next(self, version: int, seed: int) -> tuple[RolloutBatch, list[Generation]]:
-        """This step's batch (this rank's DP share) and all its samples; batches with a stale group are dropped."""
+    def _next(self, version: int, seed: int) -> tuple[RolloutBatch, list[Generation], dict[str, float]]:
+        """This step's batch (this rank's DP share), all its samples and the episodes' metrics (multi-turn);
+        batches with a stale group are dropped."""
         groups = self.gate.groups_per_step
         while True:
             self._top_up(version)
             queued = self.queued.popleft()
-            gens = self.engines.collect(queued.ticket)
+            made = self._collect(queued.ticket)
+            gens = made.gens if isinstance(made, Episodes) else made
             for _ in range(groups):
                 self.gate.finished(kept=True)
             oldest: dict[int, int] = {}
@@ -110,8 +128,29 @@ class AsyncRollout:
         if seed != step_seed(self.seed, queued.step) and not self.gate.dropped:
             raise RuntimeError(f"async rollout: the batch for step {queued.step} came at the loop's seed {seed}")
         self.gate.trained(groups)
+        if isinstance(made, Episodes):
+            made.gens = [mask_stale_prefix(g) for g in gens] if self.mask_stale else gens
+            return self._episode_batch(queued.prompts, made), gens, made.metrics()
         trained = [mask_stale_prefix(g) for g in gens] if self.mask_stale else gens
-        return self.engines.dp_share(queued.prompts, trained), gens
+        return self.engines.dp_share(queued.prompts, trained), gens, {}
+
+    def _submit(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> int:
+        if self.episodes is not None:
+            return self.engines.submit_episodes(prompts.token_lists(), prompts.meta, params, seed=seed)
+        return self.engines.submit(prompts.token_lists(), params,
+                                   seeds=[prompt_seed(seed, i) for i in range(len(prompts))])
+
+    def _collect(self, ticket: int) -> list[Generation] | Episodes:
+        parts = self.engines.collect_parts(ticket)
+        return Episodes.joined(parts) if self.episodes is not None else [g for gens in parts for g in gens]
+
+    def _episode_batch(self, prompts: PromptBatch, episodes: Episodes) -> RolloutBatch:
+        """This rank's share of a batch of episodes, their environment outcome attached (``reward.on_error``)."""
+        assert self.episodes is not None
+        raise_failures(episodes, on_error=self.episodes.on_error, environment=self.episodes.environment)
+        batch = self.engines.dp_share(prompts, episodes.gens)
+        with_episode_meta(batch, episodes, kept=self.engines.dp_prompts(len(prompts)), n=self.params.n)
+        return batch
 
     def _top_up(self, version: int) -> None:
         """Queue whole batches while the gate admits a step's groups at ``version``."""
@@ -121,9 +160,7 @@ class AsyncRollout:
                 self.gate.try_admit(version)
             position = self.position()
             prompts = next(self.prompts)
-            base = step_seed(self.seed, self.next_step)
-            ticket = self.engines.submit(prompts.token_lists(), self.params,
-                                         seeds=[prompt_seed(base, i) for i in range(len(prompts))])
+            ticket = self._submit(prompts, self.params, seed=step_seed(self.seed, self.next_step))
             self.queued.append(_Queued(ticket=ticket, prompts=prompts, step=self.next_step, position=position))
             self.next_step += 1
 
@@ -155,7 +192,11 @@ class AsyncRollout:
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """Evaluation: queued behind the generations already submitted, on the weights of the latest update."""
-        return self.hybrid.generate(prompts, params, seed=seed)
+        if self.episodes is None:
+            return self.hybrid.generate(prompts, params, seed=seed)
+        made = self._collect(self._submit(prompts, params, seed=seed))
+        assert isinstance(made, Episodes)
+        return self._episode_batch(prompts, made)
 
     def sync_weights(self, *, version: int | None = None) -> float:
         return self.hybrid.sync_weights(version=version)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.batch import SampleMeta
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.distributed import host_group
@@ -96,20 +97,34 @@ class RemoteEngines(EngineRouting):
                                           None if max_new_tokens is None else list(max_new_tokens)))
         return self._tickets
 
+    def submit_episodes(self, contexts: Sequence[list[int]], metas: Sequence[SampleMeta], params: SamplingParams,
+                        *, seed: int) -> int:
+        """Queue a batch of multi-turn episodes, each played out on the engine rank that holds its prompt (its
+        engine, tools and environment: :func:`hybridrl.rollout.multi_turn.play_share`); the ticket's parts are
+        :class:`~hybridrl.rollout.multi_turn.Episodes`."""
+        self._tickets += 1
+        if self.bridge is not None:
+            self.bridge.broadcast_object(("episodes", self._tickets, list(contexts), list(metas), params, seed))
+        return self._tickets
+
     def collect(self, ticket: int) -> list[Generation]:
-        """The samples of the generation ``ticket`` (waiting for them), on every trainer rank; the engines' busy
-        seconds since the last collect are added to :attr:`engine_busy_s`."""
+        """The samples of the generation ``ticket`` (waiting for them), on every trainer rank."""
+        return [g for gens in self.collect_parts(ticket) for g in gens]
+
+    def collect_parts(self, ticket: int) -> list[Any]:
+        """What each engine made of ticket ``ticket`` (waiting for it), in engine order, on every trainer rank;
+        the engines' busy seconds since the last collect are added to :attr:`engine_busy_s`."""
         out: list[Any] = [None]
         if self.bridge is not None:
             start = time.perf_counter()
             self.bridge.broadcast_object(("collect", ticket))
             parts = [self.bridge.recv_object(src=leader) for leader in self._leaders]
             self.waited_s += time.perf_counter() - start
-            out = [([g for gens, _ in parts for g in gens], max(busy for _, busy in parts))]
+            out = [([made for made, _ in parts], max(busy for _, busy in parts))]
         dist.broadcast_object_list(out, src=0, group=host_group.get())
-        gens, busy = out[0]
+        made, busy = out[0]
         self.engine_busy_s += busy
-        return gens
+        return made
 
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
         """Every trainer rank consumes the stream (it is made of collectives); rank 0 forwards each bucket."""
@@ -157,24 +172,50 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
     a = cfg.async_training
     interrupt = Interrupt(engine) if engine is not None and a.enable and a.partial_rollout else None
 
+    def generate_on(share: range, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+                    max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        if interrupt is not None:
+            return generate_continued(engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens,
+                                      interrupt=interrupt)
+        return generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
+
+    def local(contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+              max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+        return generate_on(range(len(contexts)), contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
+
+    @contextmanager
+    def working() -> Iterator[None]:
+        start, held = time.perf_counter(), 0.0 if interrupt is None else interrupt.waited_s
+        try:
+            yield
+        finally:  # a pause's wait is not work
+            busy[0] += time.perf_counter() - start - (0.0 if interrupt is None else interrupt.waited_s - held)
+
     def generate(contexts: list[list[int]], params: SamplingParams, seeds: list[int],
                  caps: list[int] | None) -> list[Generation]:
-        start, held = time.perf_counter(), 0.0 if interrupt is None else interrupt.waited_s
-        share = plan.engine_prompts(placement.index, len(contexts))
-        try:
-            if interrupt is not None:
-                return generate_continued(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps,
-                                          interrupt=interrupt)
-            return generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=caps)
-        finally:  # a pause's wait is not generating
-            busy[0] += time.perf_counter() - start - (0.0 if interrupt is None else interrupt.waited_s - held)
+        with working():
+            return generate_on(plan.engine_prompts(placement.index, len(contexts)), contexts, params, seeds=seeds,
+                               max_new_tokens=caps)
+
+    actors: list[Any] = []  # the multi-turn episodes' tools and environment, built at the first episodes
+
+    def episodes(contexts: list[list[int]], metas: list[Any], params: SamplingParams, seed: int) -> Any:
+        from hybridrl.rollout.multi_turn import play_share
+
+        if engine is None:
+            return None
+        if not actors:
+            actors.append(_episode_actors(cfg))
+        with working():
+            return play_share(actors[0], plan.engine_prompts(placement.index, len(contexts)), contexts, metas,
+                              params, seed=seed, generate=local)
 
     try:
         while True:
             command, *args = bridge.broadcast_object()
-            if command == "generate":  # kept until collected: the trainer may queue several
+            if command in ("generate", "episodes"):  # kept until collected: the trainer may queue several
                 ticket, *call = args
-                done[ticket] = worker.submit(generate, *call)
+                done[ticket] = worker.submit(generate if command == "generate" else episodes, *call)
             elif command == "collect":
                 made = done.pop(args[0]).result()
                 if engine is not None:
@@ -199,6 +240,16 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
         if engine is not None:
             engine.shutdown()
         bridge.close()
+
+
+def _episode_actors(cfg: RLConfig) -> Any:
+    """The multi-turn rollout's tools, environment and turn renderer on an engine rank (as a trainer builds them)."""
+    from transformers import AutoTokenizer
+
+    from hybridrl.rollout.build import episode_actors
+
+    model = cfg.actor_rollout_ref.model
+    return episode_actors(cfg, AutoTokenizer.from_pretrained(model.tokenizer_path or model.path))
 
 
 def _buckets(bridge: Bridge) -> Iterator[WeightBucket]:

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from hybridrl.batch import RolloutBatch
+from hybridrl.batch import RolloutBatch, SampleMeta
 from hybridrl.data.collate import PromptBatch
 from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
@@ -46,6 +46,11 @@ from hybridrl.tools.runner import ToolCounts
 
 if TYPE_CHECKING:
     from hybridrl.metrics import Timer
+
+
+class Generate(Protocol):
+    def __call__(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]: ...
 
 
 class TurnEngines(Protocol):
@@ -82,7 +87,8 @@ class _Sample:
     turns: int = 0
     done: bool = False
     finish: str = "stop"
-    weight_version: int = 0
+    versions: list[int] = field(default_factory=list)  # the weight version of each response token
+    last_version: int = 0  # the version of the latest turn
     env_reward: float | None = None
     env_error: str | None = None
 
@@ -92,10 +98,19 @@ class _Sample:
         self.response += ids
         self.logprobs += g.logprobs[:room]
         self.mask += [1] * len(ids)
+        self.versions += (g.token_versions or [g.weight_version] * len(g.token_ids))[:room]
+        self.last_version = (g.token_versions or [g.weight_version])[-1]
         self.turns += 1
-        self.weight_version = g.weight_version
         self.finish = "length" if len(g.token_ids) > room or g.finish_reason == "length" else "stop"
         return ids
+
+    def generation(self) -> Generation:
+        """The whole episode as one sample; its version: the oldest that sampled a token of it."""
+        sampled = [v for v, m in zip(self.versions, self.mask, strict=True) if m] or [self.last_version]
+        mixed = len(set(sampled)) > 1  # turns on several versions (asynchronous rollouts)
+        return Generation(prompt_index=self.prompt_index, token_ids=self.response, logprobs=self.logprobs,
+                          loss_mask=self.mask, finish_reason=self.finish, weight_version=min(sampled),
+                          token_versions=self.versions if mixed else None)
 
     def apply(self, act: Act, budget: int) -> None:
         """The owner's answer to the turn: its appended ids (cut to the budget), reward, error, end."""
@@ -108,6 +123,7 @@ class _Sample:
         self.response += appended
         self.logprobs += [0.0] * len(appended)
         self.mask += [0] * len(appended)
+        self.versions += [self.last_version] * len(appended)  # not sampled: the version of the turn before
         if act.done or len(act.appended) >= room:
             self.done = True
             if not act.done:
@@ -149,40 +165,19 @@ class MultiTurnRollout:
 
     def _run(self, prompts: PromptBatch, params: SamplingParams, *,
              seed: int) -> tuple[RolloutBatch, dict[str, float]]:
-        n, budget = params.n, params.max_new_tokens
+        n = params.n
         contexts = prompts.token_lists()
-        samples = [_Sample(prompt_index=s // n, prompt=contexts[s // n]) for s in range(len(prompts) * n)]
+        samples = {s: _Sample(prompt_index=s // n, prompt=contexts[s // n]) for s in range(len(prompts) * n)}
         for s in range(self.rank, len(samples), self.world):
             self.actors.open(s, prompts.meta[s // n])
         with self.hybrid.generating() as engines:
-            for turn in range(budget):  # ends well before: every turn adds a token or ends its episode
-                live = [s for s, x in enumerate(samples) if not x.done]
-                if not live:
-                    break
-                left = [budget - len(samples[s].response) for s in live]
-                gens = engines.generate_ids([samples[s].prompt + samples[s].response for s in live],
-                                            dataclasses.replace(params, n=1, max_new_tokens=max(left)),
-                                            seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live],
-                                            max_new_tokens=left)
-                mine = []
-                for s, g, room in zip(live, gens, left, strict=True):
-                    x = samples[s]
-                    ids = x.add_turn(g, room)
-                    if s % self.world == self.rank:
-                        mine.append((s, ids, x.finish == "length", x.turns, prompts.meta[s // n],
-                                     prompt_seed(seed, s)))
-                for s, act in self._act(mine).items():
-                    samples[s].apply(act, budget)
-            self._raise_failures(samples)
-            metrics = self._metrics(samples)
-            gens = [Generation(prompt_index=x.prompt_index, token_ids=x.response, logprobs=x.logprobs,
-                               loss_mask=x.mask, finish_reason=x.finish, weight_version=x.weight_version)
-                    for x in samples]
-            batch = engines.dp_share(prompts, gens)
-            kept = engines.dp_prompts(len(prompts))
-        batch.meta = [dataclasses.replace(m, env_reward=x.env_reward, env_error=x.env_error)
-                      for m, x in zip(batch.meta, samples[kept.start * n:kept.stop * n], strict=True)]
-        return batch, metrics
+            play(samples, prompts.meta, params, seed=seed, owns=lambda s: s % self.world == self.rank,
+                 generate=engines.generate_ids, act=self._act)
+            episodes = Episodes.of(list(samples.values()), counts=self._counts())
+            raise_failures(episodes, on_error=self.on_error, environment=self.environment)
+            batch = engines.dp_share(prompts, episodes.gens)
+            with_episode_meta(batch, episodes, kept=engines.dp_prompts(len(prompts)), n=n)
+        return batch, episodes.metrics()
 
     def _act(self, mine: list[Any]) -> dict[int, Act]:
         """Every live episode's act, each from its owner; a rank whose acting failed (a template that cannot render
@@ -197,24 +192,101 @@ class MultiTurnRollout:
             raise RuntimeError(f"the multi-turn rollout failed between turns on {failures[0]}")
         return {s: a for part, _ in everyone for s, a in sorted(part.items())}
 
-    def _raise_failures(self, samples: list[_Sample]) -> None:
-        failed = [(s, x.env_error) for s, x in enumerate(samples) if x.env_error is not None]
-        if failed and self.on_error == "raise":
-            s, error = failed[0]
-            raise EnvironmentFailed(
-                f"environment {self.environment!r} (actor_rollout_ref.rollout.multi_turn.environment) failed in "
-                f"{len(failed)} episode(s); the first, sample {s} of the step: {error}\nreward.on_error=zero would "
-                "end such episodes, score them 0.0 and go on")
-
-    def _metrics(self, samples: list[_Sample]) -> dict[str, float]:
-        """The step's: the same on every rank (the tool counts of every rank's episodes summed)."""
+    def _counts(self) -> ToolCounts:
+        """The tool counts of every rank's episodes this step, summed (the same on every rank)."""
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, self.actors.tools.take_counts(), group=host_group.get())
-        c = ToolCounts()
-        for part in everyone:
-            c.calls, c.errors, c.timeouts, c.truncated = (c.calls + part.calls, c.errors + part.errors,
-                                                          c.timeouts + part.timeouts, c.truncated + part.truncated)
-        return {"multi_turn/turns_mean": sum(x.turns for x in samples) / max(len(samples), 1),
+        return sum_counts(everyone)
+
+
+def play(samples: dict[int, _Sample], metas: Sequence[SampleMeta], params: SamplingParams, *, seed: int,
+         owns: Callable[[int], bool], generate: Generate,
+         act: Callable[[list[Any]], dict[int, Act]]) -> None:
+    """The turn loop over ``samples`` (by sample index in the step; each ends when done): every live episode
+    generates at once, then each one ``owns`` answers acts, and ``act`` returns every live episode's act."""
+    n, budget = params.n, params.max_new_tokens
+    for turn in range(budget):  # ends well before: every turn adds a token or ends its episode
+        live = [s for s, x in samples.items() if not x.done]
+        if not live:
+            break
+        left = [budget - len(samples[s].response) for s in live]
+        gens = generate([samples[s].prompt + samples[s].response for s in live],
+                        dataclasses.replace(params, n=1, max_new_tokens=max(left)),
+                        seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live], max_new_tokens=left)
+        mine = []
+        for s, g, room in zip(live, gens, left, strict=True):
+            x = samples[s]
+            ids = x.add_turn(g, room)
+            if owns(s):
+                mine.append((s, ids, x.finish == "length", x.turns, metas[s // n], prompt_seed(seed, s)))
+        for s, a in act(mine).items():
+            samples[s].apply(a, budget)
+
+
+def play_share(actors: EpisodeActors, share: range, contexts: Sequence[list[int]], metas: Sequence[SampleMeta],
+               params: SamplingParams, *, seed: int, generate: Generate) -> Episodes:
+    """The episodes of the prompts at positions ``share``, all played here (one engine and its own actors: an
+    engine rank of an asynchronous run); the same seeds as :class:`MultiTurnRollout` gives them."""
+    n = params.n
+    samples = {s: _Sample(prompt_index=s // n, prompt=list(contexts[s // n]))
+               for s in range(share.start * n, share.stop * n)}
+    try:
+        for s in samples:
+            actors.open(s, metas[s // n])
+        play(samples, metas, params, seed=seed, owns=lambda s: True, generate=generate, act=actors.act)
+    finally:
+        actors.close_all()
+    return Episodes.of(list(samples.values()), counts=actors.tools.take_counts())
+
+
+@dataclass(slots=True, kw_only=True)
+class Episodes:
+    """A step's (or an engine's share of a step's) finished episodes, as samples plus their environment outcome."""
+
+    gens: list[Generation]  # sample order
+    env: list[tuple[float | None, str | None]]  # (env_reward, env_error) of each
+    turns: list[int]  # the policy's turns of each
+    counts: ToolCounts
+
+    @classmethod
+    def of(cls, samples: Sequence[_Sample], *, counts: ToolCounts) -> Episodes:
+        return cls(gens=[x.generation() for x in samples], env=[(x.env_reward, x.env_error) for x in samples],
+                   turns=[x.turns for x in samples], counts=counts)
+
+    @classmethod
+    def joined(cls, parts: Sequence[Episodes]) -> Episodes:
+        """Engine shares in engine order (their prompts are consecutive ranges): the whole step's."""
+        return cls(gens=[g for p in parts for g in p.gens], env=[e for p in parts for e in p.env],
+                   turns=[t for p in parts for t in p.turns], counts=sum_counts([p.counts for p in parts]))
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counts
+        return {"multi_turn/turns_mean": sum(self.turns) / max(len(self.turns), 1),
                 "multi_turn/tool_calls": float(c.calls), "multi_turn/tool_errors": float(c.errors),
                 "multi_turn/tool_timeouts": float(c.timeouts), "multi_turn/tool_truncated": float(c.truncated),
-                "multi_turn/env_errors": float(sum(x.env_error is not None for x in samples))}
+                "multi_turn/env_errors": float(sum(error is not None for _, error in self.env))}
+
+
+def sum_counts(parts: Sequence[ToolCounts]) -> ToolCounts:
+    c = ToolCounts()
+    for part in parts:
+        c.calls, c.errors, c.timeouts, c.truncated = (c.calls + part.calls, c.errors + part.errors,
+                                                      c.timeouts + part.timeouts, c.truncated + part.truncated)
+    return c
+
+
+def with_episode_meta(batch: RolloutBatch, episodes: Episodes, *, kept: range, n: int) -> None:
+    """Give this rank's DP share (``batch``, the prompts ``kept``) its episodes' environment rewards and errors."""
+    env = episodes.env[kept.start * n:kept.stop * n]
+    batch.meta = [dataclasses.replace(m, env_reward=r, env_error=e) for m, (r, e) in zip(batch.meta, env,
+                                                                                         strict=True)]
+
+
+def raise_failures(episodes: Episodes, *, on_error: str, environment: str | None) -> None:
+    failed = [(s, error) for s, (_, error) in enumerate(episodes.env) if error is not None]
+    if failed and on_error == "raise":
+        s, error = failed[0]
+        raise EnvironmentFailed(
+            f"environment {environment!r} (actor_rollout_ref.rollout.multi_turn.environment) failed in "
+            f"{len(failed)} episode(s); the first, sample {s} of the step: {error}\nreward.on_error=zero would "
+            "end such episodes, score them 0.0 and go on")

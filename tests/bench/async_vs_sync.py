@@ -8,10 +8,13 @@ response runs to the length cap and the work per step is fixed):
 
 - ``colocated sync``: both ranks train (DP=2) and generate (an engine each);
 - ``disaggregated sync``: rank 1 generates, rank 0 trains; each step waits for its rollouts;
-- ``S=1``, ``S=2``: the same ranks with ``async_training.enable=true`` and that staleness threshold.
+- ``S=1``, ``S=2``: the same ranks with ``async_training.enable=true`` and that staleness threshold;
+- ``S=1 partial``, ``S=2 partial``: and ``async_training.partial_rollout=true`` (an update interrupts the running
+  generation, which continues on the new weights).
 
-Workloads: ``grpo_tiny`` (the recipe's batch; training outweighs generation) and ``balanced`` (longer responses,
-fewer optimizer steps, so generation and training take about as long). From the disaggregated synchronous run's
+Workloads: ``grpo_tiny`` (the recipe's batch; training outweighs generation about 5 : 1) and ``balanced`` (longer
+responses, one optimizer step and no reference pass, an engine that decodes 24 rows at a time: generation and
+training take about as long, L ≈ 2). From the disaggregated synchronous run's
 own stage times: t_gen = median ``timing/gen``, t_train = median (``timing/step`` − ``timing/gen``), and the overlap
 limit L = t_sync / max(t_gen, t_train). For each asynchronous mode: speed-up = t_sync / t_async (median
 ``timing/step``) and speed-up / L. Prints a markdown table (medians over the timed steps).
@@ -33,7 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 AOR = "actor_rollout_ref"
 WORKLOADS = {
     "grpo_tiny": [],
-    "balanced": ["data.max_response_length=48", f"{AOR}.actor.ppo_mini_batch_size=64"],
+    # 32-token responses; one optimizer step and no reference pass; the engine decodes 24 rows at a time
+    "balanced": ["data.max_response_length=32", f"{AOR}.actor.ppo_mini_batch_size=64",
+                 f"{AOR}.actor.use_kl_loss=false", f"+{AOR}.rollout.engine_kwargs.max_batch_size=24"],
 }
 DISAGG = [f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1"]
 MODES = {
@@ -44,6 +49,8 @@ MODES = {
     "S=2": [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=2",
             "algorithm.rollout_correction.rollout_is=token"],
 }
+MODES |= {f"{mode} partial": [*keys, "async_training.partial_rollout=true"] for mode, keys in list(MODES.items())
+          if mode.startswith("S=")}
 
 
 def free_port() -> int:
@@ -78,7 +85,8 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     args = p.parse_args()
     print("| workload | mode | median timing/step (s) | t_gen | t_train | L | speed-up | share of L "
-          "| trainer idle | engine idle | staleness max |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| trainer idle | engine idle | staleness max | partial samples |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):
             sync = None
@@ -91,15 +99,16 @@ def main() -> None:
                     t_gen = median(rows, "timing/gen")
                     t_train = statistics.median(r["timing/step"] - r["timing/gen"] for r in rows)
                     sync = (t, t_gen, t_train, t / max(t_gen, t_train))
-                    cells += [f"{t_gen:.2f}", f"{t_train:.2f}", f"{sync[3]:.2f}", "1.00", "", "", "", ""]
+                    cells += [f"{t_gen:.2f}", f"{t_train:.2f}", f"{sync[3]:.2f}", "1.00", "", "", "", "", ""]
                 elif sync is not None and mode.startswith("S="):
                     speedup = sync[0] / t
                     cells += ["", "", "", f"{speedup:.2f}", f"{speedup / sync[3]:.0%}",
                               f"{median(rows, 'async/trainer_idle_ratio'):.2f}",
                               f"{median(rows, 'async/engine_idle_ratio'):.2f}",
-                              f"{max(r['async/staleness_max'] for r in rows):.0f}"]
+                              f"{max(r['async/staleness_max'] for r in rows):.0f}",
+                              f"{median(rows, 'async/partial_samples'):.0f}"]
                 else:
-                    cells += [""] * 8
+                    cells += [""] * 9
                 print("| " + " | ".join(cells) + " |", flush=True)
 
 

@@ -3,6 +3,7 @@ ranks of their own, the trainer on the rest, the same run as colocated engines g
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -259,3 +260,25 @@ def test_a_slowed_trainer_meets_the_bound_sample_by_sample_and_never_passes_it( 
     assert [r["async/staleness_max"] for r in got] == [0.0, 1.0, 2.0, 2.0, 2.0]  # ahead as far as S allows
     assert all(r["async/dropped_samples"] == 0 for r in got)
     assert got[-1]["async/trainer_idle_ratio"] < 0.5  # the engine kept up: the trainer hardly waits
+
+
+@pytest.mark.sglang
+@pytest.mark.distributed
+def test_sglang_on_an_engine_rank_with_partial_rollouts(torchrun, tiny: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    """The SGLang engine on the engine rank (its loop driven from the generating thread, weight updates from the
+    command thread while paused): step 1 on-policy (SGLang's log-probs = the actor's), then one version behind at
+    most, and no SGLang process outlives the run. ~40 s: SGLang's start on CPU."""
+    import psutil
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh` (CI's test command does)")
+    before = {p.pid for p in psutil.process_iter()}
+    got = run(torchrun, tiny, "sglang_partial", 2, f"{AOR}.rollout.placement=disaggregated",
+              f"{AOR}.rollout.num_ranks=1", f"{AOR}.rollout.name=sglang", "async_training.enable=true",
+              "async_training.staleness_threshold=1", "async_training.partial_rollout=true",
+              "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=3")
+    assert got[0]["rollout/logprob_abs_diff_max"] <= 1e-4 and got[0]["async/staleness_max"] == 0
+    assert all(r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0 for r in got)
+    assert [r["step"] for r in got] == [1, 2, 3] and "eval/accuracy" in got[-1]
+    left = [p for p in psutil.process_iter() if p.pid not in before and p.name().startswith("sglang::")]
+    assert left == [], left
