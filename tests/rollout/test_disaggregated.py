@@ -282,3 +282,49 @@ def test_sglang_on_an_engine_rank_with_partial_rollouts(torchrun, tiny: dict[str
     assert [r["step"] for r in got] == [1, 2, 3] and "eval/accuracy" in got[-1]
     left = [p for p in psutil.process_iter() if p.pid not in before and p.name().startswith("sglang::")]
     assert left == [], left
+
+
+@pytest.mark.distributed
+def test_a_hung_engine_rank_ends_the_run_named_within_the_timeout(tiny: dict[str, Path]) -> None:
+    """The engine rank is stopped (SIGSTOP: alive, silent — a hang no error reports) after step 1: trainer rank 0
+    gives up on it within ``trainer.dist_timeout_s`` naming launch rank 1, the run fails, and torchrun leaves no
+    rank behind. ~60 s: the 15 s timeout waited out and torchrun's shutdown of a stopped process."""
+    import os
+    import signal
+    import socket
+
+    import psutil
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tiny["tmp"] / "hung"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={port}", TRAIN, "recipe=grpo_tiny", f"{AOR}.model.path={tiny['model']}",
+           f"{AOR}.model.build_if_missing=null", f"data.train_files=[{tiny['train']}]", "data.val_files=[]",
+           "data.build_if_missing=null", f"trainer.output_dir={out}", "data.train_batch_size=4",
+           f"{AOR}.actor.ppo_mini_batch_size=2", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=4", f"{AOR}.rollout.n=4",
+           "trainer.total_training_steps=50", "trainer.test_freq=0", "trainer.val_before_train=false", *KEYWORD,
+           f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1", "async_training.enable=true",
+           "trainer.dist_timeout_s=15", "reward.timeout_s=10"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "RANK" in p.environ()}
+        engine = ranks[1]
+        engine.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        output, _ = proc.communicate(timeout=180)
+        waited = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    named = "launch rank 1" in output or "engine ranks [1]" in output  # a receive names its peer, a broadcast all
+    assert "BridgeError" in output and named and "trainer.dist_timeout_s" in output, output[-3000:]
+    assert waited < 15 + 60, waited  # the bridge's timeout, then torchrun's shutdown
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
