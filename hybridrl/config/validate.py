@@ -368,7 +368,7 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
             engine = None
         if engine is not None and not getattr(engine, "supports_abort", False):
             issues.add(f"{AOR}.rollout.name", r.name, f"cannot interrupt its generations (no abort/resume), which "
-                       f"{ASYNC_KEY}.partial_rollout=true needs: use hf or sglang, or set partial_rollout=false")
+                       f"{ASYNC_KEY}.partial_rollout=true needs: use hf, sglang or vllm, or set partial_rollout=false")
     unbuilt = [("algorithm.filter_groups.enable", alg.filter_groups.enable, "dynamic sampling")]
     for key, on, what in unbuilt:  # valid settings the asynchronous rollout cannot run yet: never run otherwise
         if on:

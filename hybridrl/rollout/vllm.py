@@ -31,6 +31,7 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.vllm_compat` (items referred t
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -61,6 +62,7 @@ class VLLMEngineError(RuntimeError):
 
 class VLLMRolloutEngine:
     supports_tensor_parallel: ClassVar[bool] = True
+    supports_abort: ClassVar[bool] = True  # abort(): the step loop aborts its unfinished requests, keeping their tokens
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -134,6 +136,8 @@ class VLLMRolloutEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.cpu = self.device.type == "cpu"
         self.version = 0
+        self._abort = threading.Event()  # abort() until resume(): requests come back cut short
+        self._requests = 0  # calls so far (request ids: hybridrl-<call>-<k>)
         self.llm: Any = None
         self.procs: list[Any] = []  # psutil.Process of the engine's own processes
         self.reaper: Any = None
@@ -236,14 +240,52 @@ class VLLMRolloutEngine:
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=limits[i], stop_token_ids=stop, logprobs=0, detokenize=False,
             seed=None if seeds is None else request_seed(seeds[i], j)) for i, j in expanded]
-        outs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        outs = self._run(requests, sampling)
         made = {key: self._generation(key[0], out) for key, out in zip(expanded, outs, strict=True)}
         # a prompt capped at 0 new tokens gets empty samples (vLLM needs max_tokens ≥ 1)
         return [made.get((i, j)) or Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="length",
                                                weight_version=self.version)
                 for i in range(len(prompts)) for j in range(params.n)]
 
+    def _run(self, requests: list[Any], sampling: list[Any]) -> list[Any]:
+        """``LLM.generate``'s engine loop, stepped here so that :meth:`abort` can stop it between steps: each
+        request's latest (cumulative) output, in request order; None for one cut short before its first token."""
+        if not requests:
+            return []
+        if self._abort.is_set():
+            return [None] * len(requests)
+        self._requests += 1
+        ids = [f"hybridrl-{self._requests}-{k}" for k in range(len(requests))]
+        for rid, request, params in zip(ids, requests, sampling, strict=True):
+            compat.add_cumulative_request(self.llm, rid, request, params)  # item 10
+        engine, latest = self.llm.llm_engine, {}
+        try:
+            while engine.has_unfinished_requests():
+                if self._abort.is_set():
+                    break
+                for out in engine.step():
+                    latest[out.request_id] = out
+        finally:  # aborted, or failed: nothing of this call stays queued in the engine
+            if left := [i for i in ids if not getattr(latest.get(i), "finished", False)]:
+                engine.abort_request(left)
+        return [latest.get(i) for i in ids]
+
+    def abort(self) -> None:
+        """From another thread: the running ``generate`` returns after its current engine step, each unfinished
+        sample with its tokens so far (``finish_reason="abort"``), and so does any until :meth:`resume`."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        self._abort.clear()
+
     def _generation(self, prompt_index: int, out: Any) -> Generation:
+        if out is None or not out.finished:  # abort(): what it had (cumulative outputs)
+            sample = None if out is None else out.outputs[0]
+            token_ids = [] if sample is None else [int(t) for t in sample.token_ids]
+            steps = [] if sample is None else (sample.logprobs or [])[:len(token_ids)]
+            return Generation(prompt_index=prompt_index, token_ids=token_ids[:len(steps)],
+                              logprobs=[float(step[t].logprob) for step, t in zip(steps, token_ids, strict=False)],
+                              finish_reason="abort", weight_version=self.version)
         [sample] = out.outputs
         if sample.finish_reason not in ("stop", "length"):
             raise VLLMEngineError(f"the vLLM engine did not finish a request: {sample.finish_reason!r}. "

@@ -40,6 +40,11 @@ needed (it fails once upstream changes, so the item can go).
    platform"), and without it ``LLM.sleep()`` still pauses the engine's scheduler (a ``generate`` then blocks until
    ``wake_up``) while the CPU worker frees nothing. The engine's release/resume are therefore documented no-ops on
    CPU that never call vLLM (``hybridrl validate`` prints a note).
+10. **Only final outputs offline.** ``LLM``'s requests are added with ``output_kind=FINAL_ONLY``
+    (``OfflineInferenceMixin._add_request``), so a request aborted mid-way (``async_training.partial_rollout``)
+    leaves no trace of the tokens it had. :func:`add_cumulative_request` adds each request on the ``LLMEngine``
+    directly, under hybridrl's own request id, with ``CUMULATIVE`` outputs (every step's output holds the tokens so
+    far), and the engine steps it itself.
 
 Nothing here imports vllm at module import time.
 """
@@ -110,3 +115,11 @@ def finish_layerwise_reload(worker: Any) -> None:
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
+
+
+def add_cumulative_request(llm: Any, request_id: str, prompt: Any, params: Any) -> None:
+    """Add one request on ``llm``'s engine with cumulative outputs, known by ``request_id`` (item 10)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    llm.llm_engine.add_request(request_id, prompt, params)

@@ -100,11 +100,17 @@ def test_what_the_asynchronous_rollout_cannot_run_yet_is_refused_not_run_otherwi
     assert "not built yet" in found["algorithm.filter_groups.enable"], found
 
 
-def test_partial_rollouts_need_an_engine_that_can_be_interrupted(base: list[str]) -> None:
+def test_partial_rollouts_need_an_engine_that_can_be_interrupted(base: list[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION,
           "async_training.partial_rollout=true", "async_training.mask_stale_prefix=true"]
-    assert issues(base, *on) == {}  # hf: abort / resume
-    found = issues(base, *on, f"{AOR}.rollout.name=vllm")
+    for name in ("hf", "sglang", "vllm"):  # every built-in engine has abort / resume
+        assert Registry("rollout_engines").load(name, key="k").supports_abort is True
+    assert issues(base, *on) == {}
+    from hybridrl.rollout.hf import HFRolloutEngine
+
+    monkeypatch.setattr(HFRolloutEngine, "supports_abort", False)  # as an engine plugin without the capability
+    found = issues(base, *on)
     assert "cannot interrupt its generations" in found[f"{AOR}.rollout.name"], found
 
 

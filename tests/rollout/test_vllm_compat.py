@@ -141,3 +141,12 @@ def test_item9_no_sleep_mode_on_cpu(vllm_models: tuple[Path, Path]) -> None:
     with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
         args.create_engine_config()
     assert "not supported on CPU" in inspect.getsource(CPUWorker.sleep)
+
+
+def test_item10_offline_requests_keep_only_their_final_output() -> None:
+    """``LLM`` adds every request with ``output_kind=FINAL_ONLY``: an aborted request's tokens would be lost, so the
+    engine adds its requests itself with cumulative outputs."""
+    from vllm.entrypoints.common.offline import OfflineInferenceMixin
+
+    source = inspect.getsource(OfflineInferenceMixin._add_request)
+    assert "params.output_kind = RequestOutputKind.FINAL_ONLY" in source
