@@ -1,6 +1,6 @@
 """Benchmark: does one-step-off-policy training learn as the synchronous run does? grpo_tiny on 2 CPU ranks.
 
-    python tests/bench/async_learning.py [--steps 200] [--test-freq 25] [--modes sync,S=1]
+    python tests/bench/async_learning.py [--steps 200] [--test-freq 25] [--modes sync,S=1] [--seeds 1]
 
 Each mode is the whole ``grpo_tiny`` recipe (its SFT warm start and arithmetic task, built into the cache if
 missing; 1 torch thread per rank) under ``torchrun --nproc-per-node 2``, disaggregated — rank 1 generates, rank 0
@@ -10,9 +10,10 @@ trains:
 - ``S=1``: one-step-off-policy (``async_training.staleness_threshold=1``), token-level rollout correction;
 - ``S=1 partial``: and ``async_training.partial_rollout=true``.
 
-Every run uses the same seed and prompts. Prints ``eval/accuracy`` (greedy, the 200 held-out problems) at every
-evaluation of each mode, the last evaluation's difference against ``sync`` (the issue asks within 0.05) and each
-mode's median ``timing/step``.
+Each mode runs once per ``trainer.seed`` of ``--seeds`` (the prompts' order and the samples follow the seed). Prints
+``eval/accuracy`` (greedy, the 200 held-out problems) at every evaluation, averaged over the seeds, each seed's
+last evaluation, the last evaluation's difference against ``sync`` (the issue asks within 0.05) and each mode's
+median ``timing/step``.
 """
 
 from __future__ import annotations
@@ -57,26 +58,36 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--test-freq", type=int, default=25)
     p.add_argument("--modes", default="sync,S=1")
+    p.add_argument("--seeds", default="1", help="comma-separated trainer.seed values")
     args = p.parse_args()
-    curves: dict[str, dict[int, float]] = {}
-    step_times: dict[str, float] = {}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    curves: dict[str, dict[int, dict[int, float]]] = {}  # mode -> seed -> step -> accuracy
+    step_times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            print(f"running {mode} ({args.steps} steps)…", file=sys.stderr, flush=True)
-            rows = run(Path(tmp) / mode.replace(" ", "_").replace("=", ""), MODES[mode], steps=args.steps,
-                       test_freq=args.test_freq)
-            curves[mode] = {int(r["step"]): r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-            step_times[mode] = statistics.median(r["timing/step"] for r in rows if r["step"] > 0)
-    steps = sorted(set.intersection(*(set(c) for c in curves.values())))
+        for seed in seeds:
+            for mode in args.modes.split(","):
+                print(f"running {mode}, seed {seed} ({args.steps} steps)…", file=sys.stderr, flush=True)
+                rows = run(Path(tmp) / f"{mode.replace(' ', '_').replace('=', '')}_{seed}",
+                           [*MODES[mode], f"trainer.seed={seed}"], steps=args.steps, test_freq=args.test_freq)
+                curves.setdefault(mode, {})[seed] = {int(r["step"]): r["eval/accuracy"] for r in rows
+                                                     if "eval/accuracy" in r}
+                step_times.setdefault(mode, []).extend(r["timing/step"] for r in rows if r["step"] > 0)
     modes = list(curves)
-    print("| step | " + " | ".join(f"{m} eval/accuracy" for m in modes) + " |")
+    steps = sorted(set.intersection(*(set(c) for m in modes for c in curves[m].values())))
+
+    def mean(mode: str, step: int) -> float:
+        return statistics.mean(curves[mode][s][step] for s in seeds)
+
+    print("| step | " + " | ".join(f"{m} eval/accuracy (mean of {len(seeds)})" for m in modes) + " |")
     print("|---|" + "---|" * len(modes))
     for s in steps:
-        print(f"| {s} | " + " | ".join(f"{curves[m][s]:.3f}" for m in modes) + " |")
+        print(f"| {s} | " + " | ".join(f"{mean(m, s):.3f}" for m in modes) + " |")
     last = steps[-1]
-    print("| median timing/step (s) | " + " | ".join(f"{step_times[m]:.2f}" for m in modes) + " |")
+    for seed in seeds:
+        print(f"| step {last}, seed {seed} | " + " | ".join(f"{curves[m][seed][last]:.3f}" for m in modes) + " |")
+    print("| median timing/step (s) | " + " | ".join(f"{statistics.median(step_times[m]):.2f}" for m in modes) + " |")
     for m in modes[1:]:
-        print(f"\n{m} − {modes[0]} at step {last}: {curves[m][last] - curves[modes[0]][last]:+.3f}")
+        print(f"\n{m} − {modes[0]} at step {last} (mean over seeds): {mean(m, last) - mean(modes[0], last):+.3f}")
 
 
 if __name__ == "__main__":
