@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     sp.add_argument("--vpp", type=int, default=None,
                     help="virtual pipeline size: model chunks per stage (interleaved schedule; needs --pp ≥ 2)")
+    sp.add_argument("--ep", type=int, default=1,
+                    help="expert parallel size (MoE models: the experts split over this many ranks)")
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)

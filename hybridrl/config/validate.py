@@ -267,7 +267,7 @@ def _check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None,
     if model is not None:
         for size, value, message in model.split_problems(
                 tp=max(m.tensor_model_parallel_size, 1), pp=max(m.pipeline_model_parallel_size, 1),
-                vpp=m.virtual_pipeline_model_parallel_size):
+                vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1)):
             issues.add(f"{key}.{size}", value, message)
 
 
@@ -465,7 +465,8 @@ def _check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues:
         for size, value, message in model.split_problems(
                 tp=max(actor_megatron.tensor_model_parallel_size, 1),
                 pp=max(actor_megatron.pipeline_model_parallel_size, 1),
-                vpp=actor_megatron.virtual_pipeline_model_parallel_size):
+                vpp=actor_megatron.virtual_pipeline_model_parallel_size,
+                ep=max(actor_megatron.expert_model_parallel_size, 1)):
             issues.add(f"{AOR}.actor.megatron.{size}", value, f"critic.model.path: {message}")
 
 

@@ -8,7 +8,9 @@
 Its tensors are :mod:`hybridrl.hf.tensors`; writing a checkpoint is :mod:`hybridrl.hf.write`.
 
 Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
-(RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings). Anything else is an error that names the
+(RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings), and the mixtures of experts Qwen3-MoE
+(``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways) and Qwen2-MoE (its gated shared
+expert): :class:`MoE`. Anything else is an error that names the
 file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
@@ -28,8 +30,9 @@ if TYPE_CHECKING:
 
     pass
 
-Family = Literal["qwen2", "qwen3", "llama"]
-FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
+Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe")
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -39,6 +42,7 @@ WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 _TP, _PP, _VPP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"
+_EP = "expert_model_parallel_size"
 
 
 # --- architecture -------------------------------------------------------------------------------
@@ -52,6 +56,30 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class MoE:
+    """The mixture-of-experts MLP of Qwen3-MoE / Qwen2-MoE layers, in Megatron's terms.
+
+    Routing (both families): p = softmax(router(x)) in fp32, the top-k experts by p, weights p_topk — renormalised
+    to sum 1 when ``norm_topk_prob`` (Megatron: softmax over the top-k logits, ``moe_router_pre_softmax=False``),
+    else as they are (softmax first, ``moe_router_pre_softmax=True``). Qwen2-MoE adds a shared expert on every
+    token, scaled by sigmoid(shared_expert_gate(x)).
+    """
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # HF moe_intermediate_size: each expert's
+    norm_topk_prob: bool
+    shared_ffn_hidden_size: int  # Qwen2-MoE's shared expert (HF shared_expert_intermediate_size); 0: none
+    shared_expert_gate: bool  # Qwen2-MoE: the shared expert's sigmoid gate
+    sparse_layers: tuple[bool, ...]  # per layer: True where the MLP is the MoE, False a dense MLP
+
+    @property
+    def layer_freq(self) -> list[int]:
+        """Megatron's ``moe_layer_freq`` pattern (1: MoE layer)."""
+        return [int(x) for x in self.sparse_layers]
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -73,15 +101,18 @@ class HFArch:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2: q/k/v projections have biases
     qk_layernorm: bool  # Qwen3: RMSNorm over each head of q and k
+    moe: MoE | None = None  # the MoE families; None: every layer's MLP is dense (ffn_hidden_size)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None) -> list[tuple[str, int, str]]:
+    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None,
+                       ep: int = 1) -> list[tuple[str, int, str]]:
         """Every way ``tp``/``pp``(×``vpp``) fail to split this model evenly, as ``(key, value, message)``
         with key one of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-        ``virtual_pipeline_model_parallel_size``; the message reads after ``<key>=<value>: ``.
+        ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``; the message reads after
+        ``<key>=<value>: ``.
 
         Only the model's rules: sizes < 1, VPP without PP and the world size are the caller's.
         """
@@ -91,9 +122,22 @@ class HFArch:
             out.append((_TP, tp, f"must divide the model's {heads} attention heads (valid: {_divisors(heads)})"))
         if tp >= 1 and kv % tp:
             out.append((_TP, tp, f"must divide the model's {kv} KV heads (GQA groups) (valid: {_divisors(kv)})"))
-        if tp >= 1 and ffn % tp:
-            out.append((_TP, tp, f"must divide the model's intermediate_size={ffn} (each TP rank holds an equal "
-                                f"slice of the MLP) (valid for this model: {_divisors(math.gcd(heads, kv, ffn))})"))
+        moe = self.moe
+        sizes = [] if moe is not None and all(moe.sparse_layers) else [("intermediate_size", ffn)]  # dense MLPs
+        if moe is not None:
+            sizes.append(("moe_intermediate_size", moe.ffn_hidden_size))
+            if moe.shared_ffn_hidden_size:
+                sizes.append(("shared_expert_intermediate_size", moe.shared_ffn_hidden_size))
+        for key, size in sizes:
+            if tp >= 1 and size % tp:
+                valid = _divisors(math.gcd(heads, kv, *(n for _, n in sizes)))
+                out.append((_TP, tp, f"must divide the model's {key}={size} (each TP rank holds an equal slice of "
+                                    f"the MLP) (valid for this model: {valid})"))
+        if ep > 1 and self.moe is None:
+            out.append((_EP, ep, f"splits the experts of an MoE model; {self.family} is dense: set 1"))
+        elif ep > 1 and self.moe is not None and self.moe.num_experts % ep:
+            out.append((_EP, ep, f"must divide the model's {self.moe.num_experts} experts (whole experts per rank) "
+                                f"(valid: {_divisors(self.moe.num_experts)})"))
         if pp >= 1 and layers % pp:
             out.append((_PP, pp, f"must divide the model's {layers} layers (valid: {_divisors(layers)})"))
         if pp >= 1 and vpp is not None and vpp >= 1 and layers % (pp * vpp):
@@ -102,9 +146,9 @@ class HFArch:
                                   f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}"))
         return out
 
-    def check_split(self, *, tp: int, pp: int, vpp: int | None = None) -> None:
+    def check_split(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> None:
         """Raise ``ValueError`` listing :meth:`split_problems` unless the sizes split this model evenly."""
-        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp)
+        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp, ep=ep)
         if problems:
             raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
 
@@ -154,12 +198,14 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
     theta, scaling = _rope(cfg, source)
+    layers = _size(need("num_hidden_layers"), f"{source}: num_hidden_layers")
+    moe = _moe(cfg, source, family, layers, need) if family in MOE_FAMILIES else None
     return HFArch(
         family=family,
         vocab_size=_size(need("vocab_size"), f"{source}: vocab_size"),
         hidden_size=hidden,
         ffn_hidden_size=_size(need("intermediate_size"), f"{source}: intermediate_size"),
-        num_layers=_size(need("num_hidden_layers"), f"{source}: num_hidden_layers"),
+        num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=kv_heads,
         head_dim=_size(cfg.get("head_dim") or hidden // heads, f"{source}: head_dim"),
@@ -168,9 +214,31 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         rope_scaling=scaling,
         max_position_embeddings=_size(need("max_position_embeddings"), f"{source}: max_position_embeddings"),
         tie_word_embeddings=bool(need("tie_word_embeddings")),
-        qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
+        qkv_bias=family == "qwen2" or family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        moe=moe,
     )
+
+
+def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: Any) -> MoE:
+    """Qwen3-MoE / Qwen2-MoE: layer i's MLP is the MoE unless i is in ``mlp_only_layers`` or
+    (i + 1) % ``decoder_sparse_step`` ≠ 0 (transformers' rule)."""
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"  # transformers ≥ 5.x: num_local_experts
+    experts = _size(need(key), f"{source}: {key}")
+    top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds {key}={experts}")
+    step = _size(cfg.get("decoder_sparse_step", 1), f"{source}: decoder_sparse_step")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        raise ValueError(f"{source}: mlp_only_layers={dense!r} must be a list of layer indices in [0, {layers})")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    shared = cfg.get("shared_expert_intermediate_size") or 0 if family == "qwen2_moe" else 0
+    return MoE(num_experts=experts, top_k=top_k,
+               ffn_hidden_size=_size(need("moe_intermediate_size"), f"{source}: moe_intermediate_size"),
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+               shared_ffn_hidden_size=_size(shared, f"{source}: shared_expert_intermediate_size") if shared else 0,
+               shared_expert_gate=bool(shared), sparse_layers=sparse)
 
 
 def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:

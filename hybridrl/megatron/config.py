@@ -27,6 +27,9 @@ class MegatronConfig:
     # verl and Megatron both call this context_parallel_size
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    # EP (MoE models): ranks that split each MoE layer's experts, taken from the data-parallel ranks (verl's and
+    # Megatron's name); the experts' own TP is the model's TP
+    expert_model_parallel_size: int = 1
     use_distributed_optimizer: bool = False
     # parameters and compute, one of transformer_overrides.DTYPES (float32, or bfloat16 / float16:
     # fp32 main weights and grads in the optimizer; float16 adds dynamic loss scaling); the ref runs in the actor's
@@ -60,7 +63,7 @@ class OptimConfig:
 
 
 LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "context_parallel_size", "sequence_parallel")
+                "context_parallel_size", "sequence_parallel", "expert_model_parallel_size")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,6 +76,7 @@ class RefMegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int | None = None
     sequence_parallel: bool | None = None
+    expert_model_parallel_size: int | None = None
     param_offload: bool = False  # the ref's own: its weights wait in host memory outside its log-prob pass
 
     def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
@@ -112,6 +116,7 @@ class ParallelSizes(Protocol):
     virtual_pipeline_model_parallel_size: int | None
     context_parallel_size: int
     sequence_parallel: bool
+    expert_model_parallel_size: int
 
 
 def layout_problems(m: ParallelSizes, *, world_size: int | None,
@@ -138,6 +143,15 @@ def layout_problems(m: ParallelSizes, *, world_size: int | None,
         out.append(("virtual_pipeline_model_parallel_size", vpp,
                     f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
                     "set null or raise PP"))
+    ep = m.expert_model_parallel_size
+    if ep < 1:
+        out.append(("expert_model_parallel_size", ep, "must be ≥ 1"))
+    elif world_size is not None and world_size % (tp * pp * cp) == 0 and (world_size // (tp * pp)) % ep:
+        rest = world_size // (tp * pp)
+        out.append(("expert_model_parallel_size", ep,
+                    f"must divide the {rest} ranks of each pipeline stage's TP replica (world {world_size} / "
+                    f"(TP×PP = {tp}×{pp}): Megatron takes the expert ranks from the data- and context-parallel "
+                    f"ones); valid: {divisors(rest)}"))
     if m.sequence_parallel and tp == 1:
         out.append(("sequence_parallel", True, "needs tensor_model_parallel_size > 1"))
     if m.sequence_parallel and transformer_engine is False:

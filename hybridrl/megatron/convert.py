@@ -1,4 +1,4 @@
-"""HF <-> Megatron tensor layouts for the dense Qwen2/Qwen3/Llama families (pure tensor code).
+"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE (pure tensor code).
 
 Why hand-written and not mbridge 0.15.1: mbridge targets Transformer Engine's layer spec. On
 Megatron's local spec (what runs on CPU) it needs four overrides (local spec instead of its
@@ -17,7 +17,12 @@ HF tensors it is made of. Layouts, TP size ``T``, rank ``r``:
 - ``fc1``: ``[gate_r; up_r]`` per rank (SwiGLU: ``silu(first half) * second half``).
 - ``row`` (``linear_proj``, ``linear_fc2``): split along the input dim (1).
 - ``vocab`` (embedding, output layer): rows, after padding the vocab to Megatron's size.
-- ``replicated``: norms, QK norms.
+- ``replicated``: norms, QK norms, the MoE router (``mlp.gate``), the shared expert's gate.
+
+MoE layers (:class:`~hybridrl.hf.arch.MoE`): the router and one ``fc1``/``row`` unit pair per expert
+(``mlp.experts.local_experts.<global expert>``, HF ``mlp.experts.<e>.{gate,up,down}_proj``, split over the expert
+TP ranks like a dense MLP of ``moe_intermediate_size``) and Qwen2-MoE's shared expert (``mlp.shared_experts``, a
+dense MLP of ``shared_expert_intermediate_size`` plus its gate).
 """
 
 from __future__ import annotations
@@ -53,6 +58,32 @@ class Unit:
     hf_names: tuple[str, ...]
     kind: Kind
     layer: int | None  # global layer index; None for embedding / final norm / output layer
+    ffn: int = 0  # fc1 / MLP row units: the MLP's intermediate size (0: the dense one, arch.ffn_hidden_size)
+    shape: tuple[int, ...] | None = None  # replicated units other than norms: the tensor's shape
+
+
+def _mlp_units(m: str, h: str, layer: int, *, ffn: int = 0) -> list[Unit]:
+    """A SwiGLU MLP: Megatron ``<m>linear_fc1`` = [gate; up] of HF ``<h>gate_proj`` / ``<h>up_proj``, ``linear_fc2``
+    = ``down_proj``."""
+    return [Unit(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "fc1", layer, ffn),
+            Unit(m + "linear_fc2.weight", (h + "down_proj.weight",), "row", layer, ffn)]
+
+
+def _moe_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
+    moe = arch.moe
+    assert moe is not None
+    units = [Unit(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated", layer,
+                  shape=(moe.num_experts, arch.hidden_size))]
+    for e in range(moe.num_experts):
+        units += _mlp_units(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.", layer,
+                            ffn=moe.ffn_hidden_size)
+    if moe.shared_ffn_hidden_size:
+        units += _mlp_units(m + "mlp.shared_experts.", h + "mlp.shared_expert.", layer,
+                            ffn=moe.shared_ffn_hidden_size)
+    if moe.shared_expert_gate:
+        units.append(Unit(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "replicated",
+                          layer, shape=(1, arch.hidden_size)))
+    return units
 
 
 def layer_units(arch: HFArch, layer: int) -> list[Unit]:
@@ -70,13 +101,17 @@ def layer_units(arch: HFArch, layer: int) -> list[Unit]:
                           "replicated", layer))
         units.append(Unit(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",),
                           "replicated", layer))
-    return units + [
+    units += [
         Unit(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", layer),
         Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated", layer),
-        Unit(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1",
-             layer),
-        Unit(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", layer),
     ]
+    if arch.moe is not None and arch.moe.sparse_layers[layer]:
+        return units + _moe_units(arch, m, h, layer)
+    return units + _mlp_units(m + "mlp.", h + "mlp.", layer)
+
+
+def ffn_size(unit: Unit, arch: HFArch) -> int:
+    return unit.ffn or arch.ffn_hidden_size
 
 
 def all_units(arch: HFArch) -> list[Unit]:
@@ -96,12 +131,16 @@ def hf_shapes(unit: Unit, arch: HFArch) -> list[tuple[int, ...]]:
     if unit.kind == "qkv":
         tail = (h,) if unit.megatron_name.endswith("weight") else ()
         return [(q, *tail), (kv, *tail), (kv, *tail)]
+    if unit.kind in ("fc1", "row"):
+        f = ffn_size(unit, arch)
     if unit.kind == "fc1":
         return [(f, h), (f, h)]
     if unit.kind == "vocab":
         return [(arch.vocab_size, h)]
     if unit.kind == "row":
         return [(h, q)] if "linear_proj" in unit.megatron_name else [(h, f)]
+    if unit.shape is not None:
+        return [unit.shape]
     suffix = unit.megatron_name.rsplit(".", 2)[-2]
     return [(d,)] if suffix in ("q_layernorm", "k_layernorm") else [(h,)]
 
@@ -133,7 +172,7 @@ def shard_from_hf(unit: Unit, arch: HFArch, read: Read, *, tp_rank: int, tp_size
             shard[: hi - lo] = rows
         return shard
     if unit.kind == "fc1":
-        n = arch.ffn_hidden_size // t
+        n = ffn_size(unit, arch) // t
         return torch.cat([read(name, _rows(r * n, (r + 1) * n)) for name in unit.hf_names])
     # qkv: whole groups [r·G/T, (r+1)·G/T) of q (heads_per_group·d rows each), k and v (d rows each)
     groups, d, rep = arch.num_query_groups // t, arch.head_dim, arch.heads_per_group
@@ -171,6 +210,7 @@ def hf_from_full(unit: Unit, arch: HFArch, full: torch.Tensor, *, tp_size: int) 
         return [grouped[:, :rep].reshape(-1, *tail), grouped[:, rep].reshape(-1, *tail),
                 grouped[:, rep + 1].reshape(-1, *tail)]
     if unit.kind == "fc1":
-        halves = full.reshape(tp_size, 2, arch.ffn_hidden_size // tp_size, -1)
-        return [halves[:, 0].reshape(arch.ffn_hidden_size, -1), halves[:, 1].reshape(arch.ffn_hidden_size, -1)]
+        f = ffn_size(unit, arch)
+        halves = full.reshape(tp_size, 2, f // tp_size, -1)
+        return [halves[:, 0].reshape(f, -1), halves[:, 1].reshape(f, -1)]
     return [full]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -50,11 +51,13 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
+from hybridrl.megatron.moe_compat import apply_moe_adaptations
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
 
@@ -91,7 +94,7 @@ def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
 
 def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
     arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
-                     vpp=parallel.virtual_pipeline_model_parallel_size)
+                     vpp=parallel.virtual_pipeline_model_parallel_size, ep=parallel.expert_model_parallel_size)
     if not use_transformer_engine():
         if parallel.sequence_parallel:
             raise NotImplementedError(
@@ -129,6 +132,7 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,  # the activations sent between stages
@@ -137,13 +141,42 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         perform_initialization=False,  # weights come from the HF checkpoint
         **cpu_model_parallel_kwargs(),
     )
+    kwargs.update(moe_config_kwargs(arch))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: HFArch, parallel: ParallelConfig) -> ModuleSpec:
-    """TE's layer spec when TE imports; else the local spec, with our CP core attention when CP > 1."""
-    if use_transformer_engine():
+def moe_config_kwargs(arch: HFArch) -> dict[str, Any]:
+    """Megatron's MoE settings for ``arch`` (none for a dense model): Qwen's routing (:class:`~hybridrl.hf.arch.MoE`:
+    fp32 softmax router, top-k, renormalised or not), no load-balancing or z-loss (the RL default), the experts as
+    one MLP each (``SequentialMLP``); the all-gather token dispatcher on CPU (the all-to-all one makes CUDA
+    streams at build), the all-to-all one on GPU."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    return dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
+                moe_layer_freq=moe.layer_freq, moe_router_pre_softmax=not moe.norm_topk_prob,
+                moe_router_score_function="softmax", moe_router_dtype="fp32",
+                moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
+                moe_shared_expert_gate=moe.shared_expert_gate, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather")
+
+
+def layer_spec(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig | None = None,
+               vp_stage: int | None = None) -> ModuleSpec | TransformerBlockSubmodules:
+    """TE's layer spec when TE imports; else the local spec, with our CP core attention when CP > 1. An MoE model
+    gets Megatron's block spec (its layers' MLPs differ: the MoE or a dense MLP by ``moe_layer_freq``)."""
+    te = use_transformer_engine()
+    if arch.moe is not None:
+        assert config is not None, "an MoE model's block spec is built from its TransformerConfig"
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        if parallel.context_parallel_size > 1 and not te:
+            for spec in block.layer_specs:
+                spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention  # type: ignore[union-attr]
+        return block
+    if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     if parallel.context_parallel_size > 1:  # the local DotProductAttention refuses CP
@@ -163,6 +196,8 @@ def build_model_chunks(
     each a ``GPTModel``, wrapped in Megatron's ``Float16Module`` when ``dtype`` is bfloat16/float16
     (:func:`unwrap_model` reaches the GPTModel); uninitialised weights; needs :func:`init_parallel` first."""
     config = transformer_config(arch, parallel, dtype=dtype, overrides=overrides)
+    if arch.moe is not None:
+        apply_moe_adaptations()
     vpp = parallel.virtual_pipeline_model_parallel_size
     stages: list[int | None] = list(range(vpp)) if vpp else [None]
     vocab = padded_vocab_size(arch.vocab_size, parallel.tensor_model_parallel_size, multiple=vocab_multiple)
@@ -177,7 +212,7 @@ def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
     scaling = arch.rope_scaling
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, parallel),
+        transformer_layer_spec=layer_spec(arch, parallel, config, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         # ignore_virtual=False: with VPP only chunk 0 of the first stage embeds and only the last

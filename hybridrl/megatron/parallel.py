@@ -39,6 +39,8 @@ class ParallelConfig:
     """CP: ranks that split the sequence (TE's attention on GPU; ``context_parallel.py``'s without TE)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over TP (needs TP > 1 and Transformer Engine norms)."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks that split each MoE layer's experts (whole experts per rank), from the DP×CP ranks."""
 
     def __post_init__(self) -> None:
         _raise(layout_problems(self, world_size=None))
@@ -85,6 +87,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 1800.0) -> Non
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     host_group.create(timeout_s=timeout_s)

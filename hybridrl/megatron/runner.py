@@ -74,7 +74,8 @@ def parallel_config(m: MegatronConfig) -> ParallelConfig:
     return ParallelConfig(tensor_model_parallel_size=m.tensor_model_parallel_size,
                           pipeline_model_parallel_size=m.pipeline_model_parallel_size,
                           virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
-                          context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel)
+                          context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel,
+                          expert_model_parallel_size=m.expert_model_parallel_size)
 
 
 @dataclass(slots=True, kw_only=True)

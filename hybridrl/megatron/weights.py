@@ -37,6 +37,36 @@ from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\..+)")
+
+
+def expert_of(unit: Unit) -> int | None:
+    """The global expert index of an expert's unit (None for any other unit)."""
+    match = _EXPERT.fullmatch(unit.megatron_name.split(".", 3)[-1])
+    return int(match[2]) if match else None
+
+
+def _experts_per_rank(arch: HFArch) -> int:
+    assert arch.moe is not None
+    return arch.moe.num_experts // parallel_state.get_expert_model_parallel_world_size()
+
+
+def _global_suffix(suffix: str, arch: HFArch) -> str:
+    """A layer parameter's suffix with its local expert index (EP: each rank holds experts
+    ``[r·E/EP, (r+1)·E/EP)`` as ``local_experts.0…``) made global."""
+    match = _EXPERT.fullmatch(suffix)
+    if match is None:
+        return suffix
+    first = parallel_state.get_expert_model_parallel_rank() * _experts_per_rank(arch)
+    return f"{match[1]}{first + int(match[2])}{match[3]}"
+
+
+def _tp(unit: Unit) -> tuple[int, int]:
+    """``unit``'s TP rank and size: the experts' own TP group for an expert, the model's for the rest."""
+    if expert_of(unit) is not None:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch,
@@ -68,7 +98,7 @@ def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
         if match := _LAYER.fullmatch(name):
             local, suffix = int(match[1]), match[2]
             layer = gpt.decoder.layers[local].layer_number - 1  # Megatron's global, 1-based number
-            canonical = f"decoder.layers.{layer}.{TE_TO_LOCAL.get(suffix, suffix)}"
+            canonical = f"decoder.layers.{layer}.{_global_suffix(TE_TO_LOCAL.get(suffix, suffix), arch)}"
         if canonical not in units:
             raise KeyError(f"Megatron parameter {name!r} has no HF counterpart for a {arch.family} model; "
                            f"known: {sorted(units)[:6]}...")
@@ -81,11 +111,10 @@ def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: 
                     skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter of this rank's model chunks from the HF checkpoint (only the slices it needs),
     except those whose Megatron name starts with one of ``skip``."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     padded_vocab = unwrap_model(chunks[0]).vocab_size
     with SafetensorsReader(model_dir) as reader:
         for name, (unit, param) in local_units(chunks, arch, skip).items():
+            tp_rank, tp_size = _tp(unit)
             shard = shard_from_hf(unit, arch, reader.read, tp_rank=tp_rank, tp_size=tp_size,
                                   padded_vocab=padded_vocab)
             if shard.shape != param.shape:
@@ -113,38 +142,50 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
     Every rank gets the same buckets in the same order (HF order: embedding, layers, norm, lm_head).
     A tensor larger than ``bucket_bytes`` travels alone in its bucket. Each yielded tensor owns its
     storage (never a view of a parameter) and has the model's dtype and device. The stream runs TP
-    all-gathers and PP broadcasts: every rank of the model's TP×PP group must consume it to the end.
+    all-gathers, EP broadcasts (each expert from the rank that holds it) and PP broadcasts: every rank of the
+    model's TP×EP×PP group must consume it to the end.
     Memory: one bucket plus the unit in flight (its TP-gathered tensor and HF pieces).
     ``merge(hf_name, tensor)`` (LoRA: :meth:`hybridrl.megatron.lora.LoRAModel.merger`) replaces each tensor.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if arch.moe is not None else 1
 
     local = local_units(chunks, arch)
     if arch.tie_word_embeddings and pp_size > 1 and "embedding.word_embeddings.weight" not in local:
         local.pop("output_layer.weight", None)  # the first stage exports the tied embedding
-    owner: dict[str, int] = {}
+    # what this stage holds: its layers (every EP rank of a stage holds all of them, experts apart) and the
+    # units outside the layers (embedding, final norm, output layer)
+    layers = {u.layer for u, _ in local.values() if u.layer is not None}
+    outside = {name for name, (u, _) in local.items() if u.layer is None}
+    owner: dict[object, int] = {}  # layer index or outside unit name -> PP stage
     if pp_size > 1:
-        per_stage: list[list[str] | None] = [None] * pp_size
-        dist.all_gather_object(per_stage, sorted(local), group=pp_group)
-        owner = {name: s for s, names in enumerate(per_stage) for name in names or []}
+        per_stage: list[tuple[list[int], list[str]] | None] = [None] * pp_size
+        dist.all_gather_object(per_stage, (sorted(layers), sorted(outside)), group=pp_group)
+        owner = {key: s for s, held in enumerate(per_stage) if held for keys in held for key in keys}
     param = next(iter(local.values()))[1]
     dtype, device = param.dtype, param.device
 
     bucket: WeightBucket = []
     size = 0
     for unit in all_units(arch):
+        tp_size = _tp(unit)[1]
         if unit.megatron_name in local:
-            full = _tp_gather(unit, arch, local[unit.megatron_name][1], tp_group, tp_size)
+            group = (parallel_state.get_expert_tensor_parallel_group() if expert_of(unit) is not None
+                     else parallel_state.get_tensor_model_parallel_group())
+            full = _tp_gather(unit, arch, local[unit.megatron_name][1], group, tp_size)
         else:
             full = torch.empty(full_shape(unit, arch), dtype=dtype, device=device)
+        expert = expert_of(unit)
+        if expert is not None and ep_size > 1 and unit.layer in layers:  # from the EP rank that holds it
+            ep_group = parallel_state.get_expert_model_parallel_group()
+            dist.broadcast(full, src=dist.get_global_rank(ep_group, expert // _experts_per_rank(arch)),
+                           group=ep_group)
         if pp_size > 1:
-            src = dist.get_global_rank(pp_group, owner[unit.megatron_name])
-            dist.broadcast(full, src=src, group=pp_group)
+            stage = owner[unit.layer if unit.layer is not None else unit.megatron_name]
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
         for hf_name, tensor in zip(unit.hf_names, hf_from_full(unit, arch, full, tp_size=tp_size),
                                    strict=True):
             tensor = (tensor if merge is None else merge(hf_name, tensor)).contiguous()

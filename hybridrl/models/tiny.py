@@ -1,10 +1,11 @@
 """Random-weight HF checkpoints for tests and the tiny recipes (no model hub needed).
 
 ``make_tiny_model`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
-char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model. Weights are
-drawn here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the
-transformers version: every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator,
-norms = 1, biases = 0. ``make_tiny_reward_model`` writes the same family's one-label
+char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model, or a Qwen3-MoE /
+Qwen2-MoE one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``). Weights are drawn here, not by transformers' ``_init_weights``, so a seed gives the
+same checkpoint whatever the transformers version: every matrix ~ N(0, 0.02²) in parameter-name order from one
+seeded generator, norms = 1, biases = 0. ``make_tiny_reward_model`` writes the same family's one-label
 ``*ForSequenceClassification`` (a reward model).
 """
 
@@ -28,17 +29,23 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, PAD_TOKEN, make_char_tokenizer
 
-Arch = Literal["qwen2", "qwen3", "llama"]
+Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"]
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "llama": LlamaConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "qwen2_moe": Qwen2MoeConfig,
 }
+MOE_DEFAULTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                "decoder_sparse_step": 1, "mlp_only_layers": []}
 INIT_STD = 0.02
 
 
@@ -83,9 +90,12 @@ def make_tiny_model(
     tie: bool = True,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight HF checkpoint with ``tokenizer`` (default: the char tokenizer) to ``out_dir``;
-    return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens."""
+    return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens.
+    ``moe``: an MoE family's config keys over :data:`MOE_DEFAULTS` (``moe_intermediate_size`` defaults to
+    hidden; ``num_experts`` is written under the family's own name)."""
     spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                          intermediate=intermediate, vocab=vocab, max_positions=max_positions,
                          tie=tie, seed=seed)
@@ -117,6 +127,13 @@ def make_tiny_model(
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if spec.arch in ("qwen3_moe", "qwen2_moe"):
+        extra = {**MOE_DEFAULTS, "moe_intermediate_size": spec.hidden, **(moe or {})}
+        if spec.arch == "qwen3_moe" and "num_experts" not in Qwen3MoeConfig().to_dict():
+            extra["num_local_experts"] = extra.pop("num_experts")  # transformers ≥ 5.x names it so
+        fields |= extra
+    elif moe:
+        raise ValueError(f"moe={moe!r} is for arch qwen3_moe or qwen2_moe, not {spec.arch!r}")
     config = CONFIG_CLASSES[spec.arch](**fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed=spec.seed)

@@ -97,14 +97,15 @@ def test_keys_that_would_change_the_run_are_refused_naming_what_to_use() -> None
     with pytest.raises(ConfigError) as e:
         compose_config(["recipe=grpo_tiny", f"{AOR}.actor.megatron.use_dist_checkpointing=True",
                         "custom_reward_function.path=/x/reward.py", "reward_model.reward_manager=prime",
-                        f"{AOR}.actor.megatron.expert_model_parallel_size=8"])
+                        f"{AOR}.actor.megatron.expert_tensor_parallel_size=2"])
     keys = {i.key: i.message for i in e.value.issues}
     assert len(keys) == 4
     assert "model.path" in keys[f"{AOR}.actor.megatron.use_dist_checkpointing"]
     assert "reward.name=function" in keys["custom_reward_function.path"]
-    assert "MoE" in keys[f"{AOR}.actor.megatron.expert_model_parallel_size"]
+    assert "the experts' TP is the model's TP" in keys[f"{AOR}.actor.megatron.expert_tensor_parallel_size"]
     compose_config(["recipe=grpo_tiny", f"{AOR}.actor.megatron.use_dist_checkpointing=False",
-                    "reward_model.reward_manager=dapo", f"{AOR}.actor.megatron.expert_model_parallel_size=1"])
+                    "reward_model.reward_manager=dapo", f"{AOR}.actor.megatron.expert_tensor_parallel_size=1",
+                    f"{AOR}.actor.megatron.expert_model_parallel_size=1"])  # EP: the actor's own key now
 
 
 def test_an_engine_knob_set_twice_must_agree() -> None:
