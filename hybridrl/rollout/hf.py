@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.rollout.hf_compat import checkpoint_views
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +67,7 @@ class HFRolloutEngine:
         self.eos_ids: list[int] = eos_token_ids(model_path)
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id: int = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
-        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.params = _weights(self.model)
         self.version = 0
         self._abort = threading.Event()
         # transformers ≥ 5.2x names the KV cache `cache` (argument and output); earlier, `past_key_values`
@@ -177,11 +178,18 @@ class HFRolloutEngine:
     def resume_memory(self) -> None:
         if self.config.offload_weights_on_release and self.device.type == "cuda":
             self.model.to(self.device)
-            self.params = dict(self.model.named_parameters(remove_duplicate=False))
+            self.params = _weights(self.model)
 
     def shutdown(self) -> None:
         del self.model
         self.params.clear()
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, and its fused MoE experts by the checkpoint's per-expert names too
+    (:mod:`hybridrl.rollout.hf_compat` item 1): what ``update_weights`` copies into."""
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    return {**params, **checkpoint_views(params)}
 
 
 _MASK64 = (1 << 64) - 1

@@ -1,0 +1,53 @@
+"""``hybridrl/rollout/hf_compat.py``: each adaptation of the ``hf`` engine to transformers, and that it is still
+needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hybridrl.interfaces import SamplingParams
+from hybridrl.models.tiny import make_tiny_model
+from hybridrl.rollout.hf import HFRolloutEngine
+
+MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("hf_compat") / "a", arch="qwen3_moe", hidden=32, layers=2,
+                           heads=4, kv_heads=2, max_positions=64, moe=MOE)
+
+
+def test_item1_transformers_fuses_the_experts_the_checkpoint_holds_one_by_one(moe_model: Path) -> None:
+    """The loaded model has no parameter under a checkpoint expert's name, only the fused ones."""
+    names = {n for n, _ in AutoModelForCausalLM.from_pretrained(moe_model).named_parameters()}
+    on_disk = set(load_file(moe_model / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in on_disk - names
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"} <= names
+
+
+def test_a_streamed_moe_checkpoint_lands_in_the_fused_experts_in_place(moe_model: Path, tmp_path: Path) -> None:
+    """Perturbed per-expert (and other) tensors streamed by their checkpoint names: the engine then samples what
+    a fresh load of the perturbed checkpoint samples, and the fused storage was not reallocated."""
+    engine = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(moe_model))
+    fused = engine.params["model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
+    state = load_file(moe_model / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    engine.update_weights([list(new.items())], version=1)
+    assert engine.params["model.layers.0.mlp.experts.gate_up_proj"].data_ptr() == fused
+    other = tmp_path / "b"
+    other.mkdir()
+    for f in moe_model.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    save_file(new, other / "model.safetensors", metadata={"format": "pt"})
+    fresh = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(other))
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    a, b = engine.generate([[5, 6, 7]], params), fresh.generate([[5, 6, 7]], params)
+    assert a[0].token_ids == b[0].token_ids
+    torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
