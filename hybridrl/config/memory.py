@@ -98,34 +98,52 @@ class MemoryEstimate:
 
 
 def parameter_count(m: HFArch) -> tuple[int, int, int]:
-    """``(per layer, embedding, output layer)`` parameter counts (output 0 when tied to the embedding)."""
-    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + ((q + 2 * kv) if m.qkv_bias else 0)
-    attention += 2 * m.head_dim if m.qk_layernorm else 0
-    layer = attention + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size
+    """``(per layer, embedding, output layer)`` parameter counts (output 0 when tied to the embedding); an MoE
+    model's per-layer count is the mean over its layers, every expert counted (:func:`layer_counts`)."""
+    per_layer = layer_counts(m)
+    layer = round(sum(a + e for a, e in per_layer) / len(per_layer))
     embedding = m.vocab_size * m.hidden_size
     return layer, embedding, 0 if m.tie_word_embeddings else embedding
+
+
+def layer_counts(m: HFArch) -> list[tuple[int, int]]:
+    """Each layer's ``(parameters outside the experts, parameters of its experts)``: the experts split over EP
+    ranks, the rest does not (a dense model: ``(all, 0)``)."""
+    q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
+    attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if m.qkv_bias else 0)
+    attention += 2 * m.head_dim if m.qk_layernorm else 0
+    dense = attention + 3 * h * m.ffn_hidden_size + 2 * h
+    moe = m.moe
+    if moe is None:
+        return [(dense, 0)] * m.num_layers
+    shared = 3 * h * moe.shared_ffn_hidden_size + (h if moe.shared_expert_gate else 0)
+    sparse = (attention + moe.num_experts * h + shared + 2 * h, moe.num_experts * 3 * h * moe.ffn_hidden_size)
+    return [sparse if s else (dense, 0) for s in moe.sparse_layers]
 
 
 def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_optimizer: bool, optimizer: str,
              ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
              engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None,
-             engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0) -> MemoryEstimate:
+             engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0,
+             ep: int = 1) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
-    ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response)."""
-    layer, embedding, output = parameter_count(m)
+    ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
+    experts of an MoE model split over that many ranks (the largest PP stage counts)."""
+    _, embedding, output = parameter_count(m)
+    per_layer = layer_counts(m)
     layers = m.num_layers // pp
+    stage = max(sum(a + e / ep for a, e in per_layer[s * layers:(s + 1) * layers]) for s in range(pp))
     # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
     # same size (a tied one is a copy there)
     edge = embedding + output if pp == 1 else embedding
-    p_rank = (layers * layer + edge + m.hidden_size) / tp
+    p_rank = (stage + edge + m.hidden_size) / tp
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
     optim = p_rank * ((0 if dtype == "float32" else 4) + moments) / (dp if distributed_optimizer else 1)
     per_layer_act = 2 if recompute else 34 / tp
     activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
     activations += micro_tokens * m.vocab_size / tp * 12
-    total_params = m.num_layers * layer + embedding + output + m.hidden_size
+    total_params = sum(a + e for a, e in per_layer) + embedding + output + m.hidden_size
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
     engine_weights = total_params * 2 / rollout_tp
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0

@@ -71,13 +71,14 @@ class RoleLayout:
     cp: int
     dp: int
     vpp: int | None = None  # model chunks per PP rank (interleaved 1F1B); None: one
+    ep: int = 1  # MoE experts split over this many of the DP×CP ranks
 
     @classmethod
     def of(cls, m: MegatronConfig, world_size: int) -> RoleLayout:
         tp, pp, cp = (max(v, 1) for v in (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                            m.context_parallel_size))
         return cls(tp=tp, pp=pp, cp=cp, dp=max(world_size // (tp * pp * cp), 1),
-                   vpp=m.virtual_pipeline_model_parallel_size)
+                   vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1))
 
     @property
     def model_parallel(self) -> int:
@@ -98,7 +99,8 @@ class RoleLayout:
 
     def __str__(self) -> str:
         vpp = f" VPP={self.vpp}" if self.vpp else ""
-        return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}"
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}{ep}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,6 +289,12 @@ class Plan:
             lines.append(f"model   {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
                          f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
                          f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
+            if m.moe is not None:
+                ep = self.roles["actor"].ep if "actor" in self.roles else 1
+                shared = f", a shared expert of {m.moe.shared_ffn_hidden_size}" if m.moe.shared_ffn_hidden_size else ""
+                lines.append(f"experts {m.moe.num_experts} per MoE layer ({sum(m.moe.sparse_layers)} of "
+                             f"{m.num_layers} layers), top-{m.moe.top_k}, {m.moe.ffn_hidden_size} wide{shared}; "
+                             f"EP={ep}: {m.moe.num_experts // max(ep, 1)} experts per rank")
         if self.memory is not None:
             who = "trainer rank" if self.num_engine_ranks else "rank"
             lines.append(f"memory  largest {who}, estimated: {self.memory}")
@@ -349,7 +357,7 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         recompute=m.override_transformer_config.get("recompute_granularity") == "full",
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
-        rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles,
+        rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles, ep=lay.ep,
         critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload},
         engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from hybridrl.config.memory import GB, estimate, parameter_count
+from hybridrl.config.memory import GB, estimate, layer_counts, parameter_count
 from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import EngineMemory
 from hybridrl.models.tiny import make_tiny_model
@@ -25,6 +25,35 @@ def test_parameter_count_is_the_models(tmp_path: Path, arch: str, tie: bool) -> 
     layer, embedding, output = parameter_count(HFArch.from_hf(path))
     model = AutoModelForCausalLM.from_pretrained(path)
     assert 3 * layer + embedding + output + 64 == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_an_moe_models_parameters_are_counted_layer_by_layer(tmp_path: Path, arch: str) -> None:
+    """Every expert counted, dense layers (``mlp_only_layers``) and the shared expert too: the model's own count."""
+    moe = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+               **({"shared_expert_intermediate_size": 40} if arch == "qwen2_moe" else {}))
+    path = make_tiny_model(tmp_path / arch, arch=arch, hidden=64, layers=3, heads=4, kv_heads=2, tie=False, moe=moe)
+    m = HFArch.from_hf(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(a + e for a, e in layer_counts(m)) + 2 * m.vocab_size * 64 + 64 == sum(
+        p.numel() for p in model.parameters())
+
+
+def test_qwen3_30b_a3b_has_30b_parameters_and_expert_parallelism_splits_its_experts() -> None:
+    """Qwen3-30B-A3B's published config (30.5 B parameters): the count, and EP=8 holding 1/8 of the experts."""
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+           "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+           "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu"}
+    m = HFArch.from_hf(cfg)
+    total = sum(a + e for a, e in layer_counts(m)) + 2 * m.vocab_size * m.hidden_size
+    assert total == pytest.approx(30.5e9, rel=0.01)
+    kw = dict(tp=1, pp=1, dp=8, dtype="bfloat16", optimizer="adam", ref=False, micro_tokens=4096, recompute=True,
+              rollout_tp=1, engine_tokens=0, distributed_optimizer=False, offload={})
+    experts = sum(e for _, e in layer_counts(m))
+    one, eight = estimate(m, ep=1, **kw), estimate(m, ep=8, **kw)
+    assert one.params - eight.params == pytest.approx(experts * 7 / 8 * 2)  # bf16 bytes of 7/8 of the experts
 
 
 def test_offload_and_the_distributed_optimizer_shrink_what_they_should() -> None:

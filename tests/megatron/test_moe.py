@@ -125,3 +125,22 @@ def test_the_router_without_transformer_engine_still_needs_its_adaptation() -> N
         torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())
     finally:
         moe_utils.te_general_gemm = saved
+
+
+def test_the_plan_shows_the_expert_layout_and_refuses_one_that_does_not_split(models: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    from hybridrl.config.compose import compose_config
+    from hybridrl.config.errors import ConfigError
+    from hybridrl.config.validate import validate
+
+    base = ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={models['q3_even']}",
+            "actor_rollout_ref.model.build_if_missing=null", f"trainer.output_dir={tmp_path / 'out'}"]
+    text = validate(compose_config([*base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]),
+                    world_size=2).render()
+    assert "actor   TP=1 PP=1 CP=1 DP=2 EP=2" in text
+    assert "experts 6 per MoE layer (1 of 2 layers), top-3, 16 wide; EP=2: 3 experts per rank" in text
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config([*base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"]),
+                 world_size=4)
+    [issue] = [i for i in e.value.issues if i.key.endswith("expert_model_parallel_size")]
+    assert "6 experts" in str(issue)
