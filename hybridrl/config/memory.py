@@ -132,14 +132,18 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
     layers = m.num_layers // pp
-    stage = max(sum(a + e / ep for a, e in per_layer[s * layers:(s + 1) * layers]) for s in range(pp))
+    stages = [(sum(a for a, _ in per_layer[s * layers:(s + 1) * layers]),
+               sum(e for _, e in per_layer[s * layers:(s + 1) * layers]) / ep) for s in range(pp)]
+    dense, experts = max(stages, key=sum)
     # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
     # same size (a tied one is a copy there)
     edge = embedding + output if pp == 1 else embedding
-    p_rank = (stage + edge + m.hidden_size) / tp
+    p_rank = (dense + experts + edge + m.hidden_size) / tp
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
-    optim = p_rank * ((0 if dtype == "float32" else 4) + moments) / (dp if distributed_optimizer else 1)
+    # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (DP / EP)
+    shards = (p_rank - experts / tp) / dp + experts / tp / max(dp // ep, 1) if distributed_optimizer else p_rank
+    optim = shards * ((0 if dtype == "float32" else 4) + moments)
     per_layer_act = 2 if recompute else 34 / tp
     activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
     activations += micro_tokens * m.vocab_size / tp * 12

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -319,6 +320,20 @@ def test_scale_recipes_plan_on_a_cpu_machine(recipe: str, world: int, layout: st
     code, _, err = cli(capsys, f"recipe={recipe}", "--model-config", qwen7b,
                        f"{AOR}.actor.megatron.tensor_model_parallel_size=8")
     assert code == 2 and "must divide the model's 4 KV heads" in err
+
+
+def test_the_moe_scale_recipe_plans_its_experts_and_fits_80_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    """grpo_qwen3_30b_a3b with Qwen3-30B-A3B's published config.json: TP=2 × EP=8 on 16 GPUs, 16 experts a rank,
+    a per-rank estimate within 80 GB in both phases; EP=16 cannot split the 8 ranks of each TP replica."""
+    a3b = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen3-30b-a3b.json")
+    code, out, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b)
+    assert code == 0, err
+    assert "actor   TP=2 PP=1 CP=1 DP=8 EP=8" in out and "EP=8: 16 experts per rank" in out
+    memory = re.search(r"→ generate ([\d.]+) GB, train ([\d.]+) GB", out)
+    assert memory and max(float(memory[1]), float(memory[2])) < 80, out
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b,
+                       f"{AOR}.actor.megatron.expert_model_parallel_size=16")
+    assert code == 2 and "expert_model_parallel_size" in err and "valid: [1, 2, 4, 8]" in err
 
 
 def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
