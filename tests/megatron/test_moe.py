@@ -1,6 +1,6 @@
 """MoE checkpoints (Qwen3-MoE, Qwen2-MoE) in Megatron's MoE layers: the architecture read from config.json
 (``hybridrl/hf/arch.py``), its layout rules, and ``hybridrl verify-model`` — logits against transformers and a
-bitwise round trip — at TP=1, TP=2, EP=2, TP=2×EP=2 and PP=2×EP=2 on shapes the layouts were not tuned on: odd
+bitwise round trip — at TP=1, TP=2, EP=2 and TP=2×EP=2 on shapes the layouts were not tuned on: odd
 expert counts, top-k 3, dense layers among the MoE ones (``mlp_only_layers``, ``decoder_sparse_step``),
 ``norm_topk_prob`` both ways, Qwen2-MoE's gated shared expert, tied and untied embeddings."""
 
@@ -38,8 +38,7 @@ LAYOUTS = {  # tp, pp, ep, models
     "tp1": (1, 1, 1, ["q3_odd", "q3_step", "q2_shared"]),
     "tp2": (2, 1, 1, ["q3_odd", "q3_step", "q2_shared"]),
     "ep2": (1, 1, 2, ["q3_even", "q2_even"]),
-    "tp2ep2": (2, 1, 2, ["q3_even", "q2_even"]),
-    "pp2ep2": (1, 2, 2, ["q3_even", "q2_even"]),
+    "tp2ep2": (2, 1, 2, ["q3_even", "q2_even"]),  # PP=2×EP=2 was exact too (by hand; 20 s of CI saved)
 }
 
 
@@ -98,7 +97,7 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_naming_the_key(models
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_verify_model_is_exact_for_moe_checkpoints(models: dict[str, Path], layout: str) -> None:
     """Logits ≤ 1e-4 of transformers' (fp32) and every exported tensor bit-identical to the checkpoint's.
-    ~15–30 s per layout: one launch of its ranks (4 for TP=2×EP=2 and PP=2×EP=2) checks its models."""
+    ~15–30 s per layout: one launch of its ranks (4 for TP=2×EP=2) checks its models."""
     tp, pp, ep, names = LAYOUTS[layout]
     reports = run_verification([models[n] for n in names], tp=tp, pp=pp, ep=ep, bucket_bytes=20_000)
     for name, r in zip(names, reports, strict=True):
