@@ -68,6 +68,11 @@ class RolloutBatch:
     values: torch.Tensor | None = None  # [B, T] critic values
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T]
+    # an MoE model's routing (router replay, actor.router_replay.mode): the experts each position was routed to,
+    # [B, P, L, k] and [B, T, L, k] int16 (L MoE layers, top-k), -1 where none was recorded (padding; a response's
+    # last token, which the engine never ran)
+    prompt_routed_experts: torch.Tensor | None = None
+    response_routed_experts: torch.Tensor | None = None
 
     PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask")
     RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -75,6 +80,9 @@ class RolloutBatch:
         "token_level_rewards", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
     )
     SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "group_index")
+    # [B, P, ...] / [B, T, ...]: padded as the prompt / response fields, with -1
+    ROUTING_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_routed_experts", "response_routed_experts")
+    _FIELDS: ClassVar[tuple[str, ...]] = (*PROMPT_FIELDS, *RESPONSE_FIELDS, *SAMPLE_FIELDS, *ROUTING_FIELDS)
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -88,6 +96,11 @@ class RolloutBatch:
                     f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected {shape} "
                     f"(B={b} from prompt_ids, P={p}, T={t} from response_ids)"
                 )
+        for name, length in zip(self.ROUTING_FIELDS, (p, t), strict=True):
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != (b, length)):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected ({b}, {length}, "
+                                 f"MoE layers, top-k)")
         if len(self.meta) != b:
             raise ValueError(f"RolloutBatch.meta has {len(self.meta)} entries, expected B={b}")
 
@@ -135,7 +148,7 @@ class RolloutBatch:
         p = max(b.prompt_ids.shape[1] for b in batches)
         t = max(b.response_ids.shape[1] for b in batches)
         tensors: dict[str, torch.Tensor | None] = {}
-        for name in (*cls.PROMPT_FIELDS, *cls.RESPONSE_FIELDS, *cls.SAMPLE_FIELDS):
+        for name in cls._FIELDS:
             values = [getattr(b, name) for b in batches]
             present = [v is not None for v in values]
             if not any(present):
@@ -144,10 +157,10 @@ class RolloutBatch:
             if not all(present):
                 raise ValueError(f"cannot cat batches where only some have RolloutBatch.{name} "
                                  f"(present in batches {[i for i, ok in enumerate(present) if ok]})")
-            fill = first.pad_token_id if name.endswith("_ids") else 0
-            if name in cls.PROMPT_FIELDS:
+            fill = first.pad_token_id if name.endswith("_ids") else -1 if name in cls.ROUTING_FIELDS else 0
+            if name in cls.PROMPT_FIELDS or name == "prompt_routed_experts":
                 values = [_pad(v, p, fill, left=True) for v in values]
-            elif name in cls.RESPONSE_FIELDS:
+            elif name in cls.RESPONSE_FIELDS or name == "response_routed_experts":
                 values = [_pad(v, t, fill, left=False) for v in values]
             tensors[name] = torch.cat(values)
         meta = [m for b in batches for m in b.meta]
@@ -162,13 +175,13 @@ class RolloutBatch:
         return dataclasses.replace(self, **{n: v.to(device) for n, v in tensors.items()})
 
     def _tensors(self) -> dict[str, torch.Tensor | None]:
-        return {n: getattr(self, n) for n in (*self.PROMPT_FIELDS, *self.RESPONSE_FIELDS, *self.SAMPLE_FIELDS)}
+        return {n: getattr(self, n) for n in self._FIELDS}
 
 
 def _pad(x: torch.Tensor, length: int, fill: float | int, *, left: bool) -> torch.Tensor:
-    """Pad dim 1 of ``x`` [B, L] to ``length`` with ``fill`` on the left or the right."""
+    """Pad dim 1 of ``x`` [B, L, ...] to ``length`` with ``fill`` on the left or the right."""
     extra = length - x.shape[1]
     if extra == 0:
         return x
-    pad = torch.full((x.shape[0], extra), fill, dtype=x.dtype, device=x.device)
+    pad = torch.full((x.shape[0], extra, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
     return torch.cat([pad, x] if left else [x, pad], dim=1)

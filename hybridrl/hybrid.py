@@ -49,7 +49,8 @@ class ActorRolloutRef:
         a, model_dir = config.actor, config.model.path
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
-                                    total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id, lora=lora)
+                                    total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id, lora=lora,
+                                    router_replay=a.router_replay.mode)
         self.ref = (reference_policy(self.actor, model_dir=model_dir, megatron=a.megatron, pad_token_id=pad_token_id)
                     if "ref" in plan.roles else None)
         _check_plan_matches_megatron(plan)
@@ -101,8 +102,13 @@ class ActorRolloutRef:
         """Fill ``batch.old_logprobs`` (actor, before the update); return the entropy ``[B, T]``."""
         self.actor_offload.reload("params")
         batch.old_logprobs, entropy_BT = self.actor.compute_log_probs(
-            batch, batching=self.plan.batch.old_log_prob, temperature=self.logprob_temperature)
+            batch, batching=self.plan.batch.old_log_prob, temperature=self.logprob_temperature, old_pass=True)
         return entropy_BT
+
+    def take_routing_metrics(self) -> dict[str, float]:
+        """The last old-log-prob pass's router replay metrics (``router_replay/*``), once."""
+        out, self.actor.replay_metrics = self.actor.replay_metrics, {}
+        return out
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
         assert self.ref is not None

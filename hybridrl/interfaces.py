@@ -32,6 +32,9 @@ class SamplingParams:
     max_new_tokens: int = 64
     n: int = 1  # samples per prompt
     stop_token_ids: list[int] = field(default_factory=list)
+    # an MoE model: also return the experts the engine routed each token to (Generation.routed_experts; R3 router
+    # replay); only for an engine whose ``supports_routed_experts`` is True
+    return_routed_experts: bool = False
 
 
 def check_limits(max_new_tokens: Sequence[int] | None, prompts: Sequence[Any], params: SamplingParams) -> list[int]:
@@ -63,6 +66,10 @@ class Generation:
     # the weight version that sampled each token (a partial rollout continued on newer weights spans several);
     # None: every token was sampled at ``weight_version``
     token_versions: list[int] | None = None
+    # [prompt + response tokens − 1, MoE layers, top-k] int16: the experts the engine chose for each position it
+    # ran (the prompt's, then each sampled token's but the last, which it never fed back), MoE layers in order;
+    # None unless SamplingParams.return_routed_experts
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

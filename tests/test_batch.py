@@ -192,3 +192,41 @@ def test_the_score_sits_on_the_last_trained_token() -> None:
     assert errors == 0 and scores_B.tolist() == [1.0, 2.0, 3.0]
     assert batch.token_level_scores is not None
     assert batch.token_level_scores.tolist() == [[0, 1.0, 0, 0], [0, 2.0, 0, 0], [0, 3.0, 0, 0]]
+
+
+def test_routed_experts_follow_the_prompt_and_response_layout_through_every_operation() -> None:
+    """An engine's ``routed_experts`` (prompt positions, then every token but the last) land in the left-padded
+    prompt and right-padded response, -1 elsewhere; ``index``/``cat`` re-pad them with -1; a wrong shape is named."""
+    from hybridrl.data.collate import collate_prompts
+    from hybridrl.data.dataset import PromptItem
+    from hybridrl.interfaces import Generation
+    from hybridrl.rollout.batching import rollout_batch_from_generations
+
+    prompts = collate_prompts([PromptItem(prompt_ids=[5, 6], meta=SampleMeta()),
+                               PromptItem(prompt_ids=[7], meta=SampleMeta())], [0, 1], pad_token_id=PAD)
+    L, k = 2, 3
+
+    def routed(n: int, start: int) -> torch.Tensor:  # position i routes to experts start+i, …
+        return (torch.arange(n)[:, None, None] + start + torch.zeros(n, L, k, dtype=torch.long)).to(torch.int16)
+
+    gens = [Generation(prompt_index=0, token_ids=[1, 2, 3], logprobs=[0.0] * 3, finish_reason="stop",
+                       weight_version=0, routed_experts=routed(2 + 3 - 1, 10)),
+            Generation(prompt_index=1, token_ids=[4], logprobs=[0.0], finish_reason="stop", weight_version=0,
+                       routed_experts=routed(1, 20))]
+    batch = rollout_batch_from_generations(prompts, gens, pad_token_id=PAD)
+    assert batch.prompt_routed_experts.shape == (2, 2, L, k) and batch.response_routed_experts.shape == (2, 3, L, k)
+    assert batch.prompt_routed_experts[:, :, 0, 0].tolist() == [[10, 11], [-1, 20]]
+    assert batch.response_routed_experts[:, :, 1, 2].tolist() == [[12, 13, -1], [-1, -1, -1]]
+    short = dataclasses.replace(batch.index([1]), response_ids=batch.response_ids[1:, :1],
+                                response_mask=batch.response_mask[1:, :1], loss_mask=batch.loss_mask[1:, :1],
+                                rollout_logprobs=batch.rollout_logprobs[1:, :1],
+                                response_routed_experts=batch.response_routed_experts[1:, :1])
+    both = RolloutBatch.cat([short, batch.index([0])])  # the response re-padded to 3 with -1
+    assert both.response_routed_experts[:, :, 0, 0].tolist() == [[-1, -1, -1], [12, 13, -1]]
+    with pytest.raises(ValueError, match="only some have RolloutBatch.prompt_routed_experts"):
+        RolloutBatch.cat([batch, make_batch([1], [1])])
+    with pytest.raises(ValueError, match=r"sample 0: routed_experts has shape \(9, 2, 3\), expected at most \(5, 2, "):
+        rollout_batch_from_generations(prompts, [dataclasses.replace(gens[0], routed_experts=routed(9, 0)), gens[1]],
+                                       pad_token_id=PAD)
+    with pytest.raises(ValueError, match=r"response_routed_experts has shape \(2, 2, 2, 3\), expected \(2, 3,"):
+        dataclasses.replace(batch, response_routed_experts=batch.response_routed_experts[:, :2])

@@ -24,7 +24,13 @@ from omegaconf import MISSING
 from hybridrl.algorithms.dynamic_sampling import FilterGroupsConfig
 from hybridrl.algorithms.kl_controller import KLControlConfig
 from hybridrl.algorithms.rollout_correction import RolloutCorrectionConfig
-from hybridrl.megatron.config import CriticMegatronConfig, MegatronConfig, OptimConfig, RefMegatronConfig
+from hybridrl.megatron.config import (
+    CriticMegatronConfig,
+    MegatronConfig,
+    OptimConfig,
+    RefMegatronConfig,
+    RouterReplayConfig,
+)
 from hybridrl.rewards.execution import RewardConfig
 from hybridrl.rollout.async_training import AsyncTrainingConfig
 from hybridrl.tools.config import MultiTurnConfig
@@ -72,6 +78,8 @@ class ActorConfig:
     use_kl_loss: bool = False  # KL(actor || ref) as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # one of hybridrl.algorithms.kl.KL_KINDS
+    # an MoE actor's router replay: disabled | R2 | R3 (hybridrl/megatron/router_replay.py)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,6 +35,8 @@ from hybridrl.lora.config import lora_problems
 from hybridrl.megatron.config import (
     LR_DECAY_STYLES,
     OPTIMIZERS,
+    ROUTED_EXPERTS_UPSTREAM,
+    ROUTER_REPLAY_MODES,
     MegatronConfig,
     OptimConfig,
     interleaved_micro_batches_problem,
@@ -132,6 +134,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     _check_rollout_correction(cfg, issues)
     _check_async(cfg, world, issues)
     _check_plugins(cfg, plan, issues)
+    _check_router_replay(cfg, model, issues)
     _check_multi_turn(cfg, issues)
     if "critic" in plan.roles:
         _check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
@@ -362,10 +365,7 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
     if problems or not a.enable:
         return
     if a.partial_rollout:
-        try:
-            engine = Registry("rollout_engines").load(r.name, key=f"{AOR}.rollout.name")
-        except PluginError:  # reported by _check_plugins
-            engine = None
+        engine = _engine_class(r.name)
         if engine is not None and not getattr(engine, "supports_abort", False):
             issues.add(f"{AOR}.rollout.name", r.name, f"cannot interrupt its generations (no abort/resume), which "
                        f"{ASYNC_KEY}.partial_rollout=true needs: use hf, sglang or vllm, or set partial_rollout=false")
@@ -374,6 +374,47 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
         if on:
             issues.add(key, True, f"valid, but not built yet with {ASYNC_KEY}.enable=true ({what}: issue 26's next "
                        f"steps); set it to false, or {ASYNC_KEY}.enable=false")
+
+
+def _engine_class(name: str) -> object | None:
+    """The rollout engine plugin ``name`` (its class, for its capabilities), or None when it does not load (which
+    :func:`_check_plugins` reports)."""
+    try:
+        return Registry("rollout_engines").load(name, key=f"{AOR}.rollout.name")
+    except PluginError:
+        return None
+
+
+def _check_router_replay(cfg: RLConfig, model: HFArch | None, issues: _Issues) -> None:
+    """``actor.router_replay.mode`` (:mod:`hybridrl.megatron.router_replay`): an MoE model, an engine that records
+    its routing for R3, and the layouts the replay maps positions through."""
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    key, mode = f"{AOR}.actor.router_replay.mode", a.router_replay.mode
+    if mode not in ROUTER_REPLAY_MODES:
+        issues.add(key, mode, f"valid: {', '.join(ROUTER_REPLAY_MODES)}")
+        return
+    if mode == "disabled":
+        return
+    if model is not None and model.moe is None:
+        issues.add(key, mode, f"the model ({model.family}) is dense: it has no router to replay; use disabled")
+    if mode == "R3":
+        engine = _engine_class(r.name)
+        if engine is not None and not getattr(engine, "supports_routed_experts", False):
+            issues.add(f"{AOR}.rollout.name", r.name, f"does not return the experts it routed each token to, which "
+                       f"{key}=R3 replays: use hf, or R2 (the trainer's own routing at the old-log-prob pass)"
+                       + ROUTED_EXPERTS_UPSTREAM.get(r.name, ""))
+        if r.multi_turn.enable:
+            issues.add(f"{AOR}.rollout.multi_turn.enable", True, f"valid, but not built yet with {key}=R3 (an "
+                       f"episode's turns would each need their routing joined); use R2, or single-turn")
+    if a.use_prefix_grouper:
+        issues.add(f"{AOR}.actor.use_prefix_grouper", True, f"shared-prompt rows are not supported with {key}={mode} "
+                   "(a prompt's positions are shared by its samples); set it to false")
+    if a.megatron.override_transformer_config.get("recompute_granularity"):
+        issues.add(f"{AOR}.actor.megatron.override_transformer_config.recompute_granularity",
+                   a.megatron.override_transformer_config["recompute_granularity"],
+                   f"activation recompute re-runs the routers in the backward pass, which {key}={mode} does not "
+                   f"replay yet; turn recompute off ({AOR}.model.enable_gradient_checkpointing=false, and no "
+                   f"recompute_* in override_transformer_config)")
 
 
 def _check_multi_turn(cfg: RLConfig, issues: _Issues) -> None:

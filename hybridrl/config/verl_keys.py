@@ -109,6 +109,7 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     (f"{AOR}.actor.megatron.grad_offload", "grads to host while generating"),
     (f"{AOR}.actor.megatron.optimizer_offload", "optimizer state to host while generating"),
     (f"{AOR}.actor.megatron.override_transformer_config", "TransformerConfig fields verbatim"),
+    (f"{AOR}.actor.router_replay.mode", "MoE router replay: disabled, R2 or R3 (R3: the hf engine's routing)"),
     (f"{AOR}.ref.log_prob_micro_batch_size_per_gpu", "ref pass micro-batch"),
     (f"{AOR}.ref.log_prob_use_dynamic_bsz", "ref pass token budget on"),
     (f"{AOR}.ref.log_prob_max_token_len_per_gpu", "ref pass token budget"),

@@ -66,6 +66,25 @@ LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
                 "context_parallel_size", "sequence_parallel", "expert_model_parallel_size")
 
 
+ROUTER_REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
+# what the other engines' versions here can return of their routing (R3), for the refusal's message
+ROUTED_EXPERTS_UPSTREAM = {
+    "sglang": " (SGLang 0.5.21 can return them: the server's --enable-return-routed-experts and a request's "
+              "return_routed_experts; hybridrl's sglang engine does not read them yet)",
+    "vllm": " (vLLM 0.32 can return them: AuxOutputConfig.enable_return_routed_experts; hybridrl's vllm engine does "
+            "not read them yet)",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class RouterReplayConfig:
+    """``actor_rollout_ref.actor.router_replay`` (verl's key), an MoE actor's router replay
+    (:mod:`hybridrl.megatron.router_replay`): ``disabled``; ``R2``, the update routes as the old-log-prob pass did;
+    ``R3``, the old-log-prob pass and the update route as the rollout engine did."""
+
+    mode: str = "disabled"
+
+
 @dataclass(kw_only=True, slots=True)
 class RefMegatronConfig:
     """The ref shares the actor's Megatron process groups, so its layout *is* the actor's: every size

@@ -141,24 +141,28 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         perform_initialization=False,  # weights come from the HF checkpoint
         **cpu_model_parallel_kwargs(),
     )
-    kwargs.update(moe_config_kwargs(arch))
+    kwargs.update(moe_config_kwargs(arch, overrides))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def moe_config_kwargs(arch: HFArch) -> dict[str, Any]:
+def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Megatron's MoE settings for ``arch`` (none for a dense model): Qwen's routing (:class:`~hybridrl.hf.arch.MoE`:
-    fp32 softmax router, top-k, renormalised or not), no load-balancing or z-loss (the RL default), the experts as
-    one MLP each (``SequentialMLP``); the all-gather token dispatcher on CPU (the all-to-all one makes CUDA
-    streams at build), the all-to-all one on GPU."""
+    fp32 softmax router, top-k, renormalised or not), no load-balancing or z-loss unless ``overrides``
+    (``override_transformer_config``) set their weights (the RL default: off, as the peers run it; a
+    ``moe_aux_loss_coeff`` > 0 turns on Megatron's ``aux_loss`` unless ``moe_router_load_balancing_type`` says
+    which), the experts as one MLP each (``SequentialMLP``); the all-gather token dispatcher on CPU (the
+    all-to-all one makes CUDA streams at build), the all-to-all one on GPU."""
     moe = arch.moe
     if moe is None:
         return {}
+    overrides = overrides or {}
+    balancing = "aux_loss" if (overrides.get("moe_aux_loss_coeff") or 0) > 0 else "none"
     return dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
                 moe_layer_freq=moe.layer_freq, moe_router_pre_softmax=not moe.norm_topk_prob,
                 moe_router_score_function="softmax", moe_router_dtype="fp32",
                 moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
-                moe_shared_expert_gate=moe.shared_expert_gate, moe_router_load_balancing_type="none",
+                moe_shared_expert_gate=moe.shared_expert_gate, moe_router_load_balancing_type=balancing,
                 moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                 moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather")
 

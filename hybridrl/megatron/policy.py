@@ -28,11 +28,12 @@ from hybridrl.guards import agree
 from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import WeightBucket
 from hybridrl.lora.config import LoRAConfig
-from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig
+from hybridrl.megatron.config import ROUTER_REPLAY_MODES, MegatronConfig, MicroBatching, OptimConfig
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.hidden_states import output_weight
 from hybridrl.megatron.lora import LoRAModel, apply_lora
 from hybridrl.megatron.model import build_model_chunks
+from hybridrl.megatron.router_replay import RouterReplay, unpacked_routing
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
@@ -72,8 +73,10 @@ class MegatronPolicy(MegatronRunner):
     fp32_output = False  # Float16Module: logits stay in the model's dtype; vocab_parallel computes in fp32
 
     def __init__(self, *, model_dir: str, megatron: MegatronConfig, optim: OptimConfig | None,
-                 total_steps: int, pad_token_id: int, lora: LoRAConfig | None = None) -> None:
-        """``lora``: train adapters on the frozen base (:mod:`hybridrl.megatron.lora`; ``self.lora``)."""
+                 total_steps: int, pad_token_id: int, lora: LoRAConfig | None = None,
+                 router_replay: str = "disabled") -> None:
+        """``lora``: train adapters on the frozen base (:mod:`hybridrl.megatron.lora`; ``self.lora``);
+        ``router_replay``: an MoE actor's ``actor.router_replay.mode`` (:mod:`hybridrl.megatron.router_replay`)."""
         arch = HFArch.from_hf(model_dir)
         chunks = build_model_chunks(arch, parallel_config(megatron), dtype=megatron.dtype,
                                     overrides=megatron.override_transformer_config)
@@ -87,6 +90,17 @@ class MegatronPolicy(MegatronRunner):
         # fused LM head: the model returns hidden states and the head multiplies them by the LM-head weight in
         # vocabulary chunks (when the fused kernels are used at all: with null and no compiler, the logits path)
         self.returns_hidden_states = megatron.fused_lm_head and self.use_fused_kernels
+        if router_replay not in ROUTER_REPLAY_MODES:
+            raise ValueError(f"actor_rollout_ref.actor.router_replay.mode={router_replay!r}; valid: "
+                             f"{', '.join(ROUTER_REPLAY_MODES)}")
+        self.router_replay_mode = router_replay
+        if router_replay != "disabled":
+            if arch.moe is None:
+                raise ValueError(f"actor_rollout_ref.actor.router_replay.mode={router_replay}: the model at "
+                                 f"{model_dir} has no experts to route (a dense model); use disabled")
+            self.router_replay = RouterReplay(self.chunks, arch.moe.sparse_layers,
+                                              sequence_parallel=megatron.sequence_parallel)
+        self.replay_metrics: dict[str, float] = {}  # the last old-log-prob pass's (router_replay/*)
 
     def _token_logprobs(self, output: torch.Tensor, target_N: torch.Tensor, select_N: torch.Tensor | None,
                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,22 +138,74 @@ class MegatronPolicy(MegatronRunner):
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
         return loss, {k: v.detach() for k, v in metrics.items()}
 
-    def compute_log_probs(self, batch: RolloutBatch, *, batching: MicroBatching,
-                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(self, batch: RolloutBatch, *, batching: MicroBatching, temperature: float = 1.0,
+                          old_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs_BT, entropy_BT)`` of the response tokens, on every rank of the MP group, on the host (as
-        the loop's batches are); ``batch`` moves to this rank's device once, here."""
+        the loop's batches are); ``batch`` moves to this rank's device once, here. ``old_pass``: the actor's
+        old-log-prob pass, where router replay acts — R3 routes as the engine did, R2 records this pass's routing
+        into ``batch.*_routed_experts`` for the update."""
         head: Head = partial(self._loss, None, temperature)
-        both = self._forward_rows(batch, head, ("logprobs", "entropy"), batching=batching)
+        rr, mode = self.router_replay, self.router_replay_mode
+        with self._routing(replay=old_pass and mode == "R3", record=old_pass and mode == "R2"):
+            both = self._forward_rows(batch, head, ("logprobs", "entropy"), batching=batching)
+        if rr is not None and old_pass:
+            if mode == "R2":
+                self._store_routing(batch)
+            mismatched, compared = rr.take_mismatch()
+            self.replay_metrics = ({"router_replay/engine_mismatch": mismatched / compared} if compared else {})
         return both[0], both[1]
+
+    @contextlib.contextmanager
+    def _routing(self, *, replay: bool, record: bool) -> Iterator[None]:
+        """Router replay's mode for the passes inside (none without router replay)."""
+        rr = self.router_replay
+        if rr is None:
+            yield
+            return
+        rr.replaying, rr.recording = replay, record
+        try:
+            yield
+        finally:
+            rr.replaying = rr.recording = False
+
+    def _store_routing(self, batch: RolloutBatch) -> None:
+        """The routing the last pass recorded, into ``batch.{prompt,response}_routed_experts`` (host; -1 in the MoE
+        layers of other pipeline stages, which never read them)."""
+        assert self.router_replay is not None and self.arch.moe is not None
+        B, P = batch.prompt_ids.shape
+        T = batch.response_ids.shape[1]
+        L, k = self.router_replay.num_slots, self.arch.moe.top_k
+        prompt_BPLK = torch.full((B, P, L, k), -1, dtype=torch.int16)
+        response_BTLK = torch.full((B, T, L, k), -1, dtype=torch.int16)
+        for mb, slots in self.router_replay.take_recorded():
+            b, S = mb.rows.tokens_BS.shape
+            packed = torch.full((b, S, L, k), -1, dtype=torch.long, device=mb.rows.tokens_BS.device)
+            for slot, idx_bSk in slots.items():
+                packed[:, :, slot] = idx_bSk
+            p_bPLK, r_bTLK = unpacked_routing(packed, mb.batch, mb.rows)
+            real = (mb.index >= 0).cpu()
+            rows = mb.index.cpu()[real]
+            prompt_BPLK[rows], response_BTLK[rows] = p_bPLK.cpu()[real], r_bTLK.cpu()[real]
+        batch.prompt_routed_experts, batch.response_routed_experts = prompt_BPLK, response_BTLK
 
     def train_step(self, batch: RolloutBatch, loss_fn: LossFn, *, batching: MicroBatching, loss_agg_mode: str,
                    temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over ``batch`` (this DP rank's share of a mini-batch); the loss is aggregated
         as ``loss_agg_mode`` says over the whole mini-batch (all DP ranks). ``batch`` moves to this rank's
         device unless it is there already (``ActorRolloutRef.update_actor`` moves the whole batch once)."""
-        return self._train_step(
-            batch, lambda normalizer: partial(self._loss, partial(loss_fn, normalizer=normalizer), temperature),
-            batching=batching, loss_agg_mode=loss_agg_mode)
+        with self._routing(replay=True, record=False):  # the batch's recorded routing, if it has any
+            metrics = self._train_step(
+                batch, lambda normalizer: partial(self._loss, partial(loss_fn, normalizer=normalizer), temperature),
+                batching=batching, loss_agg_mode=loss_agg_mode)
+        return metrics | self._update_mismatch()
+
+    def _update_mismatch(self) -> dict[str, float]:
+        """``router_replay_mismatch``: the share of (token, MoE layer) pairs of the last update whose own top-k
+        differed from the replayed one (none without router replay)."""
+        if self.router_replay is None:
+            return {}
+        mismatched, compared = self.router_replay.take_mismatch()
+        return {"router_replay_mismatch": mismatched / compared} if compared else {}
 
     def train_step_on_policy(self, batch: RolloutBatch, loss_fn: LossFn, *, batching: MicroBatching,
                              loss_agg_mode: str, temperature: float = 1.0
@@ -167,7 +233,9 @@ class MegatronPolicy(MegatronRunner):
                 return out
             return head
 
-        metrics = self._train_step(batch, head_for, batching=batching, loss_agg_mode=loss_agg_mode)
+        with self._routing(replay=True, record=False):  # R3: the engine's routing (R2 has none yet: on-policy)
+            metrics = self._train_step(batch, head_for, batching=batching, loss_agg_mode=loss_agg_mode)
+        metrics |= self._update_mismatch()
         B, T = batch.response_ids.shape
         both = torch.zeros(2, B, T, device=self.device)
         for index, logp_bT, ent_bT in rows:  # empty but on the last pipeline stage

@@ -67,6 +67,8 @@ from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
 from hybridrl.megatron.rope_positions import positioned_rope
+from hybridrl.megatron.router_losses import router_loss_metrics
+from hybridrl.megatron.router_replay import RouterReplay
 from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
 
 
@@ -115,6 +117,8 @@ class MegatronRunner:
     fp32_output: ClassVar[bool] = True
     # the last stage's output is its final hidden states [s, b, h], not the output layer's (hidden_states.py)
     returns_hidden_states: bool = False
+    # an MoE actor's router replay hooks (router_replay.py): the forward step tells them each micro-batch
+    router_replay: RouterReplay | None = None
 
     def __init__(self, chunks: list[MegatronModule], *, arch: HFArch, megatron: MegatronConfig,
                  optim: OptimConfig | None, total_steps: int, pad_token_id: int) -> None:
@@ -171,6 +175,8 @@ class MegatronRunner:
         def forward_step(data_iterator: Iterator[_Micro], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
             rows = mb.rows
+            if self.router_replay is not None:
+                self.router_replay.before_forward(model, mb.batch, rows)
             with returning_hidden_states(model) if self.returns_hidden_states else contextlib.nullcontext():
                 if rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
                     assert rows.position_ids_BS is not None
@@ -182,6 +188,8 @@ class MegatronRunner:
                     position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)
                     output = model(input_ids=shard_sequence(tokens_BS), position_ids=shard_sequence(position_ids_BS),
                                    attention_mask=masks[rows.seq_len], **fp16_kwargs)
+            if self.router_replay is not None:
+                self.router_replay.after_forward(model, mb, rows)
             return output, partial(_scaled, head, mb, scale)
 
         self._check_interleaving(len(micros))
@@ -312,6 +320,9 @@ class MegatronRunner:
         if ok:  # as Megatron-LM: a skipped update does not advance the LR schedule
             self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(outputs, [float(m.batch.loss_mask.sum()) for m in micros])
+        if self.arch.moe is not None:  # the router losses, when override_transformer_config turns them on
+            metrics |= router_loss_metrics(num_micro_batches=len(micros),
+                                           num_moe_layers=sum(self.arch.moe.sparse_layers))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_skipped"] = float(not ok)  # for any reason, fp16 overflows included

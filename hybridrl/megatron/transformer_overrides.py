@@ -5,7 +5,8 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 - ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
   (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
 - ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
-  :data:`OVERRIDES` (activation recompute) and :data:`FUSIONS` (kernel fusions) are accepted; hybridrl itself
+  :data:`OVERRIDES` (activation recompute, an MoE model's router losses) and :data:`FUSIONS` (kernel fusions) are
+  accepted; hybridrl itself
   sets the layout, the dtype and the architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
 
 :func:`megatron_config_problems` states every rule once: static validation collects its problems and the
@@ -32,6 +33,11 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # NameError: name 'FP8GlobalStateManager' is not defined (tensor_parallel/random.py).
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 
+# Megatron's load-balancing losses that leave routing as it is (sinkhorn changes it; global_aux_loss keeps CUDA
+# buffers)
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+MOE_LOSS_COEFFS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+
 OVERRIDES = {
     "recompute_granularity": f"null | {' | '.join(RECOMPUTE_GRANULARITIES)}: full recomputes whole layers in the "
                              "backward pass, selective only the modules of recompute_modules",
@@ -41,6 +47,10 @@ OVERRIDES = {
     "recompute_num_layers": "an integer ≥ 1 (with granularity full)",
     "recompute_modules": f"a list of {', '.join(RECOMPUTE_MODULES)} (with granularity selective; Megatron's "
                          "default: [core_attn])",
+    "moe_aux_loss_coeff": "a number ≥ 0: the weight of Megatron's load-balancing loss (0, the RL default: off)",
+    "moe_z_loss_coeff": "a number ≥ 0 or null: the weight of the router z-loss (null, the RL default: off)",
+    "moe_router_load_balancing_type": f"{' | '.join(LOAD_BALANCING_TYPES)}: the load-balancing loss "
+                                      "(default: aux_loss when moe_aux_loss_coeff > 0, else none)",
 }
 
 # Megatron's kernel-fusion switches (booleans, verl's scripts set them): speed only, the same math up to kernel
@@ -76,6 +86,15 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
         elif name not in OVERRIDES:
             problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)} "
                                                       f"and the fusion switches {', '.join(FUSIONS)}"))
+    for name in MOE_LOSS_COEFFS:
+        value = overrides.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            problems.append((f"{okey}.{name}", value, "must be a number ≥ 0" + (" (or null)" if "z_loss" in name
+                                                                                   else "")))
+    balancing = overrides.get("moe_router_load_balancing_type")
+    if balancing is not None and balancing not in LOAD_BALANCING_TYPES:
+        problems.append((f"{okey}.moe_router_load_balancing_type", balancing,
+                         f"valid: {', '.join(LOAD_BALANCING_TYPES)}"))
     granularity = overrides.get("recompute_granularity")
     method = overrides.get("recompute_method")
     num_layers = overrides.get("recompute_num_layers")

@@ -35,6 +35,8 @@ def rollout_batch_from_generations(prompts: PromptBatch, gens: Sequence[Generati
         loss_mask_BT[b, :n] = 1 if g.loss_mask is None else torch.tensor(g.loss_mask, dtype=torch.long)
         logprobs_BT[b, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
     idx_B = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
+    routing = routed_experts_fields(prompts.attention_mask[idx_B], gens, T) if any(
+        g.routed_experts is not None for g in gens) else {}
     return RolloutBatch(
         prompt_ids=prompts.input_ids[idx_B], prompt_mask=prompts.attention_mask[idx_B],
         response_ids=response_ids_BT, response_mask=response_mask_BT, loss_mask=loss_mask_BT,
@@ -42,5 +44,27 @@ def rollout_batch_from_generations(prompts: PromptBatch, gens: Sequence[Generati
         weight_version=torch.tensor([g.weight_version for g in gens], dtype=torch.long),
         group_index=prompts.index[idx_B],
         meta=[dataclasses.replace(prompts.meta[g.prompt_index], finish_reason=g.finish_reason) for g in gens],
-        pad_token_id=pad_token_id,
+        pad_token_id=pad_token_id, **routing,
     )
+
+
+def routed_experts_fields(prompt_mask_BP: torch.Tensor, gens: Sequence[Generation], T: int) -> dict[str, torch.Tensor]:
+    """``RolloutBatch``'s ``prompt_routed_experts`` [B, P, L, k] and ``response_routed_experts`` [B, T, L, k] from
+    each generation's ``routed_experts`` (its positions in order: the prompt's, then the response's), -1 where the
+    engine ran none (padding; each response's last token)."""
+    missing = [b for b, g in enumerate(gens) if g.routed_experts is None]
+    if missing:
+        raise ValueError(f"the engine returned routed experts for some samples only (none for samples {missing[:8]})")
+    B, P = prompt_mask_BP.shape
+    L, k = gens[0].routed_experts.shape[1:]
+    prompt_BPLK = torch.full((B, P, L, k), -1, dtype=torch.int16)
+    response_BTLK = torch.full((B, T, L, k), -1, dtype=torch.int16)
+    for b, g in enumerate(gens):
+        routed = torch.as_tensor(g.routed_experts, dtype=torch.int16)
+        p, n = int(prompt_mask_BP[b].sum()), len(g.token_ids)
+        if routed.dim() != 3 or tuple(routed.shape[1:]) != (L, k) or len(routed) > p + n:
+            raise ValueError(f"sample {b}: routed_experts has shape {tuple(routed.shape)}, expected at most "
+                             f"({p + n}, {L}, {k}) (prompt + response positions, MoE layers, top-k)")
+        prompt_BPLK[b, P - p:] = routed[:p]
+        response_BTLK[b, :len(routed) - p] = routed[p:]
+    return {"prompt_routed_experts": prompt_BPLK, "response_routed_experts": response_BTLK}

@@ -41,7 +41,8 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
     """A training step's sampling parameters (``actor_rollout_ref.rollout.*``, ``data.max_response_length``)."""
     r = cfg.actor_rollout_ref.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                          max_new_tokens=cfg.data.max_response_length)
+                          max_new_tokens=cfg.data.max_response_length,
+                          return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
 
 
 def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts: Iterator[PromptBatch],

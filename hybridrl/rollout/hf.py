@@ -40,6 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class HFRolloutEngine:
     supports_tensor_parallel: ClassVar[bool] = False
     supports_abort: ClassVar[bool] = True
+    supports_routed_experts: ClassVar[bool] = True  # SamplingParams.return_routed_experts (an MoE model's routing)
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -72,6 +73,7 @@ class HFRolloutEngine:
         self._abort = threading.Event()
         # transformers ≥ 5.2x names the KV cache `cache` (argument and output); earlier, `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.routers = RoutingRecorder(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
@@ -110,12 +112,16 @@ class HFRolloutEngine:
         step_ids, attn = ids_BP, mask_BP
         pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
         n_B = torch.zeros(B, dtype=torch.long, device=self.device)  # tokens sampled per row
+        # the experts of every position run (prompt ‖ response), MoE layers in order: R3 router replay
+        route_BSLK = self.routers.start(B, P + T) if params.return_routed_experts else None
         steps = 0
         for t in range(T):
             if self._abort.is_set():  # interrupted: every row keeps what it has
                 break
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
                              logits_to_keep=1, **{self._cache_kw: past})
+            if route_BSLK is not None:  # this forward ran the prompt (t = 0) or the last sampled token
+                self.routers.collect(route_BSLK, rows_A, torch.arange(P) if t == 0 else torch.tensor([P + t - 1]))
             past = getattr(out, self._cache_kw)
             token_A, logprob_A = sample(out.logits[:, -1, :].float(), params, uniform(stream_B[rows_A], t))
             live_A = ~done_A
@@ -144,9 +150,14 @@ class HFRolloutEngine:
             row = tok_BT[b, :n_B[b]].tolist()
             length = next((t + 1 for t, tok in enumerate(row) if tok in stops), len(row))
             finish = "stop" if bool(finished_by_stop_B[b]) else "length" if n_B[b] >= cap else "abort"
+            routed = None
+            if route_BSLK is not None:  # the prompt's positions, then every kept token's but the last
+                p = int(mask_BP[b].sum())
+                routed = route_BSLK[b, P - p:P + max(length - 1, 0)].clone()
             results.append(Generation(prompt_index=prompt_index, token_ids=row[:length],
                                       logprobs=lp_BT[b, :length].tolist(), finish_reason=finish,
-                                      weight_version=self.version))
+                                      weight_version=self.version, routed_experts=routed))
+        self.routers.stop()
         return results
 
     def abort(self) -> None:
@@ -183,6 +194,40 @@ class HFRolloutEngine:
     def shutdown(self) -> None:
         del self.model
         self.params.clear()
+
+
+class RoutingRecorder:
+    """The experts transformers' MoE blocks (Qwen3-MoE, Qwen2-MoE: ``mlp.gate`` returns logits, weights and the
+    top-k indices) chose, read by a forward hook on each router, MoE layers in order; a dense model has none."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = model.get_decoder().layers
+        self.gates = [layer.mlp.gate for layer in layers
+                      if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
+        self._seen: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+
+    def start(self, B: int, S: int) -> torch.Tensor:
+        """``[B, S, L, k]`` int16 filled with -1, and the hooks on."""
+        if not self.gates:
+            raise ValueError("SamplingParams.return_routed_experts: the rollout model has no MoE layers")
+        self.stop()
+        self._hooks = [g.register_forward_hook(lambda _m, _i, out: self._seen.append(out[2])) for g in self.gates]
+        return torch.full((B, S, len(self.gates), self.top_k), -1, dtype=torch.int16)
+
+    def collect(self, route_BSLK: torch.Tensor, rows_A: torch.Tensor, cols_s: torch.Tensor) -> None:
+        """The last forward's routing (rows ``rows_A``, ``len(cols_s)`` positions each) into ``route_BSLK``."""
+        assert len(self._seen) == len(self.gates), f"{len(self._seen)} router outputs for {len(self.gates)} layers"
+        A = len(rows_A)
+        idx_AsLK = torch.stack([x.reshape(A, len(cols_s), -1) for x in self._seen], dim=2).to("cpu", torch.int16)
+        route_BSLK[rows_A.cpu()[:, None], cols_s[None, :]] = idx_AsLK
+        self._seen.clear()
+
+    def stop(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._seen = [], []
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -111,12 +111,16 @@ def generate_continued(engine: Any, share: range, contexts: Sequence[list[int]],
 
 
 def joined(head: Generation, tail: Generation) -> Generation:
-    """``head`` (cut short) continued by ``tail``; each token keeps the version that sampled it."""
+    """``head`` (cut short) continued by ``tail``; each token keeps the version that sampled it. The routed experts
+    are the tail's (its prompt held the head's tokens, so it ran every position again) unless it ran none."""
     versions = [*(head.token_versions or [head.weight_version] * len(head.token_ids)),
                 *(tail.token_versions or [tail.weight_version] * len(tail.token_ids))]
+    routed = tail.routed_experts
+    if routed is None or (head.routed_experts is not None and len(routed) < len(head.routed_experts)):
+        routed = head.routed_experts
     return dataclasses.replace(
         head, token_ids=head.token_ids + tail.token_ids, logprobs=head.logprobs + tail.logprobs,
-        finish_reason=tail.finish_reason, token_versions=versions,
+        finish_reason=tail.finish_reason, token_versions=versions, routed_experts=routed,
         weight_version=min(versions, default=tail.weight_version))  # no token yet: the version it continues on
 
 

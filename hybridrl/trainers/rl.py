@@ -81,7 +81,7 @@ def fit(c: Components) -> dict[str, float]:
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
         metrics = (m.reduce() | rolled.metrics | adv_metrics | (actor_metrics(updates) if updates else {}) | critic
-                   | timer.times)
+                   | hybrid.take_routing_metrics() | timer.times)
         metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],

@@ -376,3 +376,33 @@ def test_multi_turn_off_by_default_and_valid_settings_pass(base: list[str]) -> N
                   f"+{MT}.tool_kwargs.calculator.max_digits=50", f"+{MT}.environment_kwargs.max_tries=3") == []
     assert issues(base, f"{MT}.enable=true", "data.apply_chat_template=true", f"{MT}.tools=[calculator,python]",
                   f"{MT}.environment=arithmetic_feedback", "reward.name=environment") == []
+
+
+def test_router_replay_is_refused_where_it_cannot_run_naming_the_key(base: list[str],
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any model: a dense model has no router; R3 needs an engine that returns its routing (SGLang and vLLM
+    here can, the message says how, hybridrl's engines for them do not read it yet); shared-prompt rows and
+    activation recompute are not replayed."""
+    key = f"{AOR}.actor.router_replay.mode"
+    assert only(base, f"{key}=R4") == f"{key}='R4': valid: disabled, R2, R3"
+    assert "is dense" in only(base, f"{key}=R3")
+    a3b = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen3-30b-a3b.json")
+    code, out, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, f"{key}=R2",
+                         f"~{AOR}.actor.megatron.override_transformer_config.recompute_granularity",
+                         f"~{AOR}.actor.megatron.override_transformer_config.recompute_method",
+                         f"~{AOR}.actor.megatron.override_transformer_config.recompute_num_layers")
+    assert code == 0, err
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, f"{key}=R3",
+                       f"{AOR}.rollout.name=sglang", f"{AOR}.actor.use_prefix_grouper=true")
+    assert code == 2 and f"{AOR}.rollout.name='sglang'" in err and "--enable-return-routed-experts" in err, err
+    assert f"{AOR}.actor.use_prefix_grouper=True" in err and "recompute_granularity='full'" in err, err
+
+
+def test_the_moe_tiny_recipe_validates_before_its_warm_start_exists(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpo_moe_tiny (R3 on the hf engine) plans in an empty cache: its model and data are built on first use."""
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))
+    code, out, err = cli(capsys, "recipe=grpo_moe_tiny")
+    assert code == 0, err
+    assert "the run builds it first (build_if_missing=sft:sft_moe_tiny)" in out + err, out

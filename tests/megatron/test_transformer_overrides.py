@@ -22,6 +22,8 @@ VALID: list[dict[str, Any]] = [
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
     {"recompute_granularity": None},
+    {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001},  # verl's MoE scripts' router losses
+    {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "seq_aux_loss", "moe_z_loss_coeff": None},
 ]
 INVALID: list[tuple[dict[str, Any], list[str]]] = [  # overrides, the keys of their problems
     ({"recompute_granularity": "full"}, [f"{OVR}.recompute_method", f"{OVR}.recompute_num_layers"]),
@@ -37,6 +39,9 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [  # overrides, the keys of th
     ({"recompute_modules": ["mlp"]}, [f"{OVR}.recompute_modules"]),
     ({"recompute_granuarlity": "full"}, [f"{OVR}.recompute_granuarlity"]),  # a typo: unknown key
     ({"tensor_model_parallel_size": 2, "bf16": True}, [f"{OVR}.tensor_model_parallel_size", f"{OVR}.bf16"]),
+    ({"moe_aux_loss_coeff": -0.1, "moe_z_loss_coeff": "1e-3"},
+     [f"{OVR}.moe_aux_loss_coeff", f"{OVR}.moe_z_loss_coeff"]),
+    ({"moe_router_load_balancing_type": "sinkhorn"}, [f"{OVR}.moe_router_load_balancing_type"]),
 ]
 
 
