@@ -45,8 +45,8 @@ def test_an_expert_parallel_run_equals_the_replicated_one(torchrun, tiny: dict[s
 def test_a_router_replay_run_resumes_bitwise(torchrun, tiny: dict[str, Path], mode: str) -> None:  # noqa: F811
     """2 ranks at EP=2, ``actor.router_replay.mode`` R2 / R3, 2 mini-batches a step (the old-log-prob pass runs):
     every update reports its replay, R3 finds the trainer routing as the engine did (fp32: no pair differs), and a
-    run resumed from its step-2 checkpoint gives step 3 exactly (the routing is per step, never saved). ~40 s: two
-    2-rank launches."""
+    run resumed from its step-2 checkpoint gives step 3 exactly (the routing is per step, never saved); resuming the
+    EP=2 checkpoint at EP=1 is refused naming the key. ~40 s (R3: ~55 s): two (three) 2-rank launches."""
     moe = {**tiny, "model": make_tiny_model(tiny["tmp"] / "moe_replay_model", arch="qwen3_moe", hidden=64, layers=2,
                                             heads=4, kv_heads=2, max_positions=128,
                                             moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))}
@@ -70,3 +70,10 @@ def test_a_router_replay_run_resumes_bitwise(torchrun, tiny: dict[str, Path], mo
     assert [r["step"] for r in again] == [1, 2, 3]
     strip = [{k: v for k, v in r.items() if not k.startswith(("timing", "perf/"))} for r in (reference[2], again[2])]
     assert strip[0] == strip[1]
+    if mode == "R3":  # EP=2's chained optimizer state does not load at EP=1 yet: refused, naming the key
+        ep1 = tiny["tmp"] / "replay_R3_ep1"
+        with pytest.raises(AssertionError) as refused:
+            torchrun([TRAIN, *overrides(moe, ep1, *args[:-2], f"actor_rollout_ref.actor.router_replay.mode={mode}",
+                                        f"trainer.resume={out / 'checkpoints' / 'step_00000002'}")], nproc=2,
+                     timeout=600)
+        assert "expert_model_parallel_size=1: " in str(refused.value) and "was saved at " in str(refused.value)

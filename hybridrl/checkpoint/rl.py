@@ -452,6 +452,20 @@ def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
                          f"optimizer can't load; resume with {key}={was}")
 
 
+def _check_expert_layout(path: Path, policy: MegatronPolicy) -> None:
+    """An MoE model's optimizer is Megatron's chain of two (dense and expert parameters) at EP > 1 and one optimizer
+    at EP = 1, and the two save their state under different keys (loading fails deep in dist_checkpointing with a
+    ``KeyError``): between EP > 1 layouts the experts reshard; across EP = 1 name the key to set instead."""
+    key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+    saved = int(OmegaConf.select(OmegaConf.load(path / "config.yaml"), key) or 1)
+    now = policy.parallel.expert_model_parallel_size
+    if policy.arch.moe is not None and (saved > 1) != (now > 1):
+        valid = "1" if saved == 1 else "a value > 1 that divides the experts and world / (TP × PP)"
+        raise ValueError(f"{key}={now}: {path} was saved at {key}={saved}; Megatron keeps the optimizer state of "
+                         f"expert parallelism in a chained optimizer, which the other layout can't load yet; resume "
+                         f"with {key}={valid}, or start a new run (trainer.resume=never)")
+
+
 _OPTIM = "actor_rollout_ref.actor.optim"
 # the settings resume compares; every one is applied from the saved step except those in _FIXED
 RESUME_SETTINGS = (*(f"{_OPTIM}.{f.name}" for f in fields(OptimConfig)), "trainer.total_training_steps")
@@ -479,6 +493,7 @@ def load_checkpoint(path: Path, *, cfg: RLConfig, policy: MegatronPolicy,
     Optimizer and LR-schedule *settings* are this run's (``cfg``), applied from the saved step: the
     checkpoint's param groups (lr, betas, eps, …) and schedule are replaced by the configured ones."""
     _check_optimizer_kind(path, policy)
+    _check_expert_layout(path, policy)
     check_base(path, read_record(path), lora=None if policy.lora is None else policy.lora.cfg,
                base_model=cfg.actor_rollout_ref.model.path)
     changes = changed_settings(OmegaConf.load(path / "config.yaml"), cfg, path=path)  # type: ignore[arg-type]

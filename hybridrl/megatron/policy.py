@@ -146,6 +146,9 @@ class MegatronPolicy(MegatronRunner):
         into ``batch.*_routed_experts`` for the update."""
         head: Head = partial(self._loss, None, temperature)
         rr, mode = self.router_replay, self.router_replay_mode
+        if old_pass and mode == "R3" and batch.prompt_routed_experts is None:
+            raise RuntimeError("actor_rollout_ref.actor.router_replay.mode=R3: the batch has no routed experts (the "
+                               "rollout engine returned none although asked); use an engine that records them, or R2")
         with self._routing(replay=old_pass and mode == "R3", record=old_pass and mode == "R2"):
             both = self._forward_rows(batch, head, ("logprobs", "entropy"), batching=batching)
         if rr is not None and old_pass:

@@ -85,9 +85,12 @@ class HFRolloutEngine:
         expanded = [(i, p, sample_stream(seeds[i], j), limits[i]) for i, p in enumerate(prompts)
                     for j in range(params.n)]
         out: list[Generation] = []
-        for start in range(0, len(expanded), self.config.max_batch_size):
-            chunk = expanded[start:start + self.config.max_batch_size]
-            out += self._generate_chunk(chunk, params)
+        try:
+            for start in range(0, len(expanded), self.config.max_batch_size):
+                chunk = expanded[start:start + self.config.max_batch_size]
+                out += self._generate_chunk(chunk, params)
+        finally:
+            self.routers.stop()  # no router hook outlives a call
         return out
 
     def _generate_chunk(self, chunk: list[tuple[int, list[int], int, int]],
@@ -157,7 +160,6 @@ class HFRolloutEngine:
             results.append(Generation(prompt_index=prompt_index, token_ids=row[:length],
                                       logprobs=lp_BT[b, :length].tolist(), finish_reason=finish,
                                       weight_version=self.version, routed_experts=routed))
-        self.routers.stop()
         return results
 
     def abort(self) -> None:
@@ -201,9 +203,9 @@ class RoutingRecorder:
     top-k indices) chose, read by a forward hook on each router, MoE layers in order; a dense model has none."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        layers = model.get_decoder().layers
+        layers = getattr(model.get_decoder(), "layers", [])
         self.gates = [layer.mlp.gate for layer in layers
-                      if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+                      if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")]
         self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
         self._seen: list[torch.Tensor] = []
         self._hooks: list[Any] = []
