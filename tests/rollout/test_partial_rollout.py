@@ -121,6 +121,21 @@ def test_joining_keeps_each_pieces_version_and_the_stale_prefix_can_be_masked() 
     assert (fresh.weight_version, mask_stale_prefix(fresh).loss_mask) == (6, None)  # one version: unmasked
 
 
+def test_a_continued_sample_keeps_the_routing_of_its_last_piece_that_ran_anything() -> None:
+    """R3 router replay: the continuation's prompt held the head's tokens, so its routed experts cover them too; a
+    continuation cut before its first forward ran nothing and the head's stay."""
+    def routed(n: int) -> torch.Tensor:
+        return torch.zeros(n, 1, 2, dtype=torch.int16)
+
+    head = Generation(prompt_index=0, token_ids=[1, 2], logprobs=[-1.0, -2.0], finish_reason="abort",
+                      weight_version=3, routed_experts=routed(3 + 2 - 1))
+    tail = Generation(prompt_index=0, token_ids=[3, 4], logprobs=[-3.0, -4.0], finish_reason="stop",
+                      weight_version=4, routed_experts=routed(3 + 4 - 1))
+    assert len(joined(head, tail).routed_experts) == 6
+    idle = Generation(prompt_index=0, token_ids=[], logprobs=[], finish_reason="abort", weight_version=4)
+    assert len(joined(head, idle).routed_experts) == 4
+
+
 def test_an_engine_without_abort_is_refused() -> None:
     class Plain:
         pass
