@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
-from hybridrl.rollout.hf_compat import checkpoint_views
+from hybridrl.rollout.hf_compat import RoutingRecorder, checkpoint_views
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -196,40 +196,6 @@ class HFRolloutEngine:
     def shutdown(self) -> None:
         del self.model
         self.params.clear()
-
-
-class RoutingRecorder:
-    """The experts transformers' MoE blocks (Qwen3-MoE, Qwen2-MoE: ``mlp.gate`` returns logits, weights and the
-    top-k indices) chose, read by a forward hook on each router, MoE layers in order; a dense model has none."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        layers = getattr(model.get_decoder(), "layers", [])
-        self.gates = [layer.mlp.gate for layer in layers
-                      if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")]
-        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
-        self._seen: list[torch.Tensor] = []
-        self._hooks: list[Any] = []
-
-    def start(self, B: int, S: int) -> torch.Tensor:
-        """``[B, S, L, k]`` int16 filled with -1, and the hooks on."""
-        if not self.gates:
-            raise ValueError("SamplingParams.return_routed_experts: the rollout model has no MoE layers")
-        self.stop()
-        self._hooks = [g.register_forward_hook(lambda _m, _i, out: self._seen.append(out[2])) for g in self.gates]
-        return torch.full((B, S, len(self.gates), self.top_k), -1, dtype=torch.int16)
-
-    def collect(self, route_BSLK: torch.Tensor, rows_A: torch.Tensor, cols_s: torch.Tensor) -> None:
-        """The last forward's routing (rows ``rows_A``, ``len(cols_s)`` positions each) into ``route_BSLK``."""
-        assert len(self._seen) == len(self.gates), f"{len(self._seen)} router outputs for {len(self.gates)} layers"
-        A = len(rows_A)
-        idx_AsLK = torch.stack([x.reshape(A, len(cols_s), -1) for x in self._seen], dim=2).to("cpu", torch.int16)
-        route_BSLK[rows_A.cpu()[:, None], cols_s[None, :]] = idx_AsLK
-        self._seen.clear()
-
-    def stop(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self._seen = [], []
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -8,12 +8,16 @@ needed (it fails once upstream changes, so the item can go).
    ``[E, h, f]`` — and converts a checkpoint's per-expert tensors (``mlp.experts.<e>.{gate,up,down}_proj.weight``,
    the names the trainer's weight stream carries) only when it loads one. :func:`checkpoint_views` names views of
    the fused parameters by the checkpoint's names, so a streamed expert is copied into the fused storage in place.
+2. **The experts a router chose.** transformers' MoE blocks return only the mixed hidden states; the chosen experts
+   exist as the third output of the block's router (``mlp.gate``: logits, weights, top-k indices), which
+   :class:`RoutingRecorder` reads with a forward hook for R3 router replay.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -36,3 +40,37 @@ def checkpoint_views(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
             else:
                 out[f"{base}.{e}.down_proj.weight"] = data[e]
     return out
+
+
+class RoutingRecorder:
+    """The experts transformers' MoE blocks (Qwen3-MoE, Qwen2-MoE) chose, read by a forward hook on each router
+    (item 2), MoE layers in order; a dense model has none."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = getattr(model.get_decoder(), "layers", [])
+        self.gates = [layer.mlp.gate for layer in layers
+                      if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")]
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0))
+        self._seen: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+
+    def start(self, B: int, S: int) -> torch.Tensor:
+        """``[B, S, L, k]`` int16 filled with -1, and the hooks on."""
+        if not self.gates:
+            raise ValueError("SamplingParams.return_routed_experts: the rollout model has no MoE layers")
+        self.stop()
+        self._hooks = [g.register_forward_hook(lambda _m, _i, out: self._seen.append(out[2])) for g in self.gates]
+        return torch.full((B, S, len(self.gates), self.top_k), -1, dtype=torch.int16)
+
+    def collect(self, route_BSLK: torch.Tensor, rows_A: torch.Tensor, cols_s: torch.Tensor) -> None:
+        """The last forward's routing (rows ``rows_A``, ``len(cols_s)`` positions each) into ``route_BSLK``."""
+        assert len(self._seen) == len(self.gates), f"{len(self._seen)} router outputs for {len(self.gates)} layers"
+        A = len(rows_A)
+        idx_AsLK = torch.stack([x.reshape(A, len(cols_s), -1) for x in self._seen], dim=2).to("cpu", torch.int16)
+        route_BSLK[rows_A.cpu()[:, None], cols_s[None, :]] = idx_AsLK
+        self._seen.clear()
+
+    def stop(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._seen = [], []

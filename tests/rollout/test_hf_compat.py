@@ -51,3 +51,24 @@ def test_a_streamed_moe_checkpoint_lands_in_the_fused_experts_in_place(moe_model
     a, b = engine.generate([[5, 6, 7]], params), fresh.generate([[5, 6, 7]], params)
     assert a[0].token_ids == b[0].token_ids
     torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
+
+
+def test_item2_only_the_router_tells_which_experts_a_token_went_to(moe_model: Path) -> None:
+    """The MoE block returns one tensor (the mixed hidden states); its router's third output is the top-k of
+    softmax(x Wᵀ), which the recorder reads, one [tokens, k] per MoE layer and forward."""
+    from hybridrl.rollout.hf_compat import RoutingRecorder
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, 32)
+    assert isinstance(block(x), torch.Tensor)
+    logits, weights, chosen = block.gate(x.reshape(-1, 32))
+    assert torch.equal(chosen, torch.topk(torch.softmax(x.reshape(-1, 32) @ block.gate.weight.T, -1), 2).indices)
+    recorder = RoutingRecorder(model)
+    assert len(recorder.gates) == 1  # layer 1 is dense (mlp_only_layers)
+    route = recorder.start(1, 5)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5, 6, 7]]))
+    recorder.collect(route, torch.tensor([0]), torch.arange(5))
+    recorder.stop()
+    assert route.shape == (1, 5, 1, 2) and int(route.min()) >= 0 and not recorder._hooks

@@ -53,8 +53,10 @@ def full_forward_routing(model: str, batch: RolloutBatch) -> float:
         p = batch.prompt_mask[b].bool()
         r = batch.response_mask[b].bool()
         ids = torch.cat([batch.prompt_ids[b][p], batch.response_ids[b][r]])[None]
-        seen: list[torch.Tensor] = []
-        hooks = [g.register_forward_hook(lambda _m, _i, out, seen=seen: seen.append(out[2])) for g in gates]
+        seen: list[torch.Tensor] = []  # each router's top-k of softmax(x Wᵀ), computed here from its input
+        hooks = [g.register_forward_hook(lambda m, inp, _out, seen=seen: seen.append(
+            torch.topk(torch.softmax(inp[0].reshape(-1, m.weight.shape[1]) @ m.weight.T, -1), m.top_k).indices))
+            for g in gates]
         with torch.no_grad():
             hf(input_ids=ids)
         for h in hooks:
