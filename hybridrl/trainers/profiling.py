@@ -1,6 +1,6 @@
 """``trainer.profile_steps``: a ``torch.profiler`` trace of chosen RL steps on every rank, and a top-ops table.
 
-Each listed step runs whole (generate … weight sync: the span of ``timing/step``) under
+Each listed step's own work (generate … weight sync: what ``perf/tokens_per_s`` counts) runs under
 ``torch.profiler.profile`` (CPU activity, plus CUDA where a GPU is visible). Its trace goes to
 ``<trainer.output_dir>/profile/step_<k>.rank_<r>.json`` (Chrome trace format: open it in
 https://ui.perfetto.dev or chrome://tracing). After the last listed step each rank writes its ops, summed over

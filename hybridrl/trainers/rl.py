@@ -12,6 +12,8 @@ before the actor's (both train on the batch as scored, so the order does not cha
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridrl.algorithms.kl import kl_penalty
@@ -35,9 +37,10 @@ def fit(c: Components) -> dict[str, float]:
         c.tracker.log(evaluate(c), step=0)
     metrics, skips = {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
     profiler = StepProfiler(t.profile_steps, t.output_dir)
+    last = time.perf_counter()  # timing/step: the wall time between consecutive steps (evaluation, saving included)
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         timer = Timer()
-        with profiler.step(step), timer("step"):
+        with profiler.step(step), timer("work"):
             rolled = c.rollout.step(seed=step_seed(t.seed, step), timer=timer)
             batch = rolled.batch
             warmup = step < t.critic_warmup  # verl's: the critic alone trains until step critic_warmup
@@ -80,16 +83,21 @@ def fit(c: Components) -> dict[str, float]:
         assert entropy_BT is not None
         m = rollout_metrics(batch, scores_B, entropy_BT)
         m.total("reward/errors", reward_errors)
+        work = timer.times.pop("timing/work")  # generate … weight sync: what perf/tokens_per_s counts
+        timer.times.pop("timing_cpu/work")
         metrics = (m.reduce() | rolled.metrics | adv_metrics | (actor_metrics(updates) if updates else {}) | critic
-                   | hybrid.take_routing_metrics() | timer.times)
+                   | hybrid.take_routing_metrics())
         metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
-        metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / timer.times["timing/step"],
-                    "perf/weight_sync_mb": sync_mb}
+        metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / work, "perf/weight_sync_mb": sync_mb}
         if step == 1:  # data/prompts_{total,kept,dropped}: the length filter's counts, once a run (not on resume)
             metrics |= c.loader.dataset.filter_metrics
         if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
-            metrics |= evaluate(c)
+            with timer("eval"):
+                metrics |= evaluate(c)
+        now = time.perf_counter()
+        metrics |= timer.times | {"timing/step": now - last}
+        last = now
         c.tracker.log(metrics, step=step)
         if t.rollout_data_dir is not None:
             rollout_dump.dump(t.rollout_data_dir, step, batch, scores_B, c.tokenizer)
