@@ -37,8 +37,6 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.sequences import PackedRows
 
-MODES = ("disabled", "R2", "R3")
-
 
 class _LayerReplay:
     """One router's replay: Megatron's ``TopKRouter`` calls :meth:`get_replay_topk` for its top-k."""
@@ -47,8 +45,8 @@ class _LayerReplay:
         self.target: torch.Tensor | None = None  # [N, k] long, -1 rows: the router's own choice
         self.record = False
         self.recorded: torch.Tensor | None = None  # [N, k] the experts the last forward used
-        self.mismatched = 0
-        self.compared = 0
+        self.mismatched: torch.Tensor | int = 0  # counts kept on the device: no host sync per router
+        self.compared: torch.Tensor | int = 0
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
                         group_topk: int | None = None,
@@ -67,8 +65,8 @@ class _LayerReplay:
         have = target[:, 0] >= 0
         chosen = torch.where(have[:, None], target, own)
         differs = (chosen.sort(-1).values != own.sort(-1).values).any(-1) & have
-        self.mismatched += int(differs.sum())
-        self.compared += int(have.sum())
+        self.mismatched = self.mismatched + differs.sum()
+        self.compared = self.compared + have.sum()
         if self.record:
             self.recorded = chosen.detach()
         return scores.gather(1, chosen), chosen
@@ -162,11 +160,13 @@ class RouterReplay:
         counts them)."""
         hooks = [h for found in self.routers.values() for _, h in found]
         counted = parallel_state.get_tensor_model_parallel_rank() == 0 or self.sequence_parallel
-        local = [sum(h.mismatched for h in hooks), sum(h.compared for h in hooks)] if counted else [0, 0]
-        for h in hooks:
-            h.mismatched = h.compared = 0
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        sums = torch.tensor(local, dtype=torch.float64, device=device)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for h in hooks:
+            if counted:
+                sums += torch.stack([torch.as_tensor(h.mismatched, device=device),
+                                     torch.as_tensor(h.compared, device=device)]).double()
+            h.mismatched = h.compared = 0
         dist.all_reduce(sums)
         return float(sums[0]), float(sums[1])
 
