@@ -27,7 +27,9 @@ TWO_RANKS = ["tp2pp1cp1", "tp1pp2cp1", "tp1pp1cp1", "tp1pp1cp2", "tp1pp2cp1vpp2"
 # fp32 reassociation only. Adam's first steps divide by |g| + eps (1e-6), which amplifies that noise on
 # near-zero gradient entries (A's gradient is exactly 0 on step 1, since B = 0): seen ≤ 5e-5 on adapters
 # (whose entries are ~0.02–0.13), ≤ 2e-6 on merged weights, ≤ 1e-6 on log-probs.
-TOL = {"adapters": 2e-4, "merged": 1e-5, "logprobs": 5e-6}
+# logprobs: 1e-5 (≈ 2.5e-6 relative at log p ≈ -4): TP=2's split reductions round differently from one rank, by
+# 5.2e-6 on an AVX-512 CPU (under 5e-6 on the AVX2 build machines)
+TOL = {"adapters": 2e-4, "merged": 1e-5, "logprobs": 1e-5}
 
 
 @pytest.fixture(scope="module")
