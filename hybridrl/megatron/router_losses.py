@@ -12,29 +12,45 @@ lacks, so the reduction is done here with sums.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from hybridrl.megatron.parallel import rank_device
 
 # Megatron's tracker name → the metric (under the role's prefix, e.g. actor/)
 METRICS = {"load_balancing_loss": "moe_load_balancing_loss", "seq_load_balancing_loss": "moe_load_balancing_loss",
            "z_loss": "moe_z_loss"}
 
 
-def router_loss_metrics(*, num_micro_batches: int, num_moe_layers: int) -> dict[str, float]:
-    """The mean per MoE layer and micro-batch of each router loss recorded since the last call (none: {}),
-    over all DP ranks; the same on every rank. Empties the tracker (Megatron makes an entry anew when it records)."""
+# Megatron's load-balancing type → the name its router records that loss under
+TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+
+def router_loss_metrics(config: Any, *, num_micro_batches: int, num_moe_layers: int) -> dict[str, float]:
+    """The mean per MoE layer and micro-batch of each router loss ``config`` (the model's TransformerConfig) turns
+    on, recorded since the last call, over all DP ranks; the same on every rank (none on: {}). The names come from
+    the config, not the tracker, so a pipeline stage without MoE layers (an empty tracker) joins the same
+    reductions. Empties the tracker (Megatron makes an entry anew when it records)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
+    names = []
+    if (config.moe_aux_loss_coeff or 0) > 0 and config.moe_router_load_balancing_type in TRACKED:
+        names.append(TRACKED[config.moe_router_load_balancing_type])
+    if (config.moe_z_loss_coeff or 0) > 0:
+        names.append("z_loss")
     tracker = get_moe_layer_wise_logging_tracker()
     out: dict[str, float] = {}
-    for name in sorted(tracker):
-        values = tracker[name]["values"]
-        total = values.sum().double().reshape(1)
+    for name in names:
+        entry = tracker.pop(name, None)
+        total = torch.zeros(1, dtype=torch.float64, device=rank_device())
+        if entry is not None:
+            total += entry["values"].sum().double().to(total.device)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         total /= parallel_state.get_data_parallel_world_size()
-        out[METRICS.get(name, f"moe_{name}")] = float(total) / max(num_micro_batches, 1) / max(num_moe_layers, 1)
-        del tracker[name]
+        out[METRICS[name]] = float(total) / max(num_micro_batches, 1) / max(num_moe_layers, 1)
     return out
-

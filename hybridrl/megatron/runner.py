@@ -321,7 +321,7 @@ class MegatronRunner:
             self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(outputs, [float(m.batch.loss_mask.sum()) for m in micros])
         if self.arch.moe is not None:  # the router losses, when override_transformer_config turns them on
-            metrics |= router_loss_metrics(num_micro_batches=len(micros),
+            metrics |= router_loss_metrics(self.config, num_micro_batches=len(micros),
                                            num_moe_layers=sum(self.arch.moe.sparse_layers))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
