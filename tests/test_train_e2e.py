@@ -91,6 +91,11 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
         # engine, actor and weight sync agree: log-probs match, the first mini-batch is on-policy
         assert r["rollout/logprob_abs_diff"] <= 1e-4
         assert abs(r["actor/ppo_kl_first_mb"]) <= 1e-6
+    # timing/step is the wall time between steps: step 3's holds its evaluation, which no other step has
+    stages = ("timing/gen", "timing/update_actor", "timing/sync_weights")
+    assert "timing/eval" in rows[3] and not any("timing/eval" in r for r in rows[1:3])
+    assert rows[3]["timing/step"] >= rows[3]["timing/eval"] + sum(rows[3][k] for k in stages)
+    assert all(r["timing/step"] >= sum(r[k] for k in stages) for r in rows[1:])
     # the engine reports the weights it sampled with: version k-1 at step k (synced after each update)
     assert [r["rollout/weight_version"] for r in rows[1:]] == [0.0, 1.0, 2.0]
     # actor == ref on the first of step 1's two mini-batches; the KL grows with the updates
