@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_train_e2e import TRAIN, overrides, read_metrics, tiny  # noqa: F401
+from test_train_e2e import TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
 
 from hybridrl.models.tiny import make_tiny_model
 
@@ -45,10 +45,14 @@ def test_an_r3_run_resumes_bitwise(torchrun, tiny: dict[str, Path]) -> None:  # 
     """2 ranks at EP=2, ``actor.router_replay.mode=R3``, 2 mini-batches a step (the old-log-prob pass runs): every
     update reports its replay, the trainer routes as the engine did (fp32: no pair differs), and a run resumed from
     its step-2 checkpoint gives step 3 exactly (the routing is per step, never saved; R2's is recomputed each step
-    the same way, and its replay is checked in ``megatron/test_router_replay.py``). ~50 s: two 2-rank launches."""
-    moe = {**tiny, "model": make_tiny_model(tiny["tmp"] / "moe_replay_model", arch="qwen3_moe", hidden=64, layers=2,
-                                            heads=4, kv_heads=2, max_positions=128,
-                                            moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))}
+    the same way, and its replay is checked in ``megatron/test_router_replay.py``). The responses vary in length
+    from rank to rank. ~50 s: two 2-rank launches."""
+    random = make_tiny_model(tiny["tmp"] / "moe_replay_random", arch="qwen3_moe", hidden=64, layers=2, heads=4,
+                             kv_heads=2, max_positions=128,
+                             moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    # responses end at EOS early and unevenly: each rank's rows have another length, which the EP ranks' token
+    # exchange must not see (the runner pads to the longest over the EP group)
+    moe = {**tiny, "model": chatty(random, tiny["tmp"] / "moe_replay_model")}
     out = tiny["tmp"] / "replay_R3"
     args = [*KEYWORD, "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",

@@ -135,6 +135,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     _check_async(cfg, world, issues)
     _check_plugins(cfg, plan, issues)
     _check_router_replay(cfg, model, issues)
+    _check_expert_parallel_batches(cfg, issues)
     _check_multi_turn(cfg, issues)
     if "critic" in plan.roles:
         _check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
@@ -383,6 +384,25 @@ def _engine_class(name: str) -> object | None:
         return Registry("rollout_engines").load(name, key=f"{AOR}.rollout.name")
     except PluginError:
         return None
+
+
+def _check_expert_parallel_batches(cfg: RLConfig, issues: _Issues) -> None:
+    """At EP > 1 the EP ranks exchange tokens in every MoE layer of every micro-batch, so they need the same number
+    of micro-batches, each of one shape (the runner pads to the longest over the EP group): token-budget
+    micro-batches (a count per rank) and shared-prompt rows (a shape per rank) are refused."""
+    aor = cfg.actor_rollout_ref
+    ep = aor.actor.megatron.expert_model_parallel_size
+    if ep <= 1:
+        return
+    keys = [(f"{AOR}.actor.use_dynamic_bsz", aor.actor.use_dynamic_bsz),  # the log-prob passes' null follows it
+            (f"{AOR}.rollout.log_prob_use_dynamic_bsz", aor.rollout.log_prob_use_dynamic_bsz),
+            (f"{AOR}.ref.log_prob_use_dynamic_bsz", aor.ref.log_prob_use_dynamic_bsz),
+            ("critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz), (f"{AOR}.actor.use_prefix_grouper",
+                                                                     aor.actor.use_prefix_grouper)]
+    for key, value in keys:
+        if value:
+            issues.add(key, value, f"not supported with {AOR}.actor.megatron.expert_model_parallel_size={ep} (the "
+                       "expert-parallel ranks need the same micro-batches, one shape each); set it to false")
 
 
 def _check_router_replay(cfg: RLConfig, model: HFArch | None, issues: _Issues) -> None:

@@ -230,7 +230,7 @@ class MegatronRunner:
             lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
             parts = [torch.tensor(p, device=batch.prompt_ids.device)
                      for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
-        seq_len = padded_seq_len(batch, multiple=multiple)
+        seq_len = self._common_over_experts(padded_seq_len(batch, multiple=multiple))
         out = []
         for index in parts:
             part = batch.index(index)
@@ -241,6 +241,16 @@ class MegatronRunner:
                              pad_token_id=self.pad_token_id)
             out.append(_Micro(batch=part, rows=rows, index=index))
         return out
+
+    def _common_over_experts(self, seq_len: int) -> int:
+        """``seq_len``, or the longest over the expert-parallel group at EP > 1: the EP ranks exchange their tokens
+        in every MoE layer (Megatron's all-gather dispatcher needs equal shapes on them; the all-to-all one the same
+        number of micro-batches), so their micro-batches must have one shape."""
+        if self.parallel.expert_model_parallel_size == 1:
+            return seq_len
+        longest = torch.tensor([seq_len], dtype=torch.long, device=self.device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return int(longest)
 
     def _shared_prompt_micro_batches(self, batch: RolloutBatch, batching: MicroBatching, multiple: int) -> list[_Micro]:
         """:mod:`prefix_grouper`'s layout: fixed-size micro-batches (as the plain layout's) grouped inside, or

@@ -396,6 +396,9 @@ def test_router_replay_is_refused_where_it_cannot_run_naming_the_key(base: list[
                        f"{AOR}.rollout.name=sglang", f"{AOR}.actor.use_prefix_grouper=true")
     assert code == 2 and f"{AOR}.rollout.name='sglang'" in err and "--enable-return-routed-experts" in err, err
     assert f"{AOR}.actor.use_prefix_grouper=True" in err and "recompute_granularity='full'" in err, err
+    # expert parallelism: the EP ranks exchange tokens every micro-batch, so token-budget micro-batches are refused
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, f"{AOR}.actor.use_dynamic_bsz=true")
+    assert code == 2 and f"{AOR}.actor.use_dynamic_bsz=True: not supported with {AOR}.actor.megatron." in err, err
 
 
 def test_the_moe_tiny_recipe_validates_before_its_warm_start_exists(capsys: pytest.CaptureFixture[str],
