@@ -19,16 +19,13 @@ median ``timing/step``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from launch_run import train
+
 AOR = "actor_rollout_ref"
 DISAGG = [f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1"]
 S1 = ["async_training.enable=true", "async_training.staleness_threshold=1",
@@ -36,21 +33,9 @@ S1 = ["async_training.enable=true", "async_training.staleness_threshold=1",
 MODES = {"sync": DISAGG, "S=1": [*DISAGG, *S1], "S=1 partial": [*DISAGG, *S1, "async_training.partial_rollout=true"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(out: Path, overrides: list[str], *, steps: int, test_freq: int) -> list[dict[str, float]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(REPO / "launch" / "train.py"), "recipe=grpo_tiny",
-           f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}", "trainer.logger=[jsonl]",
-           f"trainer.output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train(out, ["recipe=grpo_tiny", f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
+                       *overrides], nproc=2)
 
 
 def main() -> None:

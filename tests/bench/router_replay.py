@@ -15,36 +15,21 @@ differs from the engine's; the same routers without the replay would use those) 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from launch_run import train
+
 BF16 = ["actor_rollout_ref.actor.megatron.dtype=bfloat16", "+actor_rollout_ref.rollout.engine_kwargs.dtype=bfloat16"]
 KEYS = ("rollout/logprob_abs_diff", "router_replay/engine_mismatch", "actor/router_replay_mismatch", "timing/step")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(out: Path, mode: str, steps: int) -> list[dict[str, float]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(REPO / "launch" / "train.py"), "recipe=grpo_moe_tiny",
-           f"trainer.total_training_steps={steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
-           "trainer.logger=[jsonl]", f"trainer.output_dir={out}", f"actor_rollout_ref.actor.router_replay.mode={mode}",
-           *BF16]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train(out, ["recipe=grpo_moe_tiny", f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
+                       "trainer.val_before_train=false", f"actor_rollout_ref.actor.router_replay.mode={mode}", *BF16],
+                 nproc=1)
 
 
 def main() -> None:
