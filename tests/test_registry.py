@@ -89,9 +89,10 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"example": example, "rival": rival, "broken": broken, "flagless": flagless}
 
 
-def _run(code: str, *sites: Path) -> subprocess.CompletedProcess[str]:
+def _run(code: str, *sites: Path, args: tuple[str, ...] | list[str] = ()) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(s) for s in sites)}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
+                          text=True)
 
 
 def test_installed_plugin_appears_in_cli_listing(sites: dict[str, Path]) -> None:
@@ -123,6 +124,28 @@ def test_plugin_is_loaded_lazily_and_its_config_validated(sites: dict[str, Path]
     assert r.returncode == 0, r.stderr
     assert "unknown key reward.kwargs.target_lenght" in r.stdout
     assert "target_length: int" in r.stdout and "scale: float" in r.stdout  # lists the valid keys
+
+
+def test_registries_share_one_scan_per_sys_path_and_see_a_new_site(sites: dict[str, Path]) -> None:
+    """A run builds ~20 registries; each used to re-read the METADATA of every installed distribution (0.1 s a
+    scan here). They now share one scan while ``sys.path`` is unchanged, and a site added to it is seen."""
+    r = _run("""
+        import sys
+        from importlib import metadata
+        from hybridrl import registry
+        calls = []
+        real = metadata.distributions
+        metadata.distributions = lambda **kw: calls.append(1) or real(**kw)
+        assert "nocritic" not in registry.Registry("advantage_estimators").names()
+        for group in registry.GROUPS:
+            registry.Registry(group).names()
+        registry.all_entries()
+        assert len(calls) == 1, calls
+        sys.path.insert(0, sys.argv[1])
+        assert "nocritic" in registry.Registry("advantage_estimators").names() and len(calls) == 2
+        print("ok")
+        """, args=[str(sites["flagless"])])
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
 
 
 def test_same_name_from_two_distributions_names_both(sites: dict[str, Path]) -> None:
