@@ -237,6 +237,10 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps and at the end (≤ 0 = never; verl's key and default)
     max_checkpoints_to_keep: int = 3  # older complete checkpoints are deleted (0 = keep all)
     resume: str = "auto"  # auto (newest complete checkpoint in output_dir, if any) | never | <checkpoint dir>
+    # SIGTERM/SIGUSR1 (Slurm's preemption or time limit, torchrun's forward): the run stops after the step in
+    # flight, saves it and exits 0 within this many seconds, else exits 143 (hybridrl/preemption.py); below the
+    # scheduler's grace period and torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s unless set)
+    preempt_grace_s: float = 20.0
     save_hf_weights: bool = False  # also write the actor as an HF checkpoint into each checkpoint's hf/
     # every step's samples as <dir>/<step>.jsonl (text, score, turns, response ids and loss mask); null: none
     rollout_data_dir: str | None = None

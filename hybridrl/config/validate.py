@@ -591,6 +591,13 @@ def _check_trainer(cfg: RLConfig, issues: _Issues, *, planning: bool = False) ->
     if t.resume not in ("auto", "never") and not (Path(t.resume) / "trainer_state.pt").is_file():
         issues.add("trainer.resume", t.resume, "valid: auto, never, or a complete checkpoint dir "
                                                "(<output_dir>/checkpoints/step_<k>, holding trainer_state.pt)")
+    torchrun_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))  # a rank inherits torchrun's
+    if t.preempt_grace_s <= 0:
+        issues.add("trainer.preempt_grace_s", t.preempt_grace_s, "must be > 0 (seconds from a SIGTERM to the exit)")
+    elif "TORCHELASTIC_RUN_ID" in os.environ and t.preempt_grace_s >= torchrun_s:
+        issues.add("trainer.preempt_grace_s", t.preempt_grace_s,
+                   f"must be below torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT ({torchrun_s:g} s: it SIGKILLs the ranks "
+                   "that long after forwarding a SIGTERM); lower it or export a larger TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if t.device not in DEVICES:
         issues.add("trainer.device", t.device, f"valid: {', '.join(DEVICES)}")
     elif t.device == "cuda" and not planning and device_type("auto") != "cuda":

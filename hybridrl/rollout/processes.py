@@ -134,9 +134,12 @@ def shut_down_at_exit(owner: object, shutdown: Callable[[], None]) -> None:
     _AT_EXIT[id(owner)] = shutdown
     if _PREVIOUS or threading.current_thread() is not threading.main_thread():
         return
+    from hybridrl import preemption
+
     for signum in (signal.SIGTERM, signal.SIGINT):
         _PREVIOUS[signum] = signal.getsignal(signum)
-        signal.signal(signum, on_terminate)
+        if not preemption.defers(_PREVIOUS[signum]):  # a preempted run still generates: shut down at exit only
+            signal.signal(signum, on_terminate)
     atexit.register(_shutdown_all)
 
 
@@ -147,6 +150,11 @@ def forget(owner: object) -> None:
 def _shutdown_all() -> None:
     for shutdown in list(_AT_EXIT.values()):
         shutdown()
+
+
+def shut_down_all_now() -> None:
+    """Every registered shutdown, now (a process about to ``os._exit``: no atexit hook will run)."""
+    _shutdown_all()
 
 
 def on_terminate(signum: int, frame: Any) -> None:

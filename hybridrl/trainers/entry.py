@@ -12,6 +12,7 @@ from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import available_recipes, compose_config, to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
 from hybridrl.config.errors import ConfigError
+from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.config.validate import validate, validate_sft, world_from_env
@@ -51,6 +52,16 @@ def run_rl(cfg: RLConfig) -> dict[str, float]:
         print(f"hybridrl: {e}", file=sys.stderr)
         sys.exit(2)
     say("config OK\n" + plan.render())
+    from hybridrl import preemption
+
+    preempt = preemption.install(cfg.trainer.preempt_grace_s)  # a SIGTERM from now on: stop after the step, saved
+    try:
+        return _run_rl(cfg, plan)
+    finally:
+        preempt.finished()
+
+
+def _run_rl(cfg: RLConfig, plan: Plan) -> dict[str, float]:
     from hybridrl.rollout import disaggregated
 
     if disaggregated.split_world(plan):  # an engine rank: serves the trainer, builds nothing of it

@@ -16,9 +16,11 @@ import time
 
 import torch
 
+from hybridrl import preemption
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.masked import masked_mean
 from hybridrl.batch import RolloutBatch
+from hybridrl.checkpoint.rl import checkpoint_root
 from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
 from hybridrl.interfaces import PendingScores, RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
@@ -38,7 +40,10 @@ def fit(c: Components) -> dict[str, float]:
     metrics, skips = {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
     profiler = StepProfiler(t.profile_steps, t.output_dir)
     last = time.perf_counter()  # timing/step: the wall time between consecutive steps (evaluation, saving included)
+    saved = c.resume_step
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
+        if stop_if_preempted(c, done=step - 1, saved=saved):
+            return metrics
         timer = Timer()
         with profiler.step(step), timer("work"):
             rolled = c.rollout.step(seed=step_seed(t.seed, step), timer=timer)
@@ -103,7 +108,23 @@ def fit(c: Components) -> dict[str, float]:
             rollout_dump.dump(t.rollout_data_dir, step, batch, scores_B, c.tokenizer)
         if t.save_freq > 0 and (step % t.save_freq == 0 or step == t.total_training_steps):
             c.save(step)
+            saved = step
+    stop_if_preempted(c, done=t.total_training_steps, saved=saved)  # a signal during the last step
     return metrics
+
+
+def stop_if_preempted(c: Components, *, done: int, saved: int) -> bool:
+    """Collective, between steps: whether a rank got SIGTERM/SIGUSR1 (:mod:`hybridrl.preemption`); if so the last
+    finished step ``done`` is saved (unless it was just saved) and the run ends."""
+    stop = preemption.agreed_stop(preemption.current(), where=f"in step {done + 1}")
+    if stop is None:
+        return False
+    if done > saved:
+        preemption.current().where = f"saving step {done}"  # type: ignore[union-attr]
+        c.save(done)
+    say(f"preempted ({stop}): stopped after step {done}; its checkpoint is in {checkpoint_root(c.cfg)} "
+        "(trainer.resume=auto continues from it)" if done else f"preempted ({stop}) before the first step")
+    return True
 
 
 def old_log_prob_pass_needed(c: Components) -> bool:

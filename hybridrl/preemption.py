@@ -1,0 +1,111 @@
+"""Preemption: a SIGTERM (or SIGUSR1) stops the run at the next step boundary, with a checkpoint, exit code 0.
+
+Slurm preempts a job, or ends it at its time limit, by sending SIGTERM to its processes and SIGKILL after a grace
+period (``GraceTime`` / ``KillWait``, typically 30–90 s; ``sbatch --signal=SIG@T`` sends SIG ``T`` s earlier);
+torchrun forwards a SIGTERM it gets to every rank and SIGKILLs them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s later
+(30 by default). Each rank therefore only *notes* the signal (any number of times, in any order across ranks):
+
+- at the top of every step the trainer ranks agree (one flag all-reduce, the step guards' :func:`agree`) whether
+  any of them was signalled; if so the last finished step is saved — unless its periodic save just did — and the
+  loop ends: the run exits 0 and ``trainer.resume=auto`` continues from that checkpoint, bitwise as if never
+  stopped. The step in flight when the signal came finishes first (the safe point; a step's state is only whole
+  at its end);
+- a watchdog bounds it: if the rank is still running ``trainer.preempt_grace_s`` after its first signal (the step
+  or the save took too long), it says which step it was at, shuts its engines down and exits 143 (128 + SIGTERM)
+  before the SIGKILL would come, the checkpoint being left as the last committed one (a half-written save is
+  scratch that the next start removes).
+
+Colocated SGLang/vLLM engines keep running until the process exits (:mod:`hybridrl.rollout.processes` defers
+their shutdown-on-SIGTERM to this module), so a generation in flight completes. Engine ranks of a disaggregated
+placement note the signal the same way and end when the trainer tells them to.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from hybridrl.tracking import say
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_CODE_TOO_LATE = 128 + signal.SIGTERM
+
+
+class Preemption:
+    """The signals this process received, and the watchdog they started."""
+
+    def __init__(self, *, grace_s: float, exit_fn: Any = os._exit) -> None:
+        self.grace_s = grace_s
+        self.signalled_at: float | None = None
+        self.signal_name = ""
+        self.where = "before the first step"  # for the watchdog's message
+        self._exit = exit_fn
+        self._done = threading.Event()
+
+    def note(self, signum: int, _frame: Any = None) -> None:
+        """The signal handler: remember the first signal, start the watchdog; never raises, never blocks."""
+        if self.signalled_at is not None:
+            return
+        self.signalled_at, self.signal_name = time.monotonic(), signal.Signals(signum).name
+        os.write(2, f"[hybridrl] {self.signal_name}: stopping at the next step boundary with a checkpoint "
+                    f"(trainer.preempt_grace_s={self.grace_s:g})\n".encode())
+        threading.Thread(target=self._watch, name="hybridrl-preemption-watchdog", daemon=True).start()
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled_at is not None
+
+    def seconds_since(self) -> float:
+        assert self.signalled_at is not None
+        return time.monotonic() - self.signalled_at
+
+    def finished(self) -> None:
+        """The run ended on its own or after the save: the watchdog stands down."""
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.grace_s):
+            return
+        say(f"{self.signal_name} {self.grace_s:g} s ago (trainer.preempt_grace_s) and still {self.where}: exiting "
+            f"{EXIT_CODE_TOO_LATE} without a new checkpoint; resume=auto takes the last committed one. A step plus "
+            "a save must fit in trainer.preempt_grace_s, and it below the scheduler's grace period")
+        from hybridrl.rollout import processes
+
+        processes.shut_down_all_now()
+        self._exit(EXIT_CODE_TOO_LATE)
+
+
+_CURRENT: Preemption | None = None
+
+
+def install(grace_s: float) -> Preemption:
+    """Note SIGTERM/SIGUSR1 in this process from now on (main thread only; elsewhere a no-op record)."""
+    global _CURRENT
+    _CURRENT = Preemption(grace_s=grace_s)
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, _CURRENT.note)
+    return _CURRENT
+
+
+def current() -> Preemption | None:
+    return _CURRENT
+
+
+def defers(handler: Any) -> bool:
+    """Whether ``handler`` is a preemption's: an engine's shutdown-on-SIGTERM must not replace or precede it."""
+    return getattr(handler, "__self__", None) is not None and isinstance(handler.__self__, Preemption)
+
+
+def agreed_stop(preemption: Preemption | None, *, where: str) -> str | None:
+    """Collective over the trainer ranks: why the run stops now (``"rank r: SIGTERM 3.1 s ago"``), or None."""
+    from hybridrl.guards import agree
+
+    if preemption is None:
+        return None
+    preemption.where = where
+    local = f"{preemption.signal_name} {preemption.seconds_since():.1f} s ago" if preemption.requested else None
+    return agree(local)
