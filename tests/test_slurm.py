@@ -38,7 +38,9 @@ keep = ("SLURM_", "MASTER_", "TORCH_NCCL_", "OMP_NUM_THREADS", "NPROC_PER_NODE")
 with open(os.environ["STANDIN_RECORD"], "a", encoding="utf-8") as f:
     f.write(json.dumps({"name": name, "argv": sys.argv[1:], "cwd": os.getcwd(),
                         "env": {k: v for k, v in os.environ.items() if k.startswith(keep)}}) + "\\n")
-if name == "scontrol":
+if name == "scontrol" and sys.argv[1] == "requeue":
+    assert sys.argv[2:] == [os.environ["SLURM_JOB_ID"]], sys.argv
+elif name == "scontrol":
     assert sys.argv[1:] == ["show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], sys.argv
     print("\\n".join(os.environ["STANDIN_HOSTS"].split()))
 elif name == "srun":
@@ -66,19 +68,28 @@ def standins(tmp: Path, *names: str) -> Path:
     return bin_dir
 
 
-def run_template(template: str, overrides: list[str], tmp: Path, *, standin: tuple[str, ...], nodes: int,
-                 hosts: str, timeout: float = 120, **env: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+def template_env(tmp: Path, *, standin: tuple[str, ...], nodes: int, hosts: str, **env: str) -> dict[str, str]:
+    """The environment a batch script sees: the stand-ins first on PATH, the allocation's SLURM_* variables."""
     record = tmp / "record.jsonl"
     record.unlink(missing_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NPROC_PER_NODE"))}
-    full_env = {**base, "PATH": f"{standins(tmp, *standin)}{os.pathsep}{os.environ['PATH']}",
-                "STANDIN_RECORD": str(record), "STANDIN_HOSTS": hosts, "SLURM_NNODES": str(nodes),
-                "SLURM_JOB_NODELIST": "gpu-[017-018]", "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(REPO),
-                "OMP_NUM_THREADS": "1", **env}
+    return {**base, "PATH": f"{standins(tmp, *standin)}{os.pathsep}{os.environ['PATH']}",
+            "STANDIN_RECORD": str(record), "STANDIN_HOSTS": hosts, "SLURM_NNODES": str(nodes),
+            "SLURM_JOB_NODELIST": "gpu-[017-018]", "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(REPO),
+            "OMP_NUM_THREADS": "1", **env}
+
+
+def recorded_calls(tmp: Path) -> list[dict]:
+    record = tmp / "record.jsonl"
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+
+def run_template(template: str, overrides: list[str], tmp: Path, *, standin: tuple[str, ...], nodes: int,
+                 hosts: str, timeout: float = 120, **env: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    full_env = template_env(tmp, standin=standin, nodes=nodes, hosts=hosts, **env)
     proc = subprocess.run(["bash", template, *overrides], cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout, check=False)
-    calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
-    return proc, calls
+    return proc, recorded_calls(tmp)
 
 
 def test_multinode_template_launches_one_torchrun_per_node(tmp_path: Path) -> None:
@@ -184,3 +195,44 @@ def test_validate_get_prints_only_the_values_on_stdout() -> None:
                            "--", *RECIPE], capture_output=True, text=True, timeout=120)
     assert typo.returncode == 2 and typo.stdout == ""
     assert "'trainer.dist_timeout' is not a config key; did you mean trainer.dist_timeout_s" in typo.stderr
+
+
+@pytest.mark.distributed
+def test_a_preempted_job_saves_its_step_requeues_itself_and_its_next_start_resumes(tmp_path: Path) -> None:
+    """SIGTERM to the batch shell during step 2 of a 2-rank run of the 1-node template (what ``--signal=B:TERM@120``
+    or a preemption delivers): the shell forwards it to torchrun, the ranks save their step and exit 0, and the job
+    requeues itself (``scontrol requeue 4242``) and exits 0. The requeued start, the same command, resumes from that
+    checkpoint and runs to the end. ~40 s (two starts of a tiny 2-rank run)."""
+    import signal
+    import time
+
+    model = make_tiny_model(tmp_path / "model", hidden=64, layers=2, heads=4, kv_heads=2, max_positions=128)
+    train = tmp_path / "train.parquet"
+    write_arithmetic_task(train)
+    out = tmp_path / "run"
+    user = ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.model.build_if_missing=null", f"data.train_files=[{train}]", "data.val_files=[]",
+            "data.build_if_missing=null",
+            f"trainer.output_dir={out}", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "trainer.total_training_steps=5", "trainer.test_freq=0"]
+    env = template_env(tmp_path, standin=("scontrol",), nodes=1, hosts="127.0.0.1", NPROC_PER_NODE="2")
+    log = tmp_path / "job.log"
+    with log.open("wb") as f:
+        job = subprocess.Popen(["bash", SINGLE, *user], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while job.poll() is None and "step 2/5" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "preempted (rank 0: SIGTERM" in text and "requeueing job 4242" in text, text[-4000:]
+    assert [c["argv"] for c in recorded_calls(tmp_path)] == [["requeue", "4242"]]
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and saved[0] >= "step_00000002", saved
+    again, _ = run_template(SINGLE, user, tmp_path, standin=("scontrol",), nodes=1, hosts="127.0.0.1",
+                            NPROC_PER_NODE="2", timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resuming from {out / 'checkpoints' / saved[0]}" in again.stdout + again.stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5][: len(steps)] and steps[-1] == 5, steps
