@@ -31,12 +31,12 @@ from hybridrl.config.schema import RLConfig
 
 
 def save(root: Path, step: int, *, keep: int = 0, payload: str = "") -> Path:
-    """A checkpoint with a small and a large (size-checked only) file, committed like save_checkpoint does."""
+    """A checkpoint with a small and a large (9 MiB) file, committed like save_checkpoint does."""
     remove_scratch(root)
     tmp = root / f".tmp_step_{step:08d}"
     (tmp / "megatron").mkdir(parents=True)
     (tmp / "trainer_state.pt").write_text(f"state of step {step} {payload}")
-    (tmp / "megatron" / "__0_0.distcp").write_bytes(bytes(ckpt._HASHED_BYTES + 1))
+    (tmp / "megatron" / "__0_0.distcp").write_bytes(bytes(9 << 20))
     final = root / f"step_{step:08d}"
     commit(tmp, final, step=step, keep=keep)
     return final
@@ -53,10 +53,14 @@ def test_manifest_and_latest_are_written_and_a_damaged_newest_falls_back(tmp_pat
     assert checkpoint_problem(s2) is None and latest_complete(tmp_path) == s2
     (s2 / "trainer_state.pt").write_text("state of step 2 but different")
     assert checkpoint_problem(s2) == "trainer_state.pt has 29 bytes, manifest.json says 16"
-    with (s2 / "megatron" / "__0_0.distcp").open("r+b") as f:  # a large file: its size is checked
-        f.truncate(10)
     (s2 / "trainer_state.pt").write_text("state of step 2 ")
-    assert checkpoint_problem(s2) == "megatron/__0_0.distcp has 10 bytes, manifest.json says 8388609"
+    with (s2 / "megatron" / "__0_0.distcp").open("r+b") as f:  # one bit of a large shard flips: its hash says so
+        f.seek(7 << 20)
+        f.write(b"\x01")
+    assert checkpoint_problem(s2) == "megatron/__0_0.distcp does not match its SHA-256 in manifest.json"
+    with (s2 / "megatron" / "__0_0.distcp").open("r+b") as f:
+        f.truncate(10)
+    assert checkpoint_problem(s2) == f"megatron/__0_0.distcp has 10 bytes, manifest.json says {9 << 20}"
     assert latest_complete(tmp_path) == s1
     assert f"not resuming from {s2}: megatron/__0_0.distcp has 10 bytes" in capsys.readouterr().out
     (s1 / "trainer_state.pt").write_text("state of step 9 ")  # same size, other content

@@ -46,7 +46,6 @@ optimizer can't take, is an error naming the key.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -65,6 +64,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import DictConfig, OmegaConf
 
+from hybridrl.checkpoint.hashing import sha256_collective, sha256_many
 from hybridrl.config.schema import OptimConfig, RLConfig
 from hybridrl.distributed import host_group
 from hybridrl.hf.write import copy_side_files, save_hf_checkpoint
@@ -80,7 +80,6 @@ from hybridrl.tracking import say
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_HASHED_BYTES = 8 << 20  # files up to this size get a SHA-256 in the manifest (state, RNG, config, metadata)
 _SCRATCH = (".tmp_step_*", ".old_step_*", ".deleting_step_*")  # left by a crash; removed at the next save
 
 
@@ -103,17 +102,10 @@ def _step_name(step: int) -> str:
 # --- completeness -------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint (None: it is): no manifest, or a file missing, of another
-    size or (small files) another SHA-256 than the manifest says."""
+    size or another SHA-256 than the manifest says (every file is hashed, in parallel: :mod:`.hashing`; a manifest
+    of an older hybridrl has them for files up to 8 MiB only)."""
     if not path.is_dir():
         return "no such directory"
     try:
@@ -123,13 +115,16 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"no {MANIFEST}: its save did not finish, or a hybridrl without manifests wrote it"
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    for rel, size, sha in entries:
+    for rel, size, _ in entries:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
         if f.stat().st_size != size:
             return f"{rel} has {f.stat().st_size} bytes, {MANIFEST} says {size}"
-        if sha is not None and _sha256(f) != sha:
+    hashed = [(rel, sha) for rel, _, sha in entries if sha is not None]
+    found = sha256_many([path / rel for rel, _ in hashed])
+    for rel, sha in hashed:
+        if found[path / rel] != sha:
             return f"{rel} does not match its SHA-256 in {MANIFEST}"
     return None
 
@@ -337,9 +332,10 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
     elif rank == 0:
         (tmp / "hf").mkdir()
         copy_side_files(model_dir, tmp / "hf")
-    dist.barrier()  # every rank's files are closed: rank 0 commits
+    dist.barrier()  # every rank's files are closed: all hash a share of them, rank 0 commits
+    digests = sha256_collective(tmp, group=host_group.get())
     if rank == 0:
-        commit(tmp, final, step=step, keep=cfg.trainer.max_checkpoints_to_keep)
+        commit(tmp, final, step=step, keep=cfg.trainer.max_checkpoints_to_keep, digests=digests)
     dist.barrier()
     return final
 
@@ -351,11 +347,12 @@ def remove_scratch(root: Path) -> None:
             shutil.rmtree(stale)
 
 
-def commit(tmp: Path, final: Path, *, step: int, keep: int) -> None:
+def commit(tmp: Path, final: Path, *, step: int, keep: int, digests: dict[str, str] | None = None) -> None:
     """Make the fully written ``tmp`` the checkpoint ``final`` (see the module docstring), then apply
-    retention. Every step leaves a state that :func:`latest_complete` resolves to a complete checkpoint."""
+    retention. Every step leaves a state that :func:`latest_complete` resolves to a complete checkpoint.
+    ``digests``: the SHA-256 of files under ``tmp`` by relative path, already computed (the others are here)."""
     root = final.parent
-    _write_manifest(tmp, step=step)
+    _write_manifest(tmp, step=step, digests=digests or {})
     old = root / f".old_{final.name}"
     if final.exists():  # a re-saved step: the old one goes only once the new one is in place
         os.rename(final, old)
@@ -367,8 +364,8 @@ def commit(tmp: Path, final: Path, *, step: int, keep: int) -> None:
     _prune(root, newest=step, keep=keep)
 
 
-def _write_manifest(d: Path, *, step: int) -> None:
-    """Record every file under ``d`` (size; SHA-256 up to ``_HASHED_BYTES``), fsyncing files and directories.
+def _write_manifest(d: Path, *, step: int, digests: dict[str, str]) -> None:
+    """Record every file under ``d`` (size, SHA-256), fsyncing files and directories.
 
     Rank 0 fsyncs every rank's files: on one node that flushes them all; on a shared file system each
     writer's data is already on the server when it closes the file (NFS close-to-open, Lustre, GPFS)."""
@@ -378,12 +375,12 @@ def _write_manifest(d: Path, *, step: int) -> None:
             path = Path(dirpath) / name
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-                size = os.fstat(f.fileno()).st_size
-            entry: dict[str, Any] = {"bytes": size}
-            if size <= _HASHED_BYTES:
-                entry["sha256"] = _sha256(path)
-            files[path.relative_to(d).as_posix()] = entry
+                files[path.relative_to(d).as_posix()] = {"bytes": os.fstat(f.fileno()).st_size}
         _fsync_dir(Path(dirpath))
+    missing = [d / rel for rel in files if rel not in digests]
+    digests = digests | {p.relative_to(d).as_posix(): h for p, h in sha256_many(missing).items()}
+    for rel, entry in files.items():
+        entry["sha256"] = digests[rel]
     with (d / MANIFEST).open("w") as f:
         json.dump({"format": 1, "step": step, "files": files}, f, indent=1)
         f.flush()
