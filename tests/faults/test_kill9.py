@@ -43,12 +43,14 @@ def test_kill_9_in_a_save_and_mid_step_then_resume_gives_the_uninterrupted_run(t
     # 1. rank 1, while step 2's checkpoint is being written (step 1's is committed)
     in_save = run_with_fault(args, when=after_step(2), log=tiny / "kill9-in-save.log",
                              fault=_kill_rank_when(1, lambda: (root / ".tmp_step_00000002").exists()))
+    print(f"kill -9 rank 1 in a save: exit {in_save.code} {in_save.seconds_after_fault:.1f} s later")
     assert in_save.code != 0 and "Signal 9 (SIGKILL) received by PID" in in_save.log, in_save.log[-4000:]
     assert in_save.seconds_after_fault < 60 and left_behind(in_save.mark) == []
     assert latest_complete(root) in (root / "step_00000001", root / "step_00000002")  # the kill may lose the race
     # 2. rank 0, mid-step: 0.1 s into step 4 (generation, update or sync at this size)
     mid_step = run_with_fault(args, when=after_step(3), fault=_kill_rank_when(0, _after(0.1)),
                               log=tiny / "kill9-mid-step.log")
+    print(f"kill -9 rank 0 mid-step: exit {mid_step.code} {mid_step.seconds_after_fault:.1f} s later")
     assert mid_step.code != 0 and left_behind(mid_step.mark) == [], mid_step.log[-4000:]
     # 3. to the end
     run_to_end(args)

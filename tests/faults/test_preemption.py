@@ -33,6 +33,7 @@ def test_sigterm_to_every_rank_saves_the_step_in_flight_and_resume_continues_bit
     out = tiny / "ranks"
     args = train_args(tiny, out)
     ended = run_with_fault(args, when=after_step(2), fault=_sigterm_ranks, log=tiny / "ranks.log")
+    print(f"SIGTERM to every rank: exit {ended.code} {ended.seconds_after_fault:.1f} s later")
     assert ended.code == 0, ended.log[-4000:]
     assert ended.seconds_after_fault < GRACE_S, ended.seconds_after_fault
     assert left_behind(ended.mark) == []
@@ -50,6 +51,7 @@ def test_sigterm_to_torchrun_is_forwarded_and_the_ranks_save_and_exit_0(tiny: Pa
     out = tiny / "torchrun"
     ended = run_with_fault(train_args(tiny, out), when=after_step(2), fault=lambda p: p.send_signal(signal.SIGTERM),
                            log=tiny / "torchrun.log")
+    print(f"SIGTERM to torchrun: exit {ended.code} {ended.seconds_after_fault:.1f} s later")
     assert ended.code == 1 and "SignalException" in ended.log, ended.log[-4000:]
     assert "preempted (rank 0: SIGTERM" in ended.log and "exitcode" not in ended.log  # no rank failed
     assert ended.seconds_after_fault < GRACE_S and left_behind(ended.mark) == []
@@ -64,6 +66,7 @@ def test_a_save_that_does_not_fit_in_the_grace_period_exits_143_and_commits_noth
     out = tiny / "late"
     ended = run_with_fault(train_args(tiny, out, "trainer.preempt_grace_s=0.3"), when=after_step(1),
                            fault=_sigterm_ranks, log=tiny / "late.log")
+    print(f"SIGTERM, grace 0.3 s: exit {ended.code} {ended.seconds_after_fault:.1f} s later")
     assert ended.code != 0 and "exitcode  : 143" in ended.log, ended.log[-4000:]
     assert re.search(r"SIGTERM 0.3 s ago \(trainer.preempt_grace_s\) and still (in|saving) step 2: exiting 143",
                      ended.log), ended.log[-4000:]
