@@ -1,0 +1,34 @@
+"""Reproducible installs: the installed versions are constraints.txt's pins, and ``launch/deps_drift.py`` reads a
+pip resolve report into what a fresh resolve would change."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("deps_drift", REPO / "launch" / "deps_drift.py")
+assert spec is not None and spec.loader is not None
+deps_drift = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(deps_drift)
+
+
+def test_every_pinned_package_is_installed_at_its_pin() -> None:
+    """The README's install (``-c constraints.txt`` throughout, the engine scripts too) gives the pinned versions."""
+    pinned = deps_drift.pins((REPO / "constraints.txt").read_text())
+    assert len(pinned) >= 30 and {"torch", "transformers", "pytest", "datasets"} <= set(pinned)
+    installed = {deps_drift.canonical(d.metadata["Name"]): d.version for d in md.distributions()}
+    off = {n: (v, installed.get(n)) for n, v in pinned.items() if (installed.get(n) or "").split("+")[0] != v}
+    assert off == {}, off
+
+
+def test_drift_lists_changed_and_new_packages_and_marks_the_pinned() -> None:
+    report = {"install": [{"metadata": {"name": "Torch", "version": "2.14.1"}},
+                          {"metadata": {"name": "tzdata", "version": "2026.6"}},
+                          {"metadata": {"name": "py_yaml", "version": "6.0.3"}}]}
+    fresh = deps_drift.resolved(report)
+    assert fresh == {"torch": "2.14.1", "tzdata": "2026.6", "py-yaml": "6.0.3"}
+    lines = deps_drift.drift(fresh, {"torch": "2.13.0+cpu", "py-yaml": "6.0.3"},
+                             deps_drift.pins("torch==2.13.0  # the CPU build\n# x==1\n"))
+    assert lines == ["torch: 2.13.0+cpu → 2.14.1  (constraints.txt pins 2.13.0)", "tzdata: not installed → 2026.6"]
