@@ -348,6 +348,20 @@ def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
     assert only(base, "reward.timeout_s=null").startswith("reward.timeout_s: must be below")  # no limit: too long
 
 
+def test_the_preemption_grace_is_positive_and_below_torchruns_shutdown_timeout(base: list[str],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun SIGKILLs its ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s after forwarding a SIGTERM: a longer grace would
+    never be reached. Outside torchrun (no TORCHELASTIC_RUN_ID) only the sign is checked."""
+    assert only(base, "trainer.preempt_grace_s=0") == "trainer.preempt_grace_s=0.0: must be > 0 (seconds from a " \
+                                                       "SIGTERM to the exit)"
+    assert issues(base, "trainer.preempt_grace_s=45") == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert only(base, "trainer.preempt_grace_s=45").startswith(
+        "trainer.preempt_grace_s=45.0: must be below torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")
+    assert issues(base, "trainer.preempt_grace_s=45") == []
+
+
 # ---- actor_rollout_ref.rollout.multi_turn ----
 MT = f"{AOR}.rollout.multi_turn"
 
