@@ -82,7 +82,9 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a fresh resolve would change anything")
     a = ap.parse_args()
     print("[deps_drift] resolving the README's install without constraints (pip --dry-run) …", file=sys.stderr)
-    installed = {canonical(d.metadata["Name"]): d.version for d in md.distributions()}
+    installed: dict[str, str] = {}
+    for d in md.distributions():  # the first on sys.path is what `import` finds (a vendored copy may follow)
+        installed.setdefault(canonical(d.metadata["Name"]), d.version)
     lines = drift(fresh_resolve(), installed, pins((REPO / "constraints.txt").read_text()))
     print("\n".join(lines) if lines else "a fresh resolve installs exactly what is installed here")
     print(f"[deps_drift] {len(lines)} package(s) would change", file=sys.stderr)

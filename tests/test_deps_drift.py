@@ -14,12 +14,25 @@ deps_drift = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(deps_drift)
 
 
+def _imported_version(name: str) -> str:
+    """The version of the distribution ``import`` finds first on sys.path, as ``importlib.metadata.version`` reads it.
+
+    Not the last of ``md.distributions()``: setuptools >= 71 appends its ``_vendor`` folder (packaging 24.2,
+    with its dist-info) to sys.path once imported, and CI saw that copy instead of site-packages' packaging 26.2.
+    """
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
 def test_every_pinned_package_is_installed_at_its_pin() -> None:
     """The README's install (``-c constraints.txt`` throughout, the engine scripts too) gives the pinned versions."""
+    import setuptools  # noqa: F401  (as some test on the same worker may: its _vendor joins sys.path)
+
     pinned = deps_drift.pins((REPO / "constraints.txt").read_text())
     assert len(pinned) >= 30 and {"torch", "transformers", "pytest", "datasets"} <= set(pinned)
-    installed = {deps_drift.canonical(d.metadata["Name"]): d.version for d in md.distributions()}
-    off = {n: (v, installed.get(n)) for n, v in pinned.items() if (installed.get(n) or "").split("+")[0] != v}
+    off = {n: (v, have) for n, v in pinned.items() if (have := _imported_version(n)).split("+")[0] != v}
     assert off == {}, off
 
 
