@@ -37,12 +37,11 @@ EXIT_CODE_TOO_LATE = 128 + signal.SIGTERM
 class Preemption:
     """The signals this process received, and the watchdog they started."""
 
-    def __init__(self, *, grace_s: float, exit_fn: Any = os._exit) -> None:
+    def __init__(self, *, grace_s: float) -> None:
         self.grace_s = grace_s
         self.signalled_at: float | None = None
         self.signal_name = ""
         self.where = "before the first step"  # for the watchdog's message
-        self._exit = exit_fn
         self._done = threading.Event()
 
     def note(self, signum: int, _frame: Any = None) -> None:
@@ -71,11 +70,11 @@ class Preemption:
             return
         say(f"{self.signal_name} {self.grace_s:g} s ago (trainer.preempt_grace_s) and still {self.where}: exiting "
             f"{EXIT_CODE_TOO_LATE} without a new checkpoint; resume=auto takes the last committed one. A step plus "
-            "a save must fit in trainer.preempt_grace_s, and it below the scheduler's grace period")
+            "a save must fit in trainer.preempt_grace_s, and that below the scheduler's grace period")
         from hybridrl.rollout import processes
 
         processes.shut_down_all_now()
-        self._exit(EXIT_CODE_TOO_LATE)
+        os._exit(EXIT_CODE_TOO_LATE)
 
 
 _CURRENT: Preemption | None = None
