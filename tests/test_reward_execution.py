@@ -3,9 +3,10 @@ the validation of ``reward.*``.
 
 A throwaway distribution (pip-installed into a temp site dir, as a third party would) registers a reward
 ``fault`` that misbehaves on chosen steps: it raises for (or hangs on) one prompt's samples of each rank's
-batch, returns NaN, or hangs on every call. Which prompt, and the step count, live in a per-rank state file, so
-a worker that replaces a killed one, and the one-sample-at-a-time re-scoring, see the same fault. Three
-torchrun launches, 10–25 s each on 2 cores (the 2-rank one restarts a worker per rank): 45–90 s in all.
+batch, returns NaN, hangs on every call, or SIGKILLs its own worker process. Which prompt, and the step count,
+live in a per-rank state file, so a worker that replaces a killed one, and the one-sample-at-a-time re-scoring,
+see the same fault. Four
+torchrun launches, 10–25 s each on 2 cores (the 2-rank one restarts a worker per rank): 60–105 s in all.
 test_step_guards.py covers the thread-mode cases (a raise on one of 2 ranks, a hung thread, a wrong length).
 """
 
@@ -36,7 +37,8 @@ class Fault:
 
     @dataclass(kw_only=True, slots=True)
     class Config:
-        plan: list[str] = field(default_factory=list)  # the fault of step k's batch: raise_group|sleep_group|nan|sleep
+        # the fault of step k's batch: raise_group|sleep_group|nan|sleep|kill (the worker SIGKILLs itself)
+        plan: list[str] = field(default_factory=list)
         state_dir: str = ""
 
     def __init__(self, config, *, tokenizer, **ctx):
@@ -56,6 +58,8 @@ class Fault:
             e = ValueError(f"cannot score prompt {target}")
             e.sample_index = hit[0]
             raise e
+        if fault == "kill":
+            os.kill(os.getpid(), 9)
         if fault == "sleep" or (fault == "sleep_group" and hit):
             time.sleep(10**6)
         if fault == "nan":
@@ -129,6 +133,20 @@ def test_a_hung_worker_is_killed_and_stops_the_run_within_the_limit(tiny: dict[s
     assert not _alive(int(pid))
     print(f"the run ended {ended - float(began):.1f} s after the hung call began")
     assert ended - float(began) < 3 + 15  # the limit, then the rank's exit and torchrun's teardown
+
+
+@pytest.mark.distributed
+def test_a_sigkilled_worker_stops_the_run_naming_it_and_leaves_no_process(tiny: dict[str, Path],  # noqa: F811
+                                                                          site: Path) -> None:
+    """A reward worker process killed (SIGKILL, mid-call) under reward.on_error=raise: the run ends at once, non-zero,
+    saying which reward and how the worker died; neither the worker nor the rank is left."""
+    proc, _, state, took = run(tiny, site, "kill-pool", ["kill"], "reward.num_workers=1")
+    assert proc.returncode != 0
+    assert "reward.name='fault': its reward worker died (killed by SIGKILL)" in proc.stderr, \
+        proc.stderr[-3000:]  # type: ignore[attr-defined]
+    pid, _ = (state / "rank0.call").read_text().split()
+    assert not _alive(int(pid))
+    print(f"reward worker SIGKILL: the run ended after {took:.1f} s in all")
 
 
 # ---- validation ----------------------------------------------------------------------------------------------------
