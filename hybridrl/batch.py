@@ -2,7 +2,7 @@
 
 Generation fills the prompt/response tensors; later stages fill the optional fields (reward →
 ``token_level_scores``/``token_level_rewards``, actor → ``old_logprobs``, ref → ``ref_logprobs``,
-critic → ``values``, advantage estimator → ``advantages``/``returns``).
+teacher → ``teacher_logprobs``, critic → ``values``, advantage estimator → ``advantages``/``returns``).
 
 Shapes: ``B`` samples (prompts × n), ``P`` prompt tokens (**left**-padded), ``T`` response tokens
 (**right**-padded). So ``cat([prompt, response])`` is one contiguous run of real tokens per row.
@@ -65,6 +65,7 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None  # [B, T] scores after KL penalty etc.
     old_logprobs: torch.Tensor | None = None  # [B, T] actor log-probs before the update
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] the distillation teacher's (actor_rollout_ref.teacher)
     values: torch.Tensor | None = None  # [B, T] critic values
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T]
@@ -77,7 +78,7 @@ class RolloutBatch:
     PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask")
     RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = (
         "response_ids", "response_mask", "loss_mask", "rollout_logprobs", "token_level_scores",
-        "token_level_rewards", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
+        "token_level_rewards", "old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages", "returns",
     )
     SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "group_index")
     # [B, P, ...] / [B, T, ...]: padded as the prompt / response fields, with -1

@@ -217,13 +217,14 @@ def make_tiny_bpe_model(out: Path) -> None:
     make_tiny_model(out, tokenizer=tokenizer, **TINY_MODEL)  # type: ignore[arg-type]
 
 
-def ensure_model(kind: str | None, path: str) -> None:
+def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.model") -> None:
+    """Build the model at ``path`` as ``kind`` says, unless it exists; ``key``: its config block (errors name it)."""
     if kind is None:
         return
     if (problem := kind_problem(kind, model=True)) is not None:
-        raise ValueError(f"actor_rollout_ref.model.build_if_missing={kind!r}: {problem}")
+        raise ValueError(f"{key}.build_if_missing={kind!r}: {problem}")
     if (problem := outside_cache_problem(kind, path)) is not None:
-        raise ValueError(f"actor_rollout_ref.model.path={path!r}: {problem}")
+        raise ValueError(f"{key}.path={path!r}: {problem}")
     out = Path(path)
     if kind in _RANDOM_MODELS:
         def build() -> None:

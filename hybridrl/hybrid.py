@@ -1,9 +1,10 @@
 """``ActorRolloutRef``: the actor, the reference model, the critic and the colocated rollout engines of a run.
 
 Who does what (every rank runs this same code):
-- Megatron actor, ref and critic span the whole world with the actor's TP/PP/(CP)/DP layout (the ref and
-  the critic share the actor's process groups). With LoRA (``model.lora_rank`` > 0) the ref is the actor's
-  own frozen base with its adapters off, and the weight sync sends the merged W + (alpha/r)·B·A.
+- Megatron actor, ref, critic and distillation teacher span the whole world with the actor's TP/PP/(CP)/DP layout
+  (the others share the actor's process groups; the teacher is its own checkpoint, frozen like the ref). With LoRA
+  (``model.lora_rank`` > 0) the ref is the actor's own frozen base with its adapters off, and the weight sync sends
+  the merged W + (alpha/r)·B·A.
 - The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
   rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples. With
   ``rollout.placement=disaggregated`` they run on ranks of their own (:mod:`hybridrl.rollout.disaggregated`), and
@@ -59,6 +60,12 @@ class ActorRolloutRef:
                                            optimizer=m.optimizer_offload)
         self.ref_offload = (PolicyOffload(self.ref, params=config.ref.megatron.param_offload)
                             if self.ref is not None and self.ref is not self.actor else None)
+        self.teacher, self.teacher_offload = None, None
+        if "teacher" in plan.roles:  # frozen, in the actor's layout, from its own checkpoint
+            assert config.teacher.model.path is not None
+            self.teacher = MegatronPolicy(model_dir=config.teacher.model.path, megatron=a.megatron, optim=None,
+                                          total_steps=0, pad_token_id=pad_token_id)
+            self.teacher_offload = PolicyOffload(self.teacher, params=config.teacher.megatron.param_offload)
         self.critic_config, self.critic, self.critic_offload = critic, None, None
         if "critic" in plan.roles:
             assert critic is not None and plan.batch.critic is not None, "the plan has a critic: pass its config"
@@ -91,7 +98,7 @@ class ActorRolloutRef:
     def generating(self) -> Iterator[EngineRouting]:
         """The generate phase: the trainers' state waits in host memory as the ``*_offload`` keys say, the engines
         hold theirs (over all the calls inside: a multi-turn rollout's turns)."""
-        for offload in (self.actor_offload, self.ref_offload, self.critic_offload):
+        for offload in (self.actor_offload, self.ref_offload, self.teacher_offload, self.critic_offload):
             if offload is not None:
                 offload.offload()
         with self.engines.awake():
@@ -120,6 +127,14 @@ class ActorRolloutRef:
                                                  temperature=self.logprob_temperature)
         if self.ref_offload is not None:
             self.ref_offload.offload()  # not needed again before the next step's
+
+    def compute_teacher_log_probs(self, batch: RolloutBatch) -> None:
+        """Fill ``batch.teacher_logprobs``: the distillation teacher's log-prob of every sampled token."""
+        assert self.teacher is not None and self.teacher_offload is not None and self.plan.batch.teacher_log_prob
+        self.teacher_offload.reload()
+        batch.teacher_logprobs, _ = self.teacher.compute_log_probs(batch, batching=self.plan.batch.teacher_log_prob,
+                                                                   temperature=self.logprob_temperature)
+        self.teacher_offload.offload()
 
     def compute_values(self, batch: RolloutBatch) -> None:
         """Fill ``batch.values`` (the critic's, before its update)."""

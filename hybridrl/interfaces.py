@@ -224,7 +224,10 @@ class RewardManager(Protocol):
 class AdvantageEstimator(Protocol):
     """Turns token-level rewards (and values) into advantages and returns. Built with no ctx.
 
-    Every estimator class declares both flags below (the registry rejects one that does not).
+    Every estimator class declares both flags below (the registry rejects one that does not). Optional
+    ``needs_teacher: ClassVar[bool]`` (absent: False): it distills from ``actor_rollout_ref.teacher`` (validation
+    requires one) and is also called with ``logprobs_BT`` (the actor's log π_old of each sampled token) and
+    ``teacher_logprobs_BT`` (the teacher's), both ``[B, T]`` (``hybridrl/algorithms/advantages/opd.py``).
     """
 
     Config: ClassVar[type]

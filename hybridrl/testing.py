@@ -304,6 +304,9 @@ def check_advantage_estimator(cls: type, *, config: Any = None, seed: int = 0) -
         group_index_B=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]),
         values_BT=torch.randn(mask_BT.shape, generator=g) * mask_BT if cls.needs_critic else None,  # type: ignore[attr-defined]
     )
+    if getattr(cls, "needs_teacher", False):  # a distillation estimator: log-probs of the student and the teacher
+        inputs["logprobs_BT"] = -torch.rand(mask_BT.shape, generator=g) * 3 * mask_BT
+        inputs["teacher_logprobs_BT"] = -torch.rand(mask_BT.shape, generator=g) * 3 * mask_BT
     before = {k: v.clone() for k, v in inputs.items() if v is not None}
     out = _estimate(p, est, inputs, "__call__ on a ragged batch")
     for name, x in zip(("advantages_BT", "returns_BT"), out, strict=True):

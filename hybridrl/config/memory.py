@@ -8,6 +8,8 @@ output layer) holds, in bytes:
     optimizer   = P_rank · (m + 8) / D             Adam moments (fp32) + fp32 main weights (m = 4 unless the
                                                    params are fp32 already); D = DP with the distributed optimizer
     ref         = P_rank · b_dtype                 when a KL term needs the reference model
+    teacher     = P^T_rank · b_dtype               the distillation teacher's share, split as the actor's (its own
+                                                   architecture; its log-prob pass runs between the others)
     critic      = P_rank · (b_dtype + 4) + optimizer   when a critic is built: its params, grads and optimizer
                                                    state, taken as the actor's (an upper bound: its head is
                                                    one row, not the vocabulary); it trains between, not
@@ -61,16 +63,18 @@ class MemoryEstimate:
     engine_kept: float | None = None  # what the engine holds through training (None: its weights)
     seq_kv: float = 0.0  # the KV cache of one sequence of the longest length, on one engine rank
     pooled: bool = False  # engine_kv is a pool the engine pages its samples through (else its samples' need)
+    teacher: float = 0.0  # the distillation teacher's weights
 
     @property
     def generate(self) -> float:
-        resident = self.params + self.grads + self.optimizer + self.ref + self.critic - self.offloaded
+        resident = self.params + self.grads + self.optimizer + self.ref + self.teacher + self.critic - self.offloaded
         return resident + self.engine_weights + self.engine_kv
 
     @property
     def train(self) -> float:
         kept = self.engine_weights if self.engine_kept is None else self.engine_kept
-        return self.params + self.grads + self.optimizer + self.ref + self.critic + self.activations + kept
+        return (self.params + self.grads + self.optimizer + self.ref + self.teacher + self.critic + self.activations
+                + kept)
 
     @property
     def sequences_at_once(self) -> int | None:
@@ -85,8 +89,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ref": self.ref,
-                 "critic": self.critic, "activations": self.activations, "engine weights": self.engine_weights,
-                 "engine KV": self.engine_kv}
+                 "teacher": self.teacher, "critic": self.critic, "activations": self.activations,
+                 "engine weights": self.engine_weights, "engine KV": self.engine_kv}
         if self.pooled:
             parts["engine KV pool"] = parts.pop("engine KV")
         shown = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
@@ -125,20 +129,15 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
              engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None,
              engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0,
-             ep: int = 1) -> MemoryEstimate:
+             ep: int = 1, teacher: HFArch | None = None, teacher_offload: bool = False) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
-    experts of an MoE model split over that many ranks (the largest PP stage counts)."""
+    experts of an MoE model split over that many ranks (the largest PP stage counts); ``teacher``: the
+    distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``)."""
+    p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep)
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
     layers = m.num_layers // pp
-    stages = [(sum(a for a, _ in per_layer[s * layers:(s + 1) * layers]),
-               sum(e for _, e in per_layer[s * layers:(s + 1) * layers]) / ep) for s in range(pp)]
-    dense, experts = max(stages, key=sum)
-    # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
-    # same size (a tied one is a copy there)
-    edge = embedding + output if pp == 1 else embedding
-    p_rank = (dense + experts + edge + m.hidden_size) / tp
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
     # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (DP / EP)
@@ -151,8 +150,10 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
     engine_weights = total_params * 2 / rollout_tp
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
+    teacher_bytes = rank_parameters(teacher, tp=tp, pp=pp, ep=ep)[0] * b if teacher is not None else 0.0
     offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
-                 + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False))
+                 + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False)
+                 + teacher_bytes * teacher_offload)
     critic_bytes = 0.0
     if critic:
         critic_offload = critic_offload or {}
@@ -167,4 +168,19 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     return MemoryEstimate(params=params, grads=grads, optimizer=optim, ref=ref_bytes, activations=activations,
                           engine_weights=engine_weights, engine_kv=engine_kv, offloaded=offloaded,
                           critic=critic_bytes, engine_kept=kept, seq_kv=seq_len * kv_per_token,
-                          pooled=engine is not None)
+                          pooled=engine is not None, teacher=teacher_bytes)
+
+
+def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1) -> tuple[float, float]:
+    """``(P_rank, experts)``: the largest rank's share of ``m``'s parameters under TP/PP/EP, and the expert
+    parameters of its stage (before the TP split)."""
+    _, embedding, output = parameter_count(m)
+    per_layer = layer_counts(m)
+    layers = m.num_layers // pp
+    stages = [(sum(a for a, _ in per_layer[s * layers:(s + 1) * layers]),
+               sum(e for _, e in per_layer[s * layers:(s + 1) * layers]) / ep) for s in range(pp)]
+    dense, experts = max(stages, key=sum)
+    # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
+    # same size (a tied one is a copy there)
+    edge = embedding + output if pp == 1 else embedding
+    return (dense + experts + edge + m.hidden_size) / tp, experts

@@ -140,6 +140,7 @@ class BatchPlan:
     old_log_prob: MicroBatching
     ref_log_prob: MicroBatching
     critic: CriticBatchPlan | None = None  # when a critic is built
+    teacher_log_prob: MicroBatching | None = None  # when a distillation teacher is built
 
     @property
     def samples_per_step(self) -> int:
@@ -206,6 +207,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     placement: str = "colocated"  # actor_rollout_ref.rollout.placement
     num_engine_ranks: int = 0  # disaggregated: the last ranks of the world, which run the engines only
+    teacher_model: HFArch | None = None  # the distillation teacher's architecture (actor_rollout_ref.teacher)
 
     @property
     def trainer_world_size(self) -> int:
@@ -218,8 +220,10 @@ class Plan:
 
     @classmethod
     def build(cls, cfg: RLConfig, *, world_size: int, device_type: str, model: HFArch | None = None,
-              ranks_per_node: int | None = None) -> tuple[Plan, list[ConfigIssue]]:
-        """The plan and every problem with it (layouts it cannot place, batch sizes that do not split)."""
+              ranks_per_node: int | None = None,
+              teacher_model: HFArch | None = None) -> tuple[Plan, list[ConfigIssue]]:
+        """The plan and every problem with it (layouts it cannot place, batch sizes that do not split);
+        ``teacher_model``: the distillation teacher's architecture, for the memory estimate."""
         issues: list[ConfigIssue] = []
         aor, world = cfg.actor_rollout_ref, max(world_size, 1)
         per_node = ranks_per_node or max(world // max(cfg.trainer.nnodes, 1), 1)
@@ -230,6 +234,8 @@ class Plan:
             roles["ref"] = roles["actor"]  # one Megatron parallel_state per process: the actor's
         if critic_needed(cfg):
             roles["critic"] = roles["actor"]  # likewise
+        if aor.teacher.enabled:
+            roles["teacher"] = roles["actor"]  # likewise
         rtp = max(aor.rollout.tensor_model_parallel_size, 1)
         issues += _placement_problems(cfg, world=world, per_node=per_node, model=model)
         first, span = (trainers, engine_ranks) if engine_ranks else (0, world)
@@ -240,14 +246,15 @@ class Plan:
         batch = _batch_plan(cfg, roles, issues)
         memory, engine_note = None, ""
         if model is not None:
-            memory = _memory(cfg, roles, batch, model, rtp, len(engines), device_type)
+            memory = _memory(cfg, roles, batch, model, rtp, len(engines), device_type, teacher_model)
             if engine_ranks:  # a trainer rank holds no engine; an engine rank nothing else
                 engine_note = (f"an engine rank holds its engine only, estimated: weights "
                                f"{memory.engine_weights / GB:.1f} GB + KV {memory.engine_kv / GB:.1f} GB")
                 memory = replace(memory, engine_weights=0.0, engine_kv=0.0, engine_kept=0.0, pooled=False)
         plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
                    rollout_tp=rtp, engines=engines, batch=batch, model=model, memory=memory,
-                   placement="disaggregated" if engine_ranks else "colocated", num_engine_ranks=engine_ranks)
+                   placement="disaggregated" if engine_ranks else "colocated", num_engine_ranks=engine_ranks,
+                   teacher_model=teacher_model if "teacher" in roles else None)
         if engine_ranks and model is not None:
             plan.notes.append(engine_note)
         return plan, issues
@@ -284,11 +291,13 @@ class Plan:
             lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, colocated: each takes "
                          f"{self.rollout_tp} consecutive rank(s) and their devices; its first rank starts it")
         lines += [f"  {e}" for e in self.engines]
+        for what, m in (("model  ", self.model), ("teacher", self.teacher_model)):
+            if m is not None:
+                lines.append(f"{what} {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
+                             f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
+                             f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
         if self.model is not None:
             m = self.model
-            lines.append(f"model   {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
-                         f"{m.num_attention_heads} (kv {m.num_query_groups}), vocab {m.vocab_size}, max positions "
-                         f"{m.max_position_embeddings}, tied embeddings: {m.tie_word_embeddings}")
             if m.moe is not None:
                 ep = self.roles["actor"].ep if "actor" in self.roles else 1
                 shared = f", a shared expert of {m.moe.shared_ffn_hidden_size}" if m.moe.shared_ffn_hidden_size else ""
@@ -310,7 +319,8 @@ class Plan:
             f"× {b.ppo_epochs} epoch(s) = {b.optimizer_steps_per_rl_step} optimizer step(s) per RL step, "
             f"{b.total_optimizer_steps} in the run; {micro} per optimizer step per DP rank",
             f"logprob old: micro-batches of {b.old_log_prob}" + (
-                f"; ref: micro-batches of {b.ref_log_prob}" if "ref" in self.roles else ""),
+                f"; ref: micro-batches of {b.ref_log_prob}" if "ref" in self.roles else "") + (
+                f"; teacher: micro-batches of {b.teacher_log_prob}" if b.teacher_log_prob is not None else ""),
         ]
         if (cb := b.critic) is not None:
             lines.append(f"critic  values and {cb.mini_batches_per_epoch} mini-batch(es) of "
@@ -345,7 +355,7 @@ class Plan:
 
 
 def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model: HFArch, rollout_tp: int,
-            n_engines: int, device_type: str) -> MemoryEstimate:
+            n_engines: int, device_type: str, teacher: HFArch | None) -> MemoryEstimate:
     a, d = cfg.actor_rollout_ref.actor, cfg.data
     m, lay, cm = a.megatron, roles["actor"], cfg.critic.megatron
     seq = d.max_prompt_length + d.max_response_length
@@ -359,7 +369,9 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
         rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles, ep=lay.ep,
         critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload},
-        engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq)
+        engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq,
+        teacher=teacher if "teacher" in roles else None,
+        teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload)
 
 
 def device_memory_gb(cfg: RLConfig) -> float:
@@ -502,7 +514,8 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                            shared_prompts=a.use_prefix_grouper)
     passes = {}
-    for role, sub in (("rollout", aor.rollout), ("ref", aor.ref)):
+    subs = [("rollout", aor.rollout), ("ref", aor.ref)] + ([("teacher", aor.teacher)] if "teacher" in roles else [])
+    for role, sub in subs:
         positive(f"{AOR}.{role}.log_prob_micro_batch_size_per_gpu", sub.log_prob_micro_batch_size_per_gpu)
         dynamic = a.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None else sub.log_prob_use_dynamic_bsz
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
@@ -527,7 +540,8 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
                      filter_groups=filter_groups, dp=dp, ppo_epochs=max(a.ppo_epochs, 1),
                      prompts_per_mini_batch=max(a.ppo_mini_batch_size, 1),
                      total_steps=max(cfg.trainer.total_training_steps or 1, 1), update=update,
-                     old_log_prob=passes["rollout"], ref_log_prob=passes["ref"], critic=critic)
+                     old_log_prob=passes["rollout"], ref_log_prob=passes["ref"], critic=critic,
+                     teacher_log_prob=passes.get("teacher"))
 
 
 def _prefix_grouper_problems(cfg: RLConfig, actor: RoleLayout, add) -> None:  # type: ignore[no-untyped-def]
@@ -568,7 +582,8 @@ def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, M
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     keys = {"actor": f"{AOR}.actor.ppo_max_token_len_per_gpu",
             "rollout": f"{AOR}.rollout.log_prob_max_token_len_per_gpu",
-            "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu", "critic": "critic.ppo_max_token_len_per_gpu"}
+            "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu", "critic": "critic.ppo_max_token_len_per_gpu",
+            "teacher": f"{AOR}.teacher.log_prob_max_token_len_per_gpu"}
     dynamic = [role for role, p in passes.items() if p.max_tokens]
     if actor.vpp is not None and dynamic:
         add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", actor.vpp,

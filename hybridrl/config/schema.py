@@ -93,6 +93,31 @@ class RefConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TeacherModelConfig:
+    # HF checkpoint of the on-policy distillation teacher (null: no teacher); its tokenizer must be the student's
+    path: str | None = None
+    tokenizer_path: str | None = None  # defaults to path
+    build_if_missing: str | None = None  # as actor_rollout_ref.model.build_if_missing
+
+
+@dataclass(kw_only=True, slots=True)
+class TeacherConfig:
+    """A frozen model that scores every sampled token (on-policy distillation: ``algorithm.adv_estimator=opd`` or
+    ``grpo_opd``), built like the ref: no gradients, no optimizer, in the actor's layout (its sizes follow the actor
+    or must equal it), its log-probs computed where the ref's are and its weights offloaded as the ref's."""
+
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: int | None = None  # null: actor.ppo_max_token_len_per_gpu
+
+    @property
+    def enabled(self) -> bool:
+        return self.model.path is not None
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutValConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -137,6 +162,7 @@ class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 

@@ -21,6 +21,7 @@ from hybridrl.algorithms.kl import KL_KINDS
 from hybridrl.algorithms.kl_controller import config_problems as kl_ctrl_problems
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
 from hybridrl.algorithms.rollout_correction import config_problems as rollout_correction_problems
+from hybridrl.config import teacher
 from hybridrl.config.derived import apply_gradient_checkpointing, resolve_total_steps
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
@@ -104,7 +105,15 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         model = _check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
     for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
         issues.add(key, value, message)
+    teacher_arch, teacher_issues = (None, []) if planning else teacher.teacher_model(
+        cfg, before_bootstrap=before_bootstrap)
+    for key, value, message in teacher_issues + teacher.teacher_layout_problems(cfg, teacher_arch):
+        issues.add(key, value, message)
+    if teacher_arch is not None and model is not None and not teacher_issues:
+        for key, value, message in teacher.tokenizer_problems(cfg):
+            issues.add(key, value, message)
     plan, plan_issues = Plan.build(cfg, world_size=world, model=model, ranks_per_node=ranks_per_node,
+                                   teacher_model=teacher_arch,
                                    device_type=device_type(t.device, planning=planning) if t.device in DEVICES
                                    else "cpu")
     issues += plan_issues

@@ -47,6 +47,8 @@ def run_rl(cfg: RLConfig) -> dict[str, float]:
         validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
         ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
         ensure_model(cfg.actor_rollout_ref.model.build_if_missing, cfg.actor_rollout_ref.model.path)
+        if (teacher := cfg.actor_rollout_ref.teacher.model).path is not None:  # on-policy distillation's
+            ensure_model(teacher.build_if_missing, teacher.path, key="actor_rollout_ref.teacher.model")
         plan = validate(cfg, world_size=world, ranks_per_node=per_node)
     except ConfigError as e:
         print(f"hybridrl: {e}", file=sys.stderr)

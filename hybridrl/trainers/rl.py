@@ -1,6 +1,6 @@
 """The RL loop. Every rank runs this same code; data movement lives in the components.
 
-    rollout (generate → reward, submitted) → old / ref log-probs (+ values) → scores → advantages
+    rollout (generate → reward, submitted) → old / ref / teacher log-probs (+ values) → scores → advantages
     → (critic update →) actor update → weight sync → eval, log
 
 The step's samples come from a :class:`~hybridrl.interfaces.Rollout` (single-turn, dynamic sampling, …): the
@@ -57,6 +57,9 @@ def fit(c: Components) -> dict[str, float]:
             if hybrid.ref is not None:
                 with timer("ref"):
                     hybrid.compute_ref_log_probs(batch)
+            if hybrid.teacher is not None:
+                with timer("teacher"):
+                    hybrid.compute_teacher_log_probs(batch)
             if hybrid.critic is not None:
                 with timer("values"):
                     hybrid.compute_values(batch)
@@ -91,7 +94,7 @@ def fit(c: Components) -> dict[str, float]:
         work = timer.times.pop("timing/work")  # generate … weight sync: what perf/tokens_per_s counts
         timer.times.pop("timing_cpu/work")
         metrics = (m.reduce() | rolled.metrics | adv_metrics | (actor_metrics(updates) if updates else {}) | critic
-                   | hybrid.take_routing_metrics())
+                   | hybrid.take_routing_metrics() | distill_metrics(batch))
         metrics["actor/old_logprob_pass"] = float(old_pass)
         metrics["training/skipped_steps"] = skips.total
         metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / work, "perf/weight_sync_mb": sync_mb}
@@ -130,8 +133,9 @@ def stop_if_preempted(c: Components, *, done: int, saved: int) -> bool:
 def old_log_prob_pass_needed(c: Components) -> bool:
     """Whether the step runs the separate old-log-prob pass: unless the update is provably on-policy
     (``ActorRolloutRef.update_is_on_policy``: one epoch, one mini-batch), or π_old is read before the update
-    (the in-reward KL penalty, ``algorithm.use_kl_in_reward``)."""
-    return not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward
+    (the in-reward KL penalty, ``algorithm.use_kl_in_reward``; a distillation estimator's log π_old − log π_teacher)."""
+    return (not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward
+            or getattr(c.estimator, "needs_teacher", False))
 
 
 def score(batch: RolloutBatch, pending: PendingScores,
@@ -187,10 +191,28 @@ def compute_advantages(c: Components, batch: RolloutBatch) -> dict[str, float]:
                    "actor/reward_kl_penalty_coeff": c.kl_ctrl.value}
         c.kl_ctrl.update(step["actor/reward_kl_penalty"], n_samples=round(step["samples"]))
     batch.token_level_rewards = rewards_BT * batch.loss_mask
+    extra = {}
+    if getattr(c.estimator, "needs_teacher", False):  # on-policy distillation (hybridrl/algorithms/advantages/opd.py)
+        assert batch.old_logprobs is not None and batch.teacher_logprobs is not None
+        extra = {"logprobs_BT": batch.old_logprobs, "teacher_logprobs_BT": batch.teacher_logprobs}
     batch.advantages, batch.returns = c.estimator(
         token_rewards_BT=batch.token_level_rewards, response_mask_BT=batch.loss_mask.float(),
-        group_index_B=batch.group_index, values_BT=batch.values)
+        group_index_B=batch.group_index, values_BT=batch.values, **extra)
     return metrics
+
+
+def distill_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """With a distillation teacher: ``distill/reverse_kl`` (log π_old − log π_teacher per sampled token, the mean over
+    every DP rank's trained tokens: ``loss_mask``), ``distill/teacher_logprob_mean`` and the student's, alike."""
+    if batch.teacher_logprobs is None or batch.old_logprobs is None:
+        return {}
+    mask_BT, m = batch.loss_mask.float(), DPMeans()
+    teacher_BT, student_BT = batch.teacher_logprobs.float().cpu(), batch.old_logprobs.float().cpu()
+    tokens = mask_BT.sum()
+    m.add("distill/reverse_kl", ((student_BT - teacher_BT) * mask_BT).sum(), tokens)
+    m.add("distill/teacher_logprob_mean", (teacher_BT * mask_BT).sum(), tokens)
+    m.add("distill/student_logprob_mean", (student_BT * mask_BT).sum(), tokens)
+    return m.reduce()
 
 
 def actor_metrics(updates: list[dict[str, float]]) -> dict[str, float]:

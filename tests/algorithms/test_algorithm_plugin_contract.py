@@ -48,8 +48,12 @@ def test_advantage_estimator_contract(name: str) -> None:
     mask_BT = _mask_BT([5, 2, 4, 1, 3, 5], 5)  # 3 prompts x 2 samples, ragged lengths
     rewards_BT = torch.randn(6, 5, generator=g) * mask_BT
     values_BT = torch.randn(6, 5, generator=g) if cls.needs_critic else None
+    teacher = {}
+    if getattr(cls, "needs_teacher", False):  # a distillation estimator: the student's and the teacher's log-probs
+        teacher = {"logprobs_BT": -torch.rand(6, 5, generator=g) * mask_BT,
+                   "teacher_logprobs_BT": -torch.rand(6, 5, generator=g) * mask_BT}
     adv_BT, ret_BT = est(token_rewards_BT=rewards_BT, response_mask_BT=mask_BT,
-                         group_index_B=torch.tensor([0, 0, 1, 1, 2, 2]), values_BT=values_BT)
+                         group_index_B=torch.tensor([0, 0, 1, 1, 2, 2]), values_BT=values_BT, **teacher)
     for out in (adv_BT, ret_BT):
         assert out.shape == (6, 5) and out.dtype == rewards_BT.dtype
         assert torch.isfinite(out).all()

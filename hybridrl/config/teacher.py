@@ -1,0 +1,102 @@
+"""Static checks of the on-policy distillation teacher (``actor_rollout_ref.teacher``), before any model is built.
+
+The teacher exists exactly when the advantage estimator needs one (``needs_teacher``: ``opd``, ``grpo_opd``); its
+checkpoint is read like the actor's (``build_if_missing`` included); it runs in the actor's Megatron layout, so its
+architecture must split as the actor's does; and it scores the student's token ids, so its tokenizer must be the
+student's (the same vocabulary) — a teacher of another tokenizer is refused here, not at step 1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridrl import bootstrap
+from hybridrl.hf.arch import HFArch, inspect_model_dir
+
+if TYPE_CHECKING:
+    from hybridrl.config.schema import RLConfig
+
+AOR = "actor_rollout_ref"
+KEY = f"{AOR}.teacher"
+Problem = tuple[str, object, str]
+
+
+def estimator_needs_teacher(name: str) -> bool | None:
+    """Whether ``algorithm.adv_estimator=name`` needs a teacher (None: not installed; validation names it)."""
+    from hybridrl.registry import PluginError, Registry
+
+    try:
+        return bool(getattr(Registry("advantage_estimators").load(name), "needs_teacher", False))
+    except PluginError:
+        return None
+
+
+def teacher_model(cfg: RLConfig, *, before_bootstrap: bool) -> tuple[HFArch | None, list[Problem]]:
+    """The teacher's architecture (None: no teacher, or not readable yet) and the problems of its checkpoint and of
+    whether there should be one at all."""
+    t, name = cfg.actor_rollout_ref.teacher, cfg.algorithm.adv_estimator
+    needs = estimator_needs_teacher(name)
+    if not t.enabled:
+        if needs:
+            return None, [(f"{KEY}.model.path", None, f"algorithm.adv_estimator={name!r} distills from a teacher: "
+                           "set it to the teacher's HF checkpoint (its tokenizer must be the student's)")]
+        return None, []
+    problems: list[Problem] = []
+    if needs is False:
+        problems.append((f"{KEY}.model.path", t.model.path, f"algorithm.adv_estimator={name!r} does not use a "
+                         "teacher: it would be built for nothing; set it to null, or use a distillation estimator "
+                         "(opd, grpo_opd)"))
+    m = t.model
+    assert m.path is not None
+    if (p := bootstrap.kind_problem(m.build_if_missing, model=True)) is not None:
+        problems.append((f"{KEY}.model.build_if_missing", m.build_if_missing, p))
+    if (p := bootstrap.outside_cache_problem(m.build_if_missing, m.path)) is not None:
+        return None, [*problems, (f"{KEY}.model.path", m.path, p)]
+    if before_bootstrap and bootstrap.will_build(m.build_if_missing, m.path, model=True):
+        return None, problems
+    arch, found = inspect_model_dir(m.path, tokenizer_path=m.tokenizer_path)
+    for p in found:
+        tok = m.tokenizer_path is not None and "tokenizer" in p
+        problems.append((f"{KEY}.model.tokenizer_path" if tok else f"{KEY}.model.path",
+                         m.tokenizer_path if tok else m.path, p))
+    return arch, problems
+
+
+def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Problem]:
+    """The teacher shares the actor's process groups: its explicit sizes equal the actor's, its architecture splits
+    over them."""
+    t, actor = cfg.actor_rollout_ref.teacher, cfg.actor_rollout_ref.actor.megatron
+    out: list[Problem] = [
+        (f"{KEY}.megatron.{size}", mine, f"must equal {AOR}.actor.megatron.{size}={theirs} (the teacher shares the "
+         "actor's Megatron process groups); leave it null to follow the actor")
+        for size, mine, theirs in t.megatron.mismatches(actor)]
+    if teacher is not None:
+        out += [(f"{AOR}.actor.megatron.{size}", value, f"{KEY}.model.path: {message}")
+                for size, value, message in teacher.split_problems(
+                    tp=max(actor.tensor_model_parallel_size, 1), pp=max(actor.pipeline_model_parallel_size, 1),
+                    vpp=actor.virtual_pipeline_model_parallel_size, ep=max(actor.expert_model_parallel_size, 1))]
+    return out
+
+
+def tokenizer_problems(cfg: RLConfig) -> list[Problem]:
+    """The teacher's tokenizer must give every token id the student's meaning: the same vocabulary, added tokens
+    included (its special-token choices, e.g. an instruct model's EOS, may differ: the teacher only scores ids).
+    Loads both tokenizers (files only, no model)."""
+    from transformers import AutoTokenizer
+
+    aor = cfg.actor_rollout_ref
+    t = aor.teacher.model
+    assert t.path is not None
+    student_path, teacher_path = aor.model.tokenizer_path or aor.model.path, t.tokenizer_path or t.path
+    key = f"{KEY}.model.tokenizer_path" if t.tokenizer_path else f"{KEY}.model.path"
+    try:
+        student, teacher = AutoTokenizer.from_pretrained(student_path), AutoTokenizer.from_pretrained(teacher_path)
+    except (OSError, ValueError) as e:
+        return [(key, teacher_path, f"its tokenizer (or the student's at {student_path}) does not load: {e}")]
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if sv != tv:
+        differ = sorted(set(sv.items()) ^ set(tv.items()), key=lambda kv: kv[1])[:3]
+        return [(key, teacher_path, f"its tokenizer is not the student's ({student_path}): vocabularies of "
+                 f"{len(tv)} and {len(sv)} tokens, differing at e.g. {differ}; the teacher must score the student's "
+                 "token ids, so distill from a teacher with the student's tokenizer")]
+    return []

@@ -1,0 +1,84 @@
+"""The distillation teacher (``actor_rollout_ref.teacher``) is checked before any model is built: present exactly when
+the estimator distills, readable, in the actor's layout, with the student's tokenizer; the plan shows its pass and
+counts its weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from config.test_validate import base, issues  # noqa: F401  (base is a fixture)
+
+from hybridrl.config.compose import compose_config
+from hybridrl.config.validate import validate
+from hybridrl.models.bpe_tokenizer import train_bpe_tokenizer
+from hybridrl.models.tiny import make_tiny_model
+
+T = "actor_rollout_ref.teacher"
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("teachers")
+    bpe = train_bpe_tokenizer([f"{a}+{b}={a + b}" for a in range(30) for b in range(30)], vocab_size=300,
+                              model_max_length=512)
+    return {"bigger": make_tiny_model(tmp / "bigger", hidden=64, layers=6, heads=4, kv_heads=2, max_positions=512),
+            "three_heads": make_tiny_model(tmp / "three", hidden=48, layers=4, heads=3, kv_heads=1, max_positions=512),
+            "other_tokenizer": make_tiny_model(tmp / "bpe", hidden=32, layers=4, heads=4, kv_heads=2,
+                                               max_positions=512, tokenizer=bpe)}
+
+
+def test_a_distillation_estimator_without_a_teacher_names_the_key(base: list[str]) -> None:  # noqa: F811
+    for estimator in ("opd", "grpo_opd"):
+        found = issues(base, f"algorithm.adv_estimator={estimator}")
+        assert found == [f"{T}.model.path: algorithm.adv_estimator={estimator!r} distills from a teacher: set it "
+                         "to the teacher's HF checkpoint (its tokenizer must be the student's)"], found
+
+
+def test_a_teacher_no_estimator_uses_is_refused(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
+    found = issues(base, f"{T}.model.path={teachers['bigger']}")
+    assert found == [f"{T}.model.path='{teachers['bigger']}': algorithm.adv_estimator='grpo' does not use a teacher: "
+                     "it would be built for nothing; set it to null, or use a distillation estimator (opd, grpo_opd)"]
+
+
+def test_a_missing_teacher_checkpoint_names_its_key(base: list[str], tmp_path: Path) -> None:  # noqa: F811
+    found = issues(base, "algorithm.adv_estimator=opd", f"{T}.model.path={tmp_path / 'nowhere'}")
+    assert len(found) == 1 and found[0].startswith(f"{T}.model.path='{tmp_path / 'nowhere'}': directory "), found
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
+    found = issues(base, "algorithm.adv_estimator=opd", f"{T}.model.path={teachers['other_tokenizer']}")
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{T}.model.path='{teachers['other_tokenizer']}': its tokenizer is not the student's")
+    assert "the teacher must score the student's token ids" in found[0]
+    with_path = issues(base, "algorithm.adv_estimator=opd", f"{T}.model.path={teachers['bigger']}",
+                       f"+{T}.model.tokenizer_path={teachers['other_tokenizer']}")
+    assert len(with_path) == 1 and with_path[0].startswith(f"{T}.model.tokenizer_path="), with_path
+
+
+def test_the_teacher_runs_in_the_actors_layout(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
+    found = issues(base, "algorithm.adv_estimator=opd", f"{T}.model.path={teachers['bigger']}",
+                   f"{T}.megatron.tensor_model_parallel_size=2")
+    assert found == [f"{T}.megatron.tensor_model_parallel_size=2: must equal actor_rollout_ref.actor.megatron."
+                     "tensor_model_parallel_size=1 (the teacher shares the actor's Megatron process groups); leave it "
+                     "null to follow the actor"], found
+    found = issues(base, "algorithm.adv_estimator=opd", f"{T}.model.path={teachers['three_heads']}",
+                   "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", world=2)
+    assert found and all(f.startswith("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2: "
+                                      f"{T}.model.path: ") for f in found), found
+
+
+def test_a_valid_teacher_is_planned_with_its_pass_and_its_weights(base: list[str],  # noqa: F811
+                                                                  teachers: dict[str, Path]) -> None:
+    overrides = [*base, "algorithm.adv_estimator=opd", f"{T}.model.path={teachers['bigger']}",
+                 f"{T}.log_prob_micro_batch_size_per_gpu=2"]
+    plan = validate(compose_config(overrides), world_size=1)
+    assert "teacher" in plan.roles and plan.batch.teacher_log_prob is not None
+    assert plan.batch.teacher_log_prob.micro_batch_size == 2
+    assert "; teacher: micro-batches of 2" in plan.render()
+    assert "\nteacher qwen2: 6 layers, hidden 64, heads 4 (kv 2)" in plan.render()
+    without = validate(compose_config(base), world_size=1)
+    assert plan.memory is not None and without.memory is not None and without.memory.teacher == 0
+    # 6 layers of hidden 64 (+ a tied embedding): the teacher's fp32 weights in the estimate, resident when training
+    assert 6 * 4 * 64 * 64 * 4 < plan.memory.teacher < 4 * plan.memory.params * 8
+    assert plan.memory.train - without.memory.train == pytest.approx(plan.memory.teacher)
