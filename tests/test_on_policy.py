@@ -172,15 +172,18 @@ def test_shortcut_refuses_an_update_that_is_not_provably_on_policy(torchrun, mod
     assert "2 mini-batches per epoch" in said[0] and "ppo_epochs=2" in said[1]
 
 
-@pytest.mark.parametrize(("mini", "epochs", "kl_in_reward", "needed"), [
-    (4, 1, False, False),  # one epoch, one mini-batch: the shortcut
-    (2, 1, False, True),  # two mini-batches: the second runs on updated weights
-    (4, 2, False, True),  # two epochs
-    (4, 1, True, True),  # π_old read before the update (KL in the reward)
+@pytest.mark.parametrize(("mini", "epochs", "kl_in_reward", "estimator", "needed"), [
+    (4, 1, False, "grpo", False),  # one epoch, one mini-batch: the shortcut
+    (2, 1, False, "grpo", True),  # two mini-batches: the second runs on updated weights
+    (4, 2, False, "grpo", True),  # two epochs
+    (4, 1, True, "grpo", True),  # π_old read before the update (KL in the reward)
+    (4, 1, False, "opd", True),  # π_old read before the update (the distillation advantage)
 ])
-def test_the_loop_runs_the_pass_only_when_needed(mini: int, epochs: int, kl_in_reward: bool, needed: bool) -> None:
+def test_the_loop_runs_the_pass_only_when_needed(mini: int, epochs: int, kl_in_reward: bool, estimator: str,
+                                                 needed: bool) -> None:
     from hybridrl.config.plan import Plan
     from hybridrl.hybrid import ActorRolloutRef
+    from hybridrl.registry import Registry
     from hybridrl.trainers.rl import old_log_prob_pass_needed
 
     cfg = _config("unused", pp=1, mini_prompts=mini, epochs=epochs)
@@ -189,7 +192,8 @@ def test_the_loop_runs_the_pass_only_when_needed(mini: int, epochs: int, kl_in_r
     assert not problems, problems
     hybrid = SimpleNamespace(plan=plan)  # the property reads only the plan: no model built
     on_policy = ActorRolloutRef.update_is_on_policy.fget(hybrid)  # type: ignore[attr-defined]
-    c = SimpleNamespace(cfg=cfg, hybrid=SimpleNamespace(update_is_on_policy=on_policy))
+    c = SimpleNamespace(cfg=cfg, hybrid=SimpleNamespace(update_is_on_policy=on_policy),
+                        estimator=Registry("advantage_estimators").build(estimator, {}, key="algorithm.adv_estimator"))
     assert old_log_prob_pass_needed(c) is needed  # type: ignore[arg-type]
 
 

@@ -69,7 +69,7 @@ from hybridrl.config.schema import OptimConfig, RLConfig
 from hybridrl.distributed import host_group
 from hybridrl.hf.write import copy_side_files, save_hf_checkpoint
 from hybridrl.lora.checkpoint import check_base, read_record, write_record
-from hybridrl.megatron.checkpoint_compat import install_results_queue
+from hybridrl.megatron.checkpoint_compat import install_results_queue, install_worker_death_signal
 from hybridrl.megatron.cpu import cpu_distributed_optimizer_checkpoint_metadata, init_distributed_optimizer_state
 from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model
@@ -311,6 +311,7 @@ def save_checkpoint(*, cfg: RLConfig, step: int, policy: MegatronPolicy, weight_
             (tmp / "critic").mkdir()
     dist.barrier()
     install_results_queue()  # Megatron's writer keeps a helper process: make it die with this rank
+    install_worker_death_signal()  # and forks workers for each save: them too
     dist_checkpointing.save(_model_and_optimizer_state(policy, loading=False), str(tmp / "megatron"))
     if critic is not None:
         dist_checkpointing.save(_model_and_optimizer_state(critic, loading=False), str(tmp / "critic"))

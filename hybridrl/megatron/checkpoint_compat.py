@@ -11,11 +11,19 @@ each is still needed (it fails once upstream changes, so the item can go).
    (OOM killer, ``kill -9``, a node agent) leaves it running for good, holding the run's log open.
    :func:`install_results_queue` starts that manager before Megatron does, with an initializer that has the kernel
    SIGKILL it when the rank dies (``PR_SET_PDEATHSIG``), and gives Megatron its queue.
+2. **The writer's forked workers outlive a killed rank.** Each save forks worker processes
+   (``FileSystemWriterAsync.write_preloaded_data_multiproc``, one per write bucket) that write the shards and
+   report through a ``JoinableQueue``. A worker whose rank is SIGKILLed mid-save keeps running; seen in the fault
+   suite under load: one stuck in ``JoinableQueue.task_done`` (its ``Condition.notify`` waiting for the dead
+   rank's acknowledgement) for good, and multiprocessing's resource tracker with it (it lives while any holder of
+   its pipe does). :func:`install_worker_death_signal` wraps the worker's entry
+   (``FileSystemWriterAsync.write_preloaded_data``) so it first asks the kernel to SIGKILL it when the rank dies.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import threading
@@ -31,7 +39,7 @@ def die_with_parent(parent_pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:  # not Linux, or refused: nothing to do
         return
-    if os.getppid() != parent_pid:  # the parent died before the prctl
+    if os.getppid() != parent_pid or parent_pid == 1:  # the parent died before the prctl
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -48,3 +56,23 @@ def install_results_queue() -> None:
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     _MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
+
+
+def install_worker_death_signal() -> None:
+    """Item 2: idempotent. The workers' target is read from the class at each save (``partial(FileSystemWriterAsync
+    .write_preloaded_data, ...)``), so the wrapped static method is what every later fork runs."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data"]
+    if getattr(original, "_hybridrl_dies_with_parent", False):
+        return
+    write = original.__func__
+
+    @functools.wraps(write)
+    def dies_with_parent(*args: Any, **kwargs: Any) -> Any:
+        die_with_parent(os.getppid())  # in the forked worker: its parent is the rank
+        return write(*args, **kwargs)
+
+    wrapped = staticmethod(dies_with_parent)
+    wrapped._hybridrl_dies_with_parent = True  # type: ignore[attr-defined]
+    FileSystemWriterAsync.write_preloaded_data = wrapped

@@ -26,10 +26,34 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _manager_after_sigkill(mode: str, tmp: Path) -> list[psutil.Process]:
+# a save's worker, forked as Megatron forks it, blocked in its write (opening a FIFO nobody reads)
+WORKER_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, time
+    from functools import partial
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    if __name__ == "__main__":
+        if sys.argv[1].startswith("fixed"):
+            from hybridrl.megatron.checkpoint_compat import install_worker_death_signal
+            install_worker_death_signal()
+        fifo = sys.argv[2]
+        os.mkfifo(fifo)
+        ctx = mp.get_context("fork")  # write_preloaded_data_multiproc's
+        worker = ctx.Process(target=partial(FileSystemWriterAsync.write_preloaded_data, []), kwargs=dict(
+            local_proc_idx=0, write_bucket=(fifo, "key", ([], [])), results_queue=ctx.SimpleQueue(),
+            count_queue=ctx.JoinableQueue(), use_fsync=False))
+        worker.start()
+        print(worker.pid, flush=True)
+        time.sleep(1.0)  # it is in open(fifo, "wb"), which never returns
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _manager_after_sigkill(mode: str, tmp: Path, script: str = SCRIPT, *args: str) -> list[psutil.Process]:
+    """The processes ``script`` printed that are still alive 10 s after it SIGKILLed itself."""
     out, err = tmp / f"{mode}.out", tmp / f"{mode}.err"  # files: a surviving manager holds a pipe open
     with out.open("w") as o, err.open("w") as e:
-        code = subprocess.run([sys.executable, "-c", SCRIPT, mode], stdout=o, stderr=e, timeout=120).returncode
+        code = subprocess.run([sys.executable, "-c", script, mode, *args], stdout=o, stderr=e,
+                              timeout=120).returncode
     assert code == -signal.SIGKILL, err.read_text()[-3000:]
     pids = [int(p) for p in out.read_text().split()]
     assert pids, err.read_text()[-3000:]  # the manager started
@@ -51,3 +75,15 @@ def test_item1_the_writers_results_manager_outlives_a_sigkilled_process_unless_i
         for p in left:
             p.kill()
     assert _manager_after_sigkill("fixed", tmp_path) == []
+
+
+def test_item2_a_saves_forked_worker_outlives_a_sigkilled_rank_unless_wrapped(tmp_path: Path) -> None:
+    """Megatron's writer worker, blocked in its write, is still alive 10 s after its rank's SIGKILL (still needed);
+    wrapped, the kernel kills it with the rank."""
+    left = _manager_after_sigkill("megatron-worker", tmp_path, WORKER_SCRIPT, str(tmp_path / "fifo1"))
+    try:
+        assert left, "Megatron's writer workers now die with their rank: drop item 2"
+    finally:
+        for p in left:
+            p.kill()
+    assert _manager_after_sigkill("fixed-worker", tmp_path, WORKER_SCRIPT, str(tmp_path / "fifo2")) == []
