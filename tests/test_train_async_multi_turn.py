@@ -47,12 +47,14 @@ def test_asynchronous_episodes_at_staleness_0_are_the_synchronous_multi_turn_run
 @pytest.mark.distributed
 def test_interrupted_episodes_continue_on_new_weights_within_the_bound(  # type: ignore[no-untyped-def]
         torchrun, chatty_tiny: dict[str, Path]) -> None:
-    """S = 2 with partial rollouts, the engine decoding one episode at a time (``max_batch_size=1``) and always a
-    batch ahead, so that each update lands inside a batch of episodes: episodes whose turns span versions, never
-    more than S behind. ~25 s: one launch of 4 steps."""
+    """S = 2 with partial rollouts, the engine decoding one episode at a time (``max_batch_size=1``) and 8 episodes a
+    prompt, so that generating a batch takes longer than training on one and each update lands inside a batch of
+    episodes: episodes whose turns span versions, never more than S behind. (With 4 episodes a prompt a loaded
+    machine once let the engine finish its batches between updates: nothing was interrupted.) ~20 s: one launch of
+    5 steps."""
     got = run(torchrun, chatty_tiny, "mt_partial", 2, *ASYNC, "async_training.staleness_threshold=2",
               "async_training.partial_rollout=true", "algorithm.rollout_correction.rollout_is=token",
-              "trainer.total_training_steps=4", "trainer.test_freq=0",
+              "trainer.total_training_steps=5", "trainer.test_freq=0", f"{AOR}.rollout.n=8",
               f"+{AOR}.rollout.engine_kwargs.max_batch_size=1")
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in got)
     assert all(r["multi_turn/turns_mean"] > 1 for r in got)
