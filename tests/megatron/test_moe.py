@@ -134,12 +134,34 @@ def test_the_plan_shows_the_expert_layout_and_refuses_one_that_does_not_split(mo
 
     base = ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={models['q3_even']}",
             "actor_rollout_ref.model.build_if_missing=null", f"trainer.output_dir={tmp_path / 'out'}"]
+    # the recipe's data is built on a run's first use (build_if_missing), as `hybridrl validate` allows for
     text = validate(compose_config([*base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]),
-                    world_size=2).render()
+                    world_size=2, before_bootstrap=True).render()
     assert "actor   TP=1 PP=1 CP=1 DP=2 EP=2" in text
     assert "experts 6 per MoE layer (1 of 2 layers), top-3, 16 wide; EP=2: 3 experts per rank" in text
     with pytest.raises(ConfigError) as e:
         validate(compose_config([*base, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"]),
-                 world_size=4)
+                 world_size=4, before_bootstrap=True)
     [issue] = [i for i in e.value.issues if i.key.endswith("expert_model_parallel_size")]
     assert "6 experts" in str(issue)
+
+
+def test_engines_that_cannot_serve_the_moe_model_here_are_refused_before_any_model(models: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    """The engine's own ``model_problem`` reaches validation at ``rollout.name``: SGLang's CPU MoE path
+    (sglang_compat item 10), and vLLM's CPU attention with these models' head_dim 8 (vllm_compat item 7); hf serves
+    them."""
+    from hybridrl.config.compose import compose_config
+    from hybridrl.config.errors import ConfigError
+    from hybridrl.config.validate import validate
+
+    base = ["recipe=grpo_tiny", f"actor_rollout_ref.model.path={models['q3_odd']}",
+            "actor_rollout_ref.model.build_if_missing=null", f"trainer.output_dir={tmp_path / 'out'}"]
+    for engine, says in (("sglang", "an MoE model (5 experts): SGLang 0.5.21's CPU MoE path"),
+                         ("vllm", "head_dim=8: vLLM's CPU attention supports head_dim 32")):
+        with pytest.raises(ConfigError) as e:
+            validate(compose_config([*base, f"actor_rollout_ref.rollout.name={engine}"]), world_size=1,
+                     before_bootstrap=True)
+        [issue] = [i for i in e.value.issues if i.key == "actor_rollout_ref.rollout.name"]
+        assert says in str(issue), str(issue)
+    validate(compose_config(base), world_size=1, before_bootstrap=True)
