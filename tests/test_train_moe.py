@@ -15,29 +15,51 @@ from hybridrl.models.tiny import make_tiny_model
 KEYWORD = ("reward.name=keyword", "+reward.kwargs.keywords=[a,e,i,o,u,t,n,s]", "+reward.kwargs.mode=any")
 
 
+def _learned(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("timing", "perf/"))}
+            for r in read_metrics(out) if r["step"] > 0]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in b:
+        assert math.isclose(a[k], b[k], rel_tol=0, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+
+
 @pytest.mark.distributed
-def test_an_expert_parallel_run_equals_the_replicated_one(torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
-    """2 ranks, EP=2 (each holds 2 of the 4 experts) against EP=1 (DP=2, every rank all experts): the same
-    metrics to 1e-6 over 3 learning steps, and the engine's log-probs agree with the actor's at every step (the
-    experts reach the engine). ~40 s: two 2-rank launches."""
+def test_an_expert_parallel_run_equals_the_replicated_one_and_resumes_across_ep(
+        torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
+    """2 ranks, EP=2 (each holds 2 of the 4 experts; the distributed optimizer) against EP=1 (DP=2, every rank all
+    experts; the plain optimizer): the same metrics to 1e-6 over 3 learning steps, and the engine's log-probs agree
+    with the actor's at every step (the experts reach the engine). Then each run's step-2 checkpoint resumes at the
+    *other* EP with its own optimizer (experts and their Adam state reshard: moe_compat item 2 keeps one optimizer
+    layout at every EP): step 3 equals the uninterrupted runs' to 1e-6. ~80 s: four 2-rank launches."""
     moe = {**tiny, "model": make_tiny_model(tiny["tmp"] / "moe_model", arch="qwen3_moe", hidden=64, layers=2,
                                             heads=4, kv_heads=2, max_positions=128,
                                             moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))}
+    common = (*KEYWORD, "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=2",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    ep_key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+    optimizer = {ep: f"actor_rollout_ref.actor.megatron.use_distributed_optimizer={ep == 2}" for ep in (1, 2)}
     runs = {}
     for ep in (1, 2):
         out = tiny["tmp"] / f"moe_ep{ep}"
-        torchrun([TRAIN, *overrides(moe, out, *KEYWORD, "trainer.val_before_train=false", "trainer.test_freq=0",
-                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                                    f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}")], nproc=2,
-                 timeout=600)
-        runs[ep] = [r for r in read_metrics(out) if r["step"] > 0]
+        torchrun([TRAIN, *overrides(moe, out, *common, f"{ep_key}={ep}", optimizer[ep])], nproc=2, timeout=600)
+        runs[ep] = _learned(out)
     assert [r["step"] for r in runs[2]] == [1, 2, 3]
     assert runs[1][0]["actor/grad_norm"] > 0.1  # a real update
     for a, b in zip(runs[2], runs[1], strict=True):
         assert a["rollout/logprob_abs_diff"] <= 1e-5
-        for k in b:
-            if not k.startswith(("timing", "perf/")):
-                assert math.isclose(a[k], b[k], rel_tol=0, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+        _same(a, b)
+    for saved, now in ((2, 1), (1, 2)):
+        resumed = tiny["tmp"] / f"moe_ep{saved}_at_ep{now}"
+        shutil.copytree(tiny["tmp"] / f"moe_ep{saved}", resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step_00000003")
+        torchrun([TRAIN, *overrides(moe, resumed, *common, f"{ep_key}={now}", optimizer[saved])], nproc=2,
+                 timeout=600)
+        again = _learned(resumed)
+        assert [r["step"] for r in again] == [1, 2, 3]
+        _same(again[2], runs[saved][2])
 
 
 @pytest.mark.distributed
@@ -74,20 +96,23 @@ def test_an_r3_run_resumes_bitwise(torchrun, tiny: dict[str, Path]) -> None:  # 
     assert strip[0] == strip[1]
 
 
-def test_an_expert_parallel_checkpoint_does_not_load_at_ep1(tmp_path: Path) -> None:
-    """Megatron chains the optimizer of expert parallelism (dense and expert groups) and not at EP=1: resuming
-    across is refused naming the key and what to set, before dist_checkpointing's KeyError."""
+def test_an_ep1_moe_checkpoint_with_one_optimizer_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    """Before moe_compat item 2, an EP=1 MoE run saved one optimizer (not the chain every EP now builds): resuming
+    it is refused before dist_checkpointing's KeyError, saying how to carry its weights on; a chained one passes."""
     from types import SimpleNamespace
+
+    import torch
 
     from hybridrl.checkpoint.rl import _check_expert_layout
 
-    key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
-    (tmp_path / "config.yaml").write_text("actor_rollout_ref:\n  actor:\n    megatron:\n"
-                                          "      expert_model_parallel_size: 2\n")
-    policy = SimpleNamespace(arch=SimpleNamespace(moe=object()), parallel=SimpleNamespace(expert_model_parallel_size=1))
-    with pytest.raises(ValueError, match=rf"{key}=1: .* was saved at {key}=2; .*resume with {key}=a value > 1"):
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
+        '"common_backend_version": 1}')
+    policy = SimpleNamespace(arch=SimpleNamespace(moe=object()))
+    torch.save({"optimizer": {"param_groups": [], "state": {}}}, tmp_path / "megatron" / "common.pt")
+    with pytest.raises(ValueError, match=r"as one optimizer .*\(hybridrl export-hf .* trainer.resume=never\)"):
         _check_expert_layout(tmp_path, policy)  # type: ignore[arg-type]
-    policy.parallel.expert_model_parallel_size = 4  # EP>1 to EP>1: the same chained layout, no refusal
+    torch.save({"optimizer": {0: {"param_groups": []}, 1: {"param_groups": []}}}, tmp_path / "megatron" / "common.pt")
     _check_expert_layout(tmp_path, policy)  # type: ignore[arg-type]
-    dense = SimpleNamespace(arch=SimpleNamespace(moe=None), parallel=SimpleNamespace(expert_model_parallel_size=1))
-    _check_expert_layout(tmp_path, dense)  # type: ignore[arg-type]
+    _check_expert_layout(tmp_path / "nowhere", SimpleNamespace(arch=SimpleNamespace(moe=None)))  # type: ignore[arg-type]

@@ -453,17 +453,18 @@ def _check_optimizer_kind(path: Path, policy: MegatronPolicy) -> None:
 
 
 def _check_expert_layout(path: Path, policy: MegatronPolicy) -> None:
-    """An MoE model's optimizer is Megatron's chain of two (dense and expert parameters) at EP > 1 and one optimizer
-    at EP = 1, and the two save their state under different keys (loading fails deep in dist_checkpointing with a
-    ``KeyError``): between EP > 1 layouts the experts reshard; across EP = 1 name the key to set instead."""
-    key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
-    saved = int(OmegaConf.select(OmegaConf.load(path / "config.yaml"), key) or 1)
-    now = policy.parallel.expert_model_parallel_size
-    if policy.arch.moe is not None and (saved > 1) != (now > 1):
-        valid = "1" if saved == 1 else "a value > 1 that divides the experts and world / (TP × PP)"
-        raise ValueError(f"{key}={now}: {path} was saved at {key}={saved}; Megatron keeps the optimizer state of "
-                         f"expert parallelism in a chained optimizer, which the other layout can't load yet; resume "
-                         f"with {key}={valid}, or start a new run (trainer.resume=never)")
+    """An MoE model's optimizer is a chain of two (dense and expert parameters) at every EP (``moe_compat`` item 2),
+    so its checkpoints reshard between any EP layouts. Checkpoints saved at EP = 1 before that hold one optimizer,
+    which the chain can't load (a ``KeyError`` deep in dist_checkpointing): name the way out instead."""
+    if policy.arch.moe is None:
+        return
+    common = dist_checkpointing.load_common_state_dict(str(path / "megatron"))
+    if 0 not in common["optimizer"]:  # ChainedOptimizer.sharded_state_dict: one entry per optimizer, keys 0, 1
+        key = "actor_rollout_ref.actor.megatron.expert_model_parallel_size"
+        raise ValueError(f"{path} holds an MoE model's optimizer state as one optimizer (an EP = 1 checkpoint of "
+                         f"hybridrl before experts had their own optimizer at every {key}), which this version "
+                         f"can't load; start a new run from its weights (hybridrl export-hf {path} DIR, then "
+                         "actor_rollout_ref.model.path=DIR, trainer.resume=never)")
 
 
 _OPTIM = "actor_rollout_ref.actor.optim"

@@ -57,7 +57,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
-from hybridrl.megatron.moe_compat import apply_moe_adaptations
+from hybridrl.megatron.moe_compat import apply_moe_adaptations, mark_expert_weights
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
 
@@ -233,6 +233,8 @@ def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
         vp_stage=vp_stage,
     )
     _mark_tensor_parallel_weights(model)
+    if arch.moe is not None:
+        mark_expert_weights(model)  # one optimizer layout at every EP (moe_compat item 2)
     return model
 
 

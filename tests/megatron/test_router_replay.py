@@ -65,3 +65,13 @@ def test_the_router_losses_are_off_by_default_and_logged_when_on(checks: dict) -
     assert 0.5 < on["moe_load_balancing_loss"] < 3 and on["moe_z_loss"] > 0
     assert "moe_load_balancing_loss" not in off and "moe_z_loss" not in off
     assert on["grad_norm"] != off["grad_norm"]
+
+
+def test_experts_have_their_own_optimizer_at_ep1_which_megatron_still_does_only_at_ep_above_1(checks: dict) -> None:
+    """``hybridrl/megatron/moe_compat.py`` item 2: at EP = 1 Megatron leaves every expert weight ``allreduce=True``
+    (one optimizer; fails once upstream marks them at every EP and the item can go); hybridrl's build marks every
+    routed expert's weight, so the actor's optimizer is the same chain of two (dense, experts) as at EP > 1."""
+    marking = checks["expert_marking"]
+    assert marking["upstream"] == 0
+    assert marking["ours"] == marking["experts"] == 2 * 6 * 2  # 2 MoE layers × 6 experts × (fc1, fc2)
+    assert marking["optimizers"] == 2

@@ -141,7 +141,32 @@ def main() -> None:
     aux = policy("disabled", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     out["aux_on"] = aux.train_step(batch, loss, batching=MICRO, loss_agg_mode="token-mean")
     out["aux_off"] = policy("disabled").train_step(batch, loss, batching=MICRO, loss_agg_mode="token-mean")
+    out["expert_marking"] = expert_marking(model, r3)
     print(json.dumps(out))
+
+
+def expert_marking(model: str, policy: MegatronPolicy) -> dict[str, int]:
+    """moe_compat item 2 at EP = 1: the experts Megatron marks ``allreduce=False`` itself (none: still needed),
+    those hybridrl's build marks, and the optimizers the policy's chain holds."""
+    from hybridrl.hf.arch import HFArch
+    from hybridrl.megatron import model as build
+
+    def unmarked(module: torch.nn.Module) -> int:
+        return 0
+
+    mark, build.mark_expert_weights = build.mark_expert_weights, unmarked
+    try:
+        [upstream] = build.build_model_chunks(HFArch.from_hf(model), ParallelConfig())
+    finally:
+        build.mark_expert_weights = mark
+    [ours] = build.build_model_chunks(HFArch.from_hf(model), ParallelConfig())
+
+    def count(m: torch.nn.Module) -> int:
+        return sum(not getattr(p, "allreduce", True) for p in m.parameters())
+
+    return {"upstream": count(upstream), "ours": count(ours),
+            "experts": sum(p.dim() > 0 for n, p in ours.named_parameters() if ".experts." in n),
+            "optimizers": len(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]))}
 
 
 if __name__ == "__main__":
