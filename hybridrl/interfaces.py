@@ -100,6 +100,8 @@ class RolloutEngine(Protocol):
     # Optional classmethod ``memory_budget(config, *, device_type: str, gpu_memory_utilization: float) ->
     # EngineMemory | None``: what the plan's memory check counts for the engine (None or absent: its bf16 weights
     # plus the KV cache of its whole share of a step, held only while it generates).
+    # Optional static method ``model_problem(model_path: str, *, device_type: str) -> str | None``: why the engine
+    # can't serve that checkpoint on that device (validation reports it at rollout.name, before any model is built).
     # Optional interruption (``supports_abort = True``; ``async_training.partial_rollout`` needs it): ``abort()``,
     # called from another thread, makes the running ``generate`` (and any started before ``resume()``) return soon,
     # each unfinished sample with the tokens it has and ``finish_reason="abort"``; ``resume()`` ends that. The

@@ -488,6 +488,11 @@ def _check_plugins(cfg: RLConfig, plan: Plan, issues: _Issues) -> None:
                 plan.notes.extend(notes(config, device_type=plan.device_type, tp_size=plan.rollout_tp))
             except ValueError as e:
                 issues.add(kwargs_key, dict(kwargs), str(e))
+        model_problem = getattr(cls, "model_problem", None)  # optional: a checkpoint it can't serve here
+        model_dir = Path(cfg.actor_rollout_ref.model.path)
+        if group == "rollout_engines" and callable(model_problem) and (model_dir / "config.json").is_file():
+            if (problem := model_problem(str(model_dir), device_type=plan.device_type)) is not None:
+                issues.add(name_key, name, problem)
         if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not cls.supports_tensor_parallel:
             issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                        f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")

@@ -145,8 +145,17 @@ class SGLangRolloutEngine:
         self.failure: str | None = None  # set when an engine process died
         self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
         self.stop_ids, self.shapes = _read_checkpoint(self.model_path)
+        problem = self.model_problem(self.model_path, device_type=self.device.type)
+        if problem:
+            raise SGLangEngineError(f"the SGLang engine cannot serve {self.model_path} (actor_rollout_ref.model.path) "
+                                    f"on {self.device.type}: {problem}")
         self.server_args = self._server_args()
         self._start()
+
+    @staticmethod
+    def model_problem(model_path: str, *, device_type: str) -> str | None:
+        """Why this engine can't serve the checkpoint on ``device_type`` (validation asks too), or None."""
+        return compat.cpu_moe_problem(model_path) if device_type == "cpu" else None
 
     # ---- start / stop ----
     def _server_args(self) -> dict[str, Any]:

@@ -55,6 +55,14 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
    start, and the failed start destroys them (left to a later collection, one hung a test run in
    ``Context.__del__`` twenty minutes after the failed start, inside an unrelated tokenizer call).
 
+10. **MoE models compute wrong on CPU.** On a CPU without AMX, SGLang 0.5.21's unquantized MoE layer takes
+    ``moe_forward_native`` (``UnquantizedFusedMoEMethod.forward_cpu``). On tiny Qwen3-MoE and Qwen2-MoE checkpoints
+    its sampled tokens' log-probs were 0.4–0.8 off transformers' (top-1 and top-2, ``norm_topk_prob`` either way;
+    dense Qwen3 of the same size: 5e-7), before any weight swap. The cause is not found; a rollout engine whose
+    log-probs are that far off would train on a wrong behaviour policy, so :func:`cpu_moe_problem` refuses an MoE
+    model with the ``sglang`` engine on CPU (validation and engine start); the ``hf`` and ``vllm`` engines serve them
+    (vLLM with its own item 11). GPUs take SGLang's fused kernels and are not refused (untested here).
+
 Nothing here imports sglang at module import time.
 """
 
@@ -230,3 +238,15 @@ def ipc_contexts(engine: Any) -> list[Any]:
         sockets += [getattr(tm, "send_to_scheduler", None), getattr(tm, "recv_from_detokenizer", None)]
     contexts = {id(s.context): s.context for s in sockets if s is not None and s.context is not None}
     return list(contexts.values())
+
+
+def cpu_moe_problem(model_path: str) -> str | None:
+    """Why the CPU engine can't serve the checkpoint at ``model_path`` (item 10: an MoE model), or None."""
+    from hybridrl.hf.arch import HFArch
+
+    moe = HFArch.from_hf(model_path).moe
+    if moe is None:
+        return None
+    return (f"an MoE model ({moe.num_experts} experts): SGLang 0.5.21's CPU MoE path gives log-probs 0.4–0.8 off "
+            "the model's (hybridrl.rollout.sglang_compat item 10); use actor_rollout_ref.rollout.name=hf or vllm on "
+            "CPU")

@@ -152,12 +152,17 @@ class VLLMRolloutEngine:
             if tp_size > 1:
                 raise VLLMEngineError("actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with vllm needs GPUs "
                                       "(vLLM's CPU engine runs one worker here); use 1 on CPU")
-            problem = compat.cpu_head_dim_problem(self.model_path)
+            problem = self.model_problem(self.model_path, device_type="cpu")
             if problem:
                 raise VLLMEngineError(f"the vLLM CPU engine cannot serve {self.model_path} "
                                       f"(actor_rollout_ref.model.path): {problem}")
         self.engine_args = self._engine_args()
         self._start()
+
+    @staticmethod
+    def model_problem(model_path: str, *, device_type: str) -> str | None:
+        """Why this engine can't serve the checkpoint on ``device_type`` (validation asks too), or None."""
+        return compat.cpu_head_dim_problem(model_path) if device_type == "cpu" else None
 
     # ---- start / stop ----
     def _engine_args(self) -> dict[str, Any]:

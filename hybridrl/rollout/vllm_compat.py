@@ -45,6 +45,16 @@ needed (it fails once upstream changes, so the item can go).
     leaves no trace of the tokens it had. :func:`add_cumulative_request` adds each request on the ``LLMEngine``
     directly, under hybridrl's own request id, with ``CUMULATIVE`` outputs (every step's output holds the tokens so
     far), and the engine steps it itself.
+11. **MoE experts are not re-packed after a swap on CPU.** On a weight update ``UnquantizedFusedMoEMethod.
+    process_weights_after_loading`` copies the new ``w13_weight``/``w2_weight`` into the kernel's storage but calls
+    the experts' own ``process_weights_after_loading`` only on the first load (``if not is_weight_update``), which on
+    CPU is where ``CPUUnquantizedExperts`` zero-pads the intermediate size and prepacks both weights
+    (``cpu_prepack_moe_weight``) for ``cpu_fused_moe``. After a swap the kernel read raw weights as packed ones (a
+    tiny Qwen3-MoE's log-probs 0.03 off the new model's), and where the kernel pads (an intermediate size not a
+    multiple of 32) the swap failed: ``The size of tensor a (64) must match the size of tensor b (32)``.
+    :func:`begin_layerwise_reload` makes every such layer's method run the experts' processing after its own on
+    every update (:func:`_repack_cpu_experts_on_update`), so the layerwise reload copies padded, prepacked weights
+    into the kernel's storage.
 
 Nothing here imports vllm at module import time.
 """
@@ -86,8 +96,34 @@ def begin_layerwise_reload(worker: Any) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+    model = worker.model_runner.get_model()
+    _repack_cpu_experts_on_update(model)
     with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(worker.model_runner.get_model())
+        initialize_layerwise_reload(model)
+
+
+REPACK_CPU_EXPERTS = True  # item 11; the still-needed test turns it off inside a worker
+
+
+def _repack_cpu_experts_on_update(model: torch.nn.Module) -> None:
+    """Item 11: each MoE layer served by vLLM's CPU experts re-runs their padding and prepacking after its method's
+    own processing, as the first load does. Idempotent (installed once per layer)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_hybridrl_repacks", False):
+            continue
+        own = method.process_weights_after_loading
+
+        def process(layer: torch.nn.Module, own: Any = own, experts: Any = experts) -> None:
+            own(layer)  # a weight update: copies the raw weights, skips the experts' processing
+            if REPACK_CPU_EXPERTS:
+                experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process
+        method._hybridrl_repacks = True
 
 
 def load_into_session(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

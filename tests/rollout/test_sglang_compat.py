@@ -199,3 +199,43 @@ def test_install_script_is_idempotent_and_fast_when_installed() -> None:
                           timeout=120, check=False, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "already installed" in proc.stdout and "nothing to do" in proc.stdout
+
+
+def test_moe_models_still_compute_wrong_on_cpu_and_are_refused(tmp_path: Path,  # item 10
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen3-MoE: the engine refuses it on CPU at start, naming the model key and the engines that serve it;
+    started anyway (the check bypassed), its sampled tokens' log-probs are still far from transformers' (fails once
+    SGLang's CPU MoE path is right: drop item 10). ~30 s: one engine start."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.interfaces import SamplingParams
+    from hybridrl.registry import Registry
+    from hybridrl.rollout.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine
+
+    model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden=64, layers=2, heads=2, kv_heads=1,
+                            max_positions=128, moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+
+    def build() -> SGLangRolloutEngine:
+        return Registry("rollout_engines").build("sglang", {}, key=CONFIG_KEY, model_path=str(model),
+                                                 device=torch.device("cpu"))
+
+    with pytest.raises(SGLangEngineError, match=r"actor_rollout_ref.model.path\) on cpu: an MoE model \(4 experts\)"
+                                                r".*rollout.name=hf or vllm"):
+        build()
+    monkeypatch.setattr(SGLangRolloutEngine, "model_problem", staticmethod(lambda *a, **k: None))
+    engine = build()
+    try:
+        prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+        gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10), seeds=[1, 2, 3])
+    finally:
+        engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    worst = 0.0
+    for g in gens:
+        prompt = prompts[g.prompt_index]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1]
+        want = logits.log_softmax(-1).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(g.logprobs) - want).abs().max()))
+    assert worst > 0.05, worst  # a dense model of this size: ≤ 1e-5 (test_sglang_engine.py)

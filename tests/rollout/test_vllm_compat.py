@@ -150,3 +150,52 @@ def test_item10_offline_requests_keep_only_their_final_output() -> None:
 
     source = inspect.getsource(OfflineInferenceMixin._add_request)
     assert "params.output_kind = RequestOutputKind.FINAL_ONLY" in source
+
+
+def _no_expert_repack(worker: Any) -> None:
+    from hybridrl.rollout import vllm_compat
+
+    vllm_compat.REPACK_CPU_EXPERTS = False
+
+
+def test_item11_moe_experts_are_not_repacked_after_a_swap_on_cpu(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2-MoE (4 experts top-2, a shared expert, an intermediate size vLLM's CPU kernel pads: 16 → 32),
+    served by its own engine: its log-probs are transformers'; B's weights streamed in give B's log-probs to 1e-4;
+    without item 11 a swap leaves the experts raw (here it fails: the raw weights don't fit the padded kernel
+    storage; without padding they load unpacked and score 0.03 off. Fails once vLLM re-packs them itself, and the
+    item can go). ~40 s: an MoE engine start."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.models.tiny import make_tiny_model
+    from hybridrl.registry import Registry
+
+    kw = dict(arch="qwen2_moe", hidden=64, layers=2, heads=2, kv_heads=1, max_positions=128,
+              moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=48))
+    a, b = (make_tiny_model(tmp_path / n, seed=s, **kw) for n, s in (("a", 1), ("b", 2)))  # type: ignore[arg-type]
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the probes run in its worker
+    engine = Registry("rollout_engines").build("vllm", {}, key="actor_rollout_ref.rollout", model_path=str(a),
+                                               device=torch.device("cpu"))
+    prompts, params = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], SamplingParams(temperature=1.0, max_new_tokens=10)
+
+    def worst(model: Path) -> float:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        out = 0.0
+        for g in engine.generate(prompts, params, seeds=[1, 2, 3]):
+            prompt = prompts[g.prompt_index]
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1:-1]
+            want = logits.log_softmax(-1).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+            out = max(out, float((torch.tensor(g.logprobs) - want).abs().max()))
+        return out
+
+    try:
+        assert worst(a) <= 1e-4
+        engine.update_weights(iter([_weights(b)]), version=1)
+        assert worst(b) <= 1e-4
+        engine.llm.collective_rpc(_no_expert_repack)  # the engine is not used after this failed swap
+        with pytest.raises(Exception, match=r"size of tensor a \(64\) must match the size of tensor b \(32\)"):
+            engine.update_weights(iter([_weights(a)]), version=2)
+    finally:
+        engine.shutdown()
