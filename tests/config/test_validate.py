@@ -133,14 +133,21 @@ def test_rollout_tp(base: list[str]) -> None:
     assert any("one engine per rank" in m for m in found)  # the hf engine has no TP
 
 
-def test_an_engine_says_what_it_cannot_do_on_this_device(base: list[str]) -> None:
+def test_an_engine_says_what_it_cannot_do_on_this_device(base: list[str], tmp_path: Path) -> None:
     """The engine's own ``plan_notes``: vllm on CPU runs its memory phases as no-ops (said once, with the plan), and
-    refuses what the CPU cannot run — before anything is built (vLLM itself is not imported)."""
-    plan = validate(compose_config([*base, f"{AOR}.rollout.name=vllm"]), world_size=2)
+    refuses what the CPU cannot run; its ``model_problem`` refuses a checkpoint it cannot serve there, at
+    ``rollout.name`` — all before anything is built (vLLM itself is not imported)."""
+    found = issues(base, f"{AOR}.rollout.name=vllm", world=2)  # the base model's head_dim is 8
+    assert found == [f"{AOR}.rollout.name='vllm': head_dim=8: vLLM's CPU attention supports head_dim 32, 64, 80, 96, "
+                     "112, 128, 160, 192, 224, 256, 512 (it would start, then fail at the first generate); use another "
+                     "engine (hf, sglang) for this model on CPU"], found
+    wide = make_tiny_model(tmp_path / "head32", hidden=64, layers=2, heads=2, kv_heads=1, max_positions=512)
+    served = [*base, f"{AOR}.model.path={wide}"]
+    plan = validate(compose_config([*served, f"{AOR}.rollout.name=vllm"]), world_size=2)
     notes = [line for line in plan.render().splitlines() if line.startswith("note: rollout engine vllm")]
     assert len(notes) == 1 and "release/resume around the train phase are no-ops" in notes[0], notes
     assert "note:" not in validate(compose_config(base), world_size=2).render()  # hf says nothing
-    found = issues(base, f"{AOR}.rollout.name=vllm", f"{AOR}.rollout.tensor_model_parallel_size=2", world=2)
+    found = issues(served, f"{AOR}.rollout.name=vllm", f"{AOR}.rollout.tensor_model_parallel_size=2", world=2)
     assert any(m.startswith(f"{AOR}.rollout.engine_kwargs") and "tensor_model_parallel_size=2 with vllm needs GPUs"
                in m for m in found), found
     found = issues(base, f"{AOR}.rollout.name=vllm", f"+{AOR}.rollout.engine_kwargs.enable_sleep_mode=true")
