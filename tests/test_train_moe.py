@@ -112,10 +112,12 @@ def test_an_ep1_moe_checkpoint_with_one_optimizer_is_refused_naming_the_way_out(
     (tmp_path / "megatron" / "metadata.json").write_text(
         '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
         '"common_backend_version": 1}')
-    policy = SimpleNamespace(arch=SimpleNamespace(moe=object()))
+    policy = SimpleNamespace(arch=SimpleNamespace(moe=object()), optimizer=SimpleNamespace(chained_optimizers=[1, 2]))
     torch.save({"optimizer": {"param_groups": [], "state": {}}}, tmp_path / "megatron" / "common.pt")
     with pytest.raises(ValueError, match=r"as one optimizer .*\(hybridrl export-hf .* trainer.resume=never\)"):
         _check_expert_layout(tmp_path, policy)  # type: ignore[arg-type]
     torch.save({"optimizer": {0: {"param_groups": []}, 1: {"param_groups": []}}}, tmp_path / "megatron" / "common.pt")
     _check_expert_layout(tmp_path, policy)  # type: ignore[arg-type]
-    _check_expert_layout(tmp_path / "nowhere", SimpleNamespace(arch=SimpleNamespace(moe=None)))  # type: ignore[arg-type]
+    _check_expert_layout(tmp_path / "nowhere", SimpleNamespace(arch=SimpleNamespace(moe=None), optimizer=None))  # type: ignore[arg-type]
+    policy.optimizer = SimpleNamespace()  # one optimizer (LoRA: the experts frozen): nothing to compare
+    _check_expert_layout(tmp_path / "nowhere", policy)  # type: ignore[arg-type]

@@ -456,7 +456,8 @@ def _check_expert_layout(path: Path, policy: MegatronPolicy) -> None:
     """An MoE model's optimizer is a chain of two (dense and expert parameters) at every EP (``moe_compat`` item 2),
     so its checkpoints reshard between any EP layouts. Checkpoints saved at EP = 1 before that hold one optimizer,
     which the chain can't load (a ``KeyError`` deep in dist_checkpointing): name the way out instead."""
-    if policy.arch.moe is None:
+    chained = len(getattr(policy.optimizer, "chained_optimizers", ())) > 1  # not with LoRA: frozen experts
+    if policy.arch.moe is None or not chained:
         return
     common = dist_checkpointing.load_common_state_dict(str(path / "megatron"))
     if 0 not in common["optimizer"]:  # ChainedOptimizer.sharded_state_dict: one entry per optimizer, keys 0, 1
