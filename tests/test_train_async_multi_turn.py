@@ -59,3 +59,33 @@ def test_interrupted_episodes_continue_on_new_weights_within_the_bound(  # type:
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in got)
     assert all(r["multi_turn/turns_mean"] > 1 for r in got)
     assert sum(r["async/partial_samples"] for r in got[1:]) > 0
+
+
+PARITY_REWARD = """
+def score(batch, tokenizer):  # 1 for a third of the episodes, by their token ids: most groups have signal, some not
+    return [float(sum(ids) % 3 == 0) for ids in batch.response_ids]
+"""
+
+
+@pytest.mark.distributed
+def test_episodes_filtered_by_dynamic_sampling_ahead_of_the_trainer(  # type: ignore[no-untyped-def]
+        torchrun, chatty_tiny: dict[str, Path]) -> None:
+    """``algorithm.filter_groups`` over asynchronous episodes (``hybridrl/rollout/async_dynamic.py``), S = 1 with
+    partial rollouts: rounds of 2 prompts' episodes played on the engine rank until 4 groups with signal; every step
+    full, the episodes' metrics over its rounds, one version behind at most. ~20 s: one launch of 3 steps."""
+    fn = chatty_tiny["tmp"] / "parity_reward.py"
+    fn.write_text(PARITY_REWARD)
+    got = run(torchrun, chatty_tiny, "mt_dapo", 2, *ASYNC, "async_training.staleness_threshold=1",
+              "async_training.partial_rollout=true", "algorithm.rollout_correction.rollout_is=token",
+              "trainer.test_freq=0", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+              "data.gen_batch_size=2", "algorithm.filter_groups.max_num_gen_batches=4", "reward.name=function",
+              f"+reward.kwargs.path={fn}:score", "+reward.kwargs.granularity=batch")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for r in got:
+        rounds, kept, dropped, refilled = (int(r[f"dynamic_sampling/{k}"]) for k in
+                                           ("gen_rounds", "kept_groups", "dropped_groups", "refilled_groups"))
+        assert 2 <= rounds <= 4 and kept + dropped == 2 * rounds, r
+        assert refilled == (max(4 - kept, 0) if rounds == 4 else 0), r
+        assert r["multi_turn/turns_mean"] > 1 and r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0
+    assert [r["async/staleness_max"] for r in got] == [0.0, 1.0, 1.0]  # later steps' rounds played ahead
+    assert sum(r["dynamic_sampling/kept_groups"] for r in got) >= 12  # filled with signal, not by refills

@@ -379,11 +379,6 @@ def _check_async(cfg: RLConfig, world: int, issues: _Issues) -> None:
         if engine is not None and not getattr(engine, "supports_abort", False):
             issues.add(f"{AOR}.rollout.name", r.name, f"cannot interrupt its generations (no abort/resume), which "
                        f"{ASYNC_KEY}.partial_rollout=true needs: use hf, sglang or vllm, or set partial_rollout=false")
-    unbuilt = [("algorithm.filter_groups.enable", alg.filter_groups.enable, "dynamic sampling")]
-    for key, on, what in unbuilt:  # valid settings the asynchronous rollout cannot run yet: never run otherwise
-        if on:
-            issues.add(key, True, f"valid, but not built yet with {ASYNC_KEY}.enable=true ({what}: issue 26's next "
-                       f"steps); set it to false, or {ASYNC_KEY}.enable=false")
 
 
 def _engine_class(name: str) -> object | None:

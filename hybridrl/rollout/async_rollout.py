@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,11 +66,12 @@ class EpisodeOptions:
 
 
 @dataclass(slots=True)
-class _Queued:
+class Queued:
     ticket: int
     prompts: PromptBatch
     step: int  # the trainer step it was drawn for (its seed)
     position: dict[str, int]  # the loader's position before it was drawn (a resume draws it again)
+    round: int = 0  # under dynamic sampling: its round of that step (its seed: hybridrl.rollout.async_dynamic)
 
 
 class AsyncRollout:
@@ -83,7 +84,7 @@ class AsyncRollout:
         self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
         self.position, self.gate, self.seed, self.mask_stale = position, gate, seed, mask_stale
         self.episodes = episodes  # multi-turn: whole episodes are played on the engine ranks
-        self.queued: deque[_Queued] = deque()
+        self.queued: deque[Queued] = deque()
         self.next_step = 1  # the step the next drawn batch is for
         self._window = (time.perf_counter(), 0.0, 0.0)  # (start, rank 0's waits, engine busy) of the last step
 
@@ -96,12 +97,11 @@ class AsyncRollout:
         with timer("gen"):  # the wait for this step's samples (about 0 when the engines were ahead)
             batch, gens, episode_metrics = self._next(version, seed)
         staleness = [version - g.weight_version for g in gens]
+        partial, stale_prefix = token_version_counts(gens)
         metrics = {"async/staleness_mean": sum(staleness) / len(staleness),
                    "async/staleness_max": float(max(staleness)),
                    "async/dropped_samples": float(self.gate.dropped * self.params.n),
-                   "async/partial_samples": float(sum(len(set(g.token_versions or ())) > 1 for g in gens)),
-                   "async/stale_prefix_tokens": float(sum(v < g.token_versions[-1] for g in gens
-                                                          for v in g.token_versions or ())),
+                   "async/partial_samples": float(partial), "async/stale_prefix_tokens": float(stale_prefix),
                    **self._idle(), **episode_metrics}
         with timer("reward"):
             scores = self.reward.submit(batch) if len(batch) else PendingReward.finished(self.reward.empty())
@@ -161,7 +161,7 @@ class AsyncRollout:
             position = self.position()
             prompts = next(self.prompts)
             ticket = self._submit(prompts, self.params, seed=step_seed(self.seed, self.next_step))
-            self.queued.append(_Queued(ticket=ticket, prompts=prompts, step=self.next_step, position=position))
+            self.queued.append(Queued(ticket=ticket, prompts=prompts, step=self.next_step, position=position))
             self.next_step += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -200,3 +200,10 @@ class AsyncRollout:
 
     def sync_weights(self, *, version: int | None = None) -> float:
         return self.hybrid.sync_weights(version=version)
+
+
+def token_version_counts(gens: Sequence[Generation]) -> tuple[int, int]:
+    """The samples whose tokens came from more than one weight version, and their tokens sampled before the
+    version that finished them (partial rollouts; both 0 without)."""
+    return (sum(len(set(g.token_versions or ())) > 1 for g in gens),
+            sum(v < g.token_versions[-1] for g in gens for v in g.token_versions or ()))

@@ -5,7 +5,8 @@
   its tools and environment built from their plugin groups, its chat template proven token-exact first;
 - wrapped in DAPO's dynamic sampling when ``algorithm.filter_groups.enable`` (:mod:`hybridrl.rollout.dynamic_sampling`);
 - the asynchronous rollout when ``async_training.enable`` (:mod:`hybridrl.rollout.async_rollout`): batches generated
-  ahead on the disaggregated engine ranks, within the staleness bound (multi-turn: whole episodes played there).
+  ahead on the disaggregated engine ranks, within the staleness bound (multi-turn: whole episodes played there);
+  under ``algorithm.filter_groups`` rounds of them (:mod:`hybridrl.rollout.async_dynamic`).
 
 Rollout kinds are chosen by the config keys their users already know (verl's), not by a plugin name: a kind
 decides placement, weight sync and what a step is, so it belongs to the framework; what third parties plug in
@@ -51,7 +52,7 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
     """``prompts``: the stream of training batches; ``position()``: where that stream stands (a resumable
     position, saved by rollouts that draw ahead of the trainer)."""
     rollout: Rollout
-    if cfg.async_training.enable:  # validation allows it disaggregated, without dynamic sampling
+    if cfg.async_training.enable:  # validation allows it disaggregated only
         from hybridrl.rollout.async_rollout import AsyncRollout, EpisodeOptions
         from hybridrl.rollout.disaggregated import RemoteEngines
         from hybridrl.rollout.staleness import StalenessGate
@@ -62,11 +63,16 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
         m = cfg.actor_rollout_ref.rollout.multi_turn
         if m.enable:  # the engine ranks play the episodes: the template is proven token-exact here first
             episode_actors(cfg, tokenizer).close_all()
-        return AsyncRollout(hybrid, engines=hybrid.engines, prompts=prompts, position=position, reward=reward,
-                            params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed,
-                            mask_stale=cfg.async_training.mask_stale_prefix,
-                            episodes=EpisodeOptions(on_error=cfg.reward.on_error, environment=m.environment)
-                            if m.enable else None)
+        kind, extra = AsyncRollout, {}
+        if cfg.algorithm.filter_groups.enable:
+            from hybridrl.rollout.async_dynamic import AsyncDynamicSamplingRollout
+
+            kind, extra = AsyncDynamicSamplingRollout, {"cfg": cfg, "plan": plan}
+        return kind(hybrid, engines=hybrid.engines, prompts=prompts, position=position, reward=reward,
+                    params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed,
+                    mask_stale=cfg.async_training.mask_stale_prefix,
+                    episodes=EpisodeOptions(on_error=cfg.reward.on_error, environment=m.environment)
+                    if m.enable else None, **extra)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
         rollout = MultiTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg),
                                    actors=episode_actors(cfg, tokenizer), on_error=cfg.reward.on_error,

@@ -126,6 +126,12 @@ class RemoteEngines(EngineRouting):
         self.engine_busy_s += busy
         return made
 
+    def discard(self, ticket: int) -> None:
+        """The generation ``ticket`` is not wanted (a dynamic-sampling round its step did not need): the engines
+        drop it, unstarted, or let it finish and throw its samples away."""
+        if self.bridge is not None:
+            self.bridge.broadcast_object(("discard", ticket))
+
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
         """Every trainer rank consumes the stream (it is made of collectives); rank 0 forwards each bucket."""
         start = time.perf_counter()
@@ -149,10 +155,10 @@ class RemoteEngines(EngineRouting):
 def serve(cfg: RLConfig, plan: Plan) -> None:
     """Engine side: build this rank's engine (the leader of its group does) and answer trainer rank 0's commands,
     in order — queue a generation of this engine's share of a batch (a worker thread runs them in order; the
-    samples are kept under its ticket), send a ticket's samples once done, take a weight stream in place — until it
-    says stop. A weight update waits for the generations queued before it (each runs on the weights of the last
-    update before it) or, with ``async_training.partial_rollout``, interrupts the running one, which continues on
-    the new weights (:mod:`hybridrl.rollout.partial`)."""
+    samples are kept under its ticket), send a ticket's samples once done (or drop them: ``discard``), take a
+    weight stream in place — until it says stop. A weight update waits for the generations queued before it (each
+    runs on the weights of the last update before it) or, with ``async_training.partial_rollout``, interrupts the
+    running one, which continues on the new weights (:mod:`hybridrl.rollout.partial`)."""
     rank, r = launch_rank(), cfg.actor_rollout_ref.rollout
     placement = plan.engine_of(rank)
     torch.manual_seed(cfg.trainer.seed)
@@ -168,6 +174,7 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
     # done even while a later batch generates (the command stream would otherwise queue it behind that batch)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-generate")
     done: dict[int, Future[list[Generation]]] = {}  # by ticket, until collected
+    dropped: list[Future[list[Generation]]] = []  # discarded while running: a weight update still waits for them
     busy = [0.0]  # seconds generating since the last collect
     a = cfg.async_training
     interrupt = Interrupt(engine) if engine is not None and a.enable and a.partial_rollout else None
@@ -221,10 +228,15 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
                 if engine is not None:
                     bridge.send_object((made, busy[0]), dst=0)
                 busy[0] = 0.0
+            elif command == "discard":
+                pending = done.pop(args[0])
+                if not pending.cancel():
+                    dropped.append(pending)
             elif command == "update_weights":
                 if interrupt is None:  # after the generations queued before it: they keep their weights
-                    for pending in done.values():
+                    for pending in [*dropped, *done.values()]:
                         pending.result()
+                    dropped.clear()
                 buckets = _buckets(bridge)
                 if engine is not None:
                     with nullcontext() if interrupt is None else interrupt.paused():

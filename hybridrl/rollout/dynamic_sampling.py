@@ -86,6 +86,18 @@ class GroupPool:
             self._spare += [_select(batch, output, spare_G, self.n)] if len(spare_G) else []
             self.num_spare += len(spare_G)
 
+    def finish(self, *, rounds: int, cap: int, why: str = "") -> tuple[RolloutBatch, RewardOutput, int]:
+        """:meth:`take` after ``rounds`` rounds under ``max_num_gen_batches=cap``, saying when dropped groups fill
+        the step; a pool that cannot fill it is an error (``why``: what else the message should say)."""
+        if not self.can_fill:  # validation keeps gen_batch_size × max_num_gen_batches ≥ train_batch_size
+            raise RuntimeError(f"dynamic sampling: {self.num_kept + self.num_spare} groups after {rounds} rounds, "
+                               f"fewer than data.train_batch_size={self.want}{why}")
+        batch, output, refilled = self.take()
+        if refilled:
+            say(f"dynamic sampling: {self.num_kept} groups with signal after algorithm.filter_groups."
+                f"max_num_gen_batches={cap} rounds; {refilled} dropped groups fill the step")
+        return batch, output, refilled
+
     def take(self) -> tuple[RolloutBatch, RewardOutput, int]:
         """Exactly ``want`` groups (those with signal first) and how many of them are refills."""
         assert self.can_fill, "GroupPool.take before the pool can fill the step"
@@ -125,15 +137,10 @@ class DynamicSamplingRollout:
             with timer("reward"):
                 scored = round_.scores.result()
                 errors += scored.errors
-                pool.add(*_gather(round_.batch, scored.output, metric_values(self.cfg, round_.batch, scored.output)))
+                metric_B = metric_values(self.cfg, round_.batch, scored.output)
+                pool.add(*gather_round(round_.batch, scored.output, metric_B))
             rounds += 1
-        if not pool.can_fill:  # validation keeps gen_batch_size × max_num_gen_batches ≥ train_batch_size
-            raise RuntimeError(f"dynamic sampling: {pool.num_kept + pool.num_spare} groups after {rounds} rounds, "
-                               f"fewer than data.train_batch_size={b.prompts_per_step}")
-        batch, output, refilled = pool.take()
-        if refilled:
-            say(f"dynamic sampling: {pool.num_kept} groups with signal after algorithm.filter_groups."
-                f"max_num_gen_batches={f.max_num_gen_batches} rounds; {refilled} dropped groups fill the step")
+        batch, output, refilled = pool.finish(rounds=rounds, cap=f.max_num_gen_batches)
         mine = b.dp_prompts(self.plan.dp_rank_of(dist.get_rank()))
         rows = list(range(mine.start * b.n, mine.stop * b.n))
         counts = {"dynamic_sampling/gen_rounds": rounds, "dynamic_sampling/kept_groups": pool.signal_groups,
@@ -181,8 +188,8 @@ def _select(batch: RolloutBatch, output: RewardOutput, groups: torch.Tensor, n: 
     return batch.index(rows), index_output(output, rows)
 
 
-def _gather(local: RolloutBatch, output: RewardOutput, metric_B: torch.Tensor) -> tuple[RolloutBatch, RewardOutput,
-                                                                                          torch.Tensor]:
+def gather_round(local: RolloutBatch, output: RewardOutput,
+                 metric_B: torch.Tensor) -> tuple[RolloutBatch, RewardOutput, torch.Tensor]:
     """The whole round from every DP rank's share (DP rank order = prompt order), over the DP gloo group."""
     from megatron.core import parallel_state  # here: validation imports this module's rules, never Megatron
 

@@ -87,6 +87,26 @@ class StalenessGate:
         """``groups`` kept groups went into a trainer step."""
         self.consumed += groups
 
+    # ---- rounds of dynamic sampling (:mod:`hybridrl.rollout.async_dynamic`) ----
+    def admit_round(self, groups: int) -> None:
+        """A round of ``groups`` groups starts (the caller decides when: a step short of groups queues one
+        whatever the count says, since it trains on the weights it is generated on)."""
+        self.running += groups
+
+    def round_ended(self, groups: int) -> None:
+        """A round's ``groups`` groups ended (collected, or discarded unseen); those the step trains are then
+        counted by :meth:`took`."""
+        if self.running < groups:
+            raise RuntimeError(f"StalenessGate.round_ended({groups}) with {self.running} groups running")
+        self.running -= groups
+
+    def took(self, groups: int, *, stale: int) -> None:
+        """A step trained ``groups`` groups of its rounds; ``stale`` of its rounds' groups failed the consumption
+        check (dropped)."""
+        self.accepted += groups
+        self.consumed += groups
+        self.dropped += stale
+
     def state_dict(self) -> dict[str, Any]:
         return {"consumed": self.consumed, "dropped": self.dropped, "max_staleness": self.max_staleness,
                 "groups_per_step": self.groups_per_step}

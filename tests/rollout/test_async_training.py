@@ -92,12 +92,15 @@ def test_the_built_in_losses_declare_their_trust_region(name: str) -> None:
     assert Registry("policy_losses").load(name, key="algorithm.policy_loss").trust_region is True
 
 
-def test_what_the_asynchronous_rollout_cannot_run_yet_is_refused_not_run_otherwise(base: list[str]) -> None:
-    """Valid settings the driver does not build yet are refused, each naming its key; never silently synchronous."""
+def test_dynamic_sampling_runs_asynchronously_and_keeps_its_own_checks(base: list[str]) -> None:
+    """``algorithm.filter_groups`` with ``async_training.enable`` validates (``hybridrl/rollout/async_dynamic.py``);
+    its own settings are still checked, each naming its key."""
     on = [*DISAGG, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION]
     assert issues(base, *on) == {}
-    found = issues(base, *on, "algorithm.filter_groups.enable=true", "data.gen_batch_size=8")
-    assert "not built yet" in found["algorithm.filter_groups.enable"], found
+    assert issues(base, *on, "algorithm.filter_groups.enable=true", "data.gen_batch_size=8") == {}
+    found = issues(base, *on, "algorithm.filter_groups.enable=true", "data.gen_batch_size=1",
+                   "algorithm.filter_groups.max_num_gen_batches=2")
+    assert "cannot fill a step" in found["algorithm.filter_groups.max_num_gen_batches"], found
 
 
 def test_partial_rollouts_need_an_engine_that_can_be_interrupted(base: list[str],

@@ -161,8 +161,9 @@ def test_asynchronous_at_staleness_0_is_the_synchronous_run(torchrun, tiny: dict
     assert [(r["async/staleness_max"], r["async/dropped_samples"]) for r in got] == [(0.0, 0.0)] * 3
 
 
+CORRECTION = "algorithm.rollout_correction.rollout_is=token"
 ONE_OFF = (f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1", "async_training.enable=true",
-           "async_training.staleness_threshold=1", "algorithm.rollout_correction.rollout_is=token",
+           "async_training.staleness_threshold=1", CORRECTION,
            "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_checkpoints_to_keep=0")
 
 
@@ -227,6 +228,62 @@ def test_a_resumed_asynchronous_run_trains_the_same_prompts_within_the_bound(  #
     # the batch regenerated on the restored (newer) weights is not the stale one the first run trained
     assert [r["response_ids"] for r in _samples(tiny["tmp"] / "resumed_samples", 3)] != [
         r["response_ids"] for r in _samples(tiny["tmp"] / "async1_samples", 3)]
+
+
+# ---- dynamic sampling (algorithm.filter_groups), asynchronously: hybridrl/rollout/async_dynamic.py ----
+APART = (f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1")
+# 2 prompts a round, 4 groups a step; the keyword reward scores some samples of a prompt and not others
+DAPO = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score", "data.gen_batch_size=2",
+        "algorithm.filter_groups.max_num_gen_batches=5")
+
+
+def _rounds(r: dict[str, float]) -> tuple[int, ...]:
+    return tuple(int(r[f"dynamic_sampling/{k}"]) for k in ("gen_rounds", "kept_groups", "dropped_groups",
+                                                           "refilled_groups", "wasted_rounds"))
+
+
+@pytest.mark.distributed
+def test_asynchronous_dynamic_sampling_at_staleness_0_is_the_synchronous_run(  # type: ignore[no-untyped-def]
+        torchrun, tiny: dict[str, Path]) -> None:
+    """S = 0 queues a step's rounds as the synchronous dynamic-sampling run draws them — the same loader batches,
+    round seeds and filtering — so the same run, rounds and all. ~35 s: two 2-rank launches."""
+    sync = run(torchrun, tiny, "dapo_sync", 2, *APART, *DAPO)
+    got = run(torchrun, tiny, "dapo_async0", 2, *APART, *DAPO, "async_training.enable=true")
+    same_metrics(got, sync)
+    assert all(r["async/staleness_max"] == 0 and r["dynamic_sampling/wasted_rounds"] == 0 for r in got)
+    assert all(_rounds(r)[0] >= 2 for r in got) and sum(_rounds(r)[2] for r in got) > 0  # groups were filtered
+
+
+ASYNC_DAPO = (*APART, *DAPO, "async_training.enable=true", "async_training.staleness_threshold=1", CORRECTION,
+              "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_checkpoints_to_keep=0")
+
+
+@pytest.mark.distributed
+def test_asynchronous_dynamic_sampling_keeps_the_bound_sample_by_sample_and_after_a_resume(  # type: ignore[no-untyped-def]
+        torchrun, tiny: dict[str, Path]) -> None:
+    """S = 1: rounds for the next step are generated while this one trains, so from step 2 on a step's samples are
+    one version old (never more), read sample by sample from the dumped rollouts; every step trains 4 groups with
+    signal (or refills at the cap). Resumed from step 2: the rounds generated ahead are drawn again from the saved
+    position and regenerated on the restored weights — step 3 on-policy, the bound kept after it. ~45 s: a 2-rank
+    run of 4 steps and its resume of 2."""
+    first, again = tiny["tmp"] / "dapo1_samples", tiny["tmp"] / "dapo1_resumed_samples"
+    got = run(torchrun, tiny, "dapo1", 2, *ASYNC_DAPO, f"trainer.rollout_data_dir={first}")
+    for step, r in enumerate(got, start=1):
+        trained = step - 1
+        versions = [s["weight_version"] for s in _samples(first, step)]
+        assert len(versions) == 16 and all(trained - 1 <= v <= trained for v in versions), (step, versions)
+        assert r["async/staleness_max"] == trained - min(versions) and r["async/dropped_samples"] == 0
+        rounds, kept, dropped, refilled, _ = _rounds(r)
+        assert kept + dropped == 2 * rounds and refilled == (max(4 - kept, 0) if rounds == 5 else 0), r
+    assert [r["async/staleness_max"] for r in got] == [0.0, 1.0, 1.0, 1.0]
+    checkpoint = tiny["tmp"] / "dapo1" / "checkpoints" / "step_00000002"
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["rollout"]
+    assert state["next_step"] == 3 and state["gate"]["consumed"] == 2 * 4 and 0 < state["signal_rate"] <= 1
+    resumed = run(torchrun, tiny, "dapo1_resumed", 2, *ASYNC_DAPO, f"trainer.resume={checkpoint}",
+                  f"trainer.rollout_data_dir={again}")
+    assert [(r["step"], r["async/staleness_max"]) for r in resumed] == [(3, 0.0), (4, 1.0)]
+    # step 3's first round is the one the first run had drawn ahead: the same prompts, new samples
+    assert _samples(again, 3)[0]["input"] == _samples(first, 3)[0]["input"]
 
 
 SLOW_REWARD = '''
