@@ -109,3 +109,22 @@ def test_bad_settings_name_their_keys() -> None:
         StalenessGate(max_staleness=-1, groups_per_step=2)
     with pytest.raises(ValueError, match="data.train_batch_size=0"):
         StalenessGate(max_staleness=0, groups_per_step=0)
+
+
+def test_dynamic_sampling_rounds_count_as_running_until_they_end_and_only_trained_groups_are_kept() -> None:
+    """The round accounting of ``hybridrl/rollout/async_dynamic.py``: a round's groups run until collected or
+    discarded; a step then counts the groups it trained and the stale ones it dropped, and a resume restores
+    exactly the trained count."""
+    gate = StalenessGate(max_staleness=1, groups_per_step=4)
+    gate.admit_round(3)
+    gate.admit_round(3)
+    assert gate.running == 6 and gate.capacity(0) == 2
+    gate.round_ended(3)
+    gate.round_ended(3)
+    gate.took(4, stale=1)
+    assert (gate.running, gate.accepted, gate.consumed, gate.dropped) == (0, 4, 4, 1)
+    with pytest.raises(RuntimeError, match="round_ended"):
+        gate.round_ended(1)
+    resumed = StalenessGate(max_staleness=1, groups_per_step=4)
+    resumed.load_state_dict(gate.state_dict())
+    assert (resumed.accepted, resumed.consumed, resumed.dropped, resumed.running) == (4, 4, 1, 0)
