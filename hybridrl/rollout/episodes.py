@@ -6,9 +6,11 @@ episodes' together, each call within ``tool_timeout_s``), or, without calls, the
 messages, the template's separators and the next generation prompt) is rendered by the chat template into ids
 (:class:`~hybridrl.rollout.turns.TurnRenderer`). An :class:`Act` is what the other ranks learn of it.
 
-Faults of tools are observations for the policy (:mod:`hybridrl.tools.runner`). An environment that raises, times
-out or returns something that is not an ``EnvStep`` ends its episode with an error (``Act.error``; the rollout
-applies ``reward.on_error``).
+Faults of tools are observations for the policy (:mod:`hybridrl.tools.runner`). An environment whose ``open()`` or
+``step()`` raises, times out or returns something that is not an ``EnvStep`` ends its episode with an error
+(``Act.error``; the rollout applies ``reward.on_error``); a ``close()`` that raises or times out is a warning. Each of
+them runs within ``environment_timeout_s`` (:mod:`hybridrl.tools.bounded`: one past it gives its worker back, so an
+environment that hangs costs that limit, never the run).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 from hybridrl.batch import SampleMeta
 from hybridrl.interfaces import Environment, EnvStep, Episode
 from hybridrl.rollout.turns import Message, TurnRenderer
-from hybridrl.tools.bounded import Bounded
+from hybridrl.tools.bounded import Bounded, StuckCallsError
 from hybridrl.tools.calls import parse_calls
+from hybridrl.tools.config import KEY
 from hybridrl.tools.runner import ToolRunner
 from hybridrl.tracking import say
 
@@ -51,7 +54,7 @@ class EpisodeActors:
         self.renderer, self.tools, self.format = renderer, tools, format
         self.environment, self.env_timeout_s = environment, environment_timeout_s
         self.max_turns = max_assistant_turns
-        self.bounded = Bounded()
+        self.bounded = Bounded(key=f"{KEY}.environment_timeout_s")
         self.owned: dict[int, _Owned] = {}
 
     def open(self, sample: int, meta: SampleMeta) -> None:
@@ -92,9 +95,7 @@ class EpisodeActors:
                 acts.setdefault(s, Act()).appended = self.renderer.appended_ids(
                     [*owned.messages, assistant], new, sampled_ids=sampled[s])
             owned.messages += [assistant, *new]
-        for s, act in acts.items():
-            if act.done:
-                self._close(s)
+        self._close(*(s for s, act in acts.items() if act.done))
         return acts
 
     def _env_steps(self, turns: list[tuple[int, str, SampleMeta, int]]) -> list[EnvStep | Act]:
@@ -103,23 +104,27 @@ class EpisodeActors:
         if not turns:
             return []
         assert env is not None
-        opened: list[Act | None] = []
-        for s, _, meta, seed in turns:
-            owned = self.owned[s]
-            try:
-                if owned.episode is None:
-                    owned.episode = env.open(meta, seed=seed)
-                opened.append(None)
-            except Exception as e:  # noqa: BLE001 — the episode ends; reward.on_error decides the rest
-                opened.append(Act(done=True, error=f"open() raised {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        unopened = [i for i, (s, *_) in enumerate(turns) if self.owned[s].episode is None]
+        opens = self.bounded.run([_opener(env, meta, seed) for _, _, meta, seed in (turns[i] for i in unopened)],
+                                 timeout_s=self.env_timeout_s, names=["environment open()"] * len(unopened))
+        opened: list[Act | None] = [None] * len(turns)
+        for i, o in zip(unopened, opens, strict=True):
+            if o.timed_out:
+                opened[i] = Act(done=True, error=f"open() took longer than {KEY}.environment_timeout_s="
+                                                 f"{self.env_timeout_s:g} s")
+            elif o.error is not None:
+                tb = "".join(traceback.format_exception(o.error))
+                opened[i] = Act(done=True, error=f"open() raised {type(o.error).__name__}: {o.error}\n{tb}")
+            else:
+                self.owned[turns[i][0]].episode = o.value
         live = [i for i, o in enumerate(opened) if o is None]
         steps = self.bounded.run(
             [_stepper(self.owned[turns[i][0]].episode, {"role": "assistant", "content": turns[i][1]}) for i in live],
-            timeout_s=self.env_timeout_s)
+            timeout_s=self.env_timeout_s, names=["environment step()"] * len(live))
         out: list[EnvStep | Act] = [o if o is not None else Act() for o in opened]
         for i, o in zip(live, steps, strict=True):
             if o.timed_out:
-                out[i] = Act(done=True, error=f"step() took longer than multi_turn.environment_timeout_s="
+                out[i] = Act(done=True, error=f"step() took longer than {KEY}.environment_timeout_s="
                                               f"{self.env_timeout_s:g} s")
             elif o.error is not None:
                 tb = "".join(traceback.format_exception(o.error))
@@ -133,17 +138,27 @@ class EpisodeActors:
 
     def close_all(self) -> None:
         """End every episode still owned (a step that stopped early): their environment episodes are closed."""
-        for sample in list(self.owned):
-            self._close(sample)
+        self._close(*self.owned)
 
-    def _close(self, sample: int) -> None:
-        owned = self.owned.pop(sample, None)
-        close = getattr(owned.episode, "close", None) if owned is not None else None
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001 — a failed close() loses nothing of the sample
-                say(f"warning: an environment episode's close() raised {type(e).__name__}: {e}")
+    def _close(self, *samples: int) -> None:
+        """Forget ``samples``; their environment episodes' ``close()`` (where there is one) within the timeout."""
+        owned = [self.owned.pop(s, None) for s in samples]
+        closes = [close for o in owned if o is not None and (close := getattr(o.episode, "close", None)) is not None]
+        try:
+            done = self.bounded.run(closes, timeout_s=self.env_timeout_s, names=["environment close()"] * len(closes))
+        except StuckCallsError as e:  # the step fails or failed already, saying so; a close() is not worth hiding it
+            say(f"warning: {len(closes)} environment episodes not closed: {e}")
+            return
+        for o in done:
+            if o.timed_out:  # a failed close() loses nothing of the sample
+                say(f"warning: an environment episode's close() took longer than {KEY}.environment_timeout_s="
+                    f"{self.env_timeout_s:g} s")
+            elif o.error is not None:
+                say(f"warning: an environment episode's close() raised {type(o.error).__name__}: {o.error}")
+
+
+def _opener(env: Environment, meta: SampleMeta, seed: int) -> Any:
+    return lambda: env.open(meta, seed=seed)
 
 
 def _stepper(episode: Any, message: Message) -> Any:

@@ -5,7 +5,9 @@ Every call gets an observation, the text the policy reads next (a tool message),
 (:class:`CallError`), names an unknown tool, raises, or runs past its time limit. The counts are the step's
 ``multi_turn/tool_*`` metrics. The calls of one turn (and of all episodes handed in together) run at once, at most
 ``max_workers`` at a time, each limit counted from its own start (:mod:`hybridrl.tools.bounded`); a coroutine tool
-runs in its own event loop.
+runs in its own event loop. A call past its limit gives its worker back at once (a coroutine is cancelled, a
+synchronous call abandoned), so a tool that never returns costs each round of calls its timeout and never stalls
+the run; :mod:`hybridrl.tools.bounded` says what bounds the abandoned calls.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from hybridrl.tools.bounded import Bounded
 from hybridrl.tools.calls import CallError, ToolCall
+from hybridrl.tools.config import KEY
 
 ERROR_PREFIX = "Error: "
 
@@ -50,7 +53,7 @@ class ToolRunner:
     def __init__(self, tools: Mapping[str, Callable[[dict[str, Any]], Any]], *, timeout_s: float,
                  max_tokens: int, cut: Callable[[str, int], tuple[str, bool]], max_workers: int = 32) -> None:
         self.tools, self.timeout_s, self.max_tokens, self.cut = dict(tools), timeout_s, max_tokens, cut
-        self.bounded = Bounded(max_workers=max_workers)
+        self.bounded = Bounded(key=f"{KEY}.tool_timeout_s", max_workers=max_workers)
         self.counts = ToolCounts()
 
     def run(self, calls: Sequence[ToolCall | CallError]) -> list[Observation]:
@@ -65,7 +68,8 @@ class ToolRunner:
             else:
                 started.append((i, call.name))
         outcomes = self.bounded.run([partial(self.tools[name], dict(calls[i].arguments))  # type: ignore[union-attr]
-                                     for i, name in started], timeout_s=self.timeout_s)
+                                     for i, name in started], timeout_s=self.timeout_s,
+                                    names=[f"tool {name!r}" for _, name in started])
         for (i, name), o in zip(started, outcomes, strict=True):
             if o.timed_out:
                 out[i] = Observation(text=f"{ERROR_PREFIX}tool {name!r} took longer than {self.timeout_s:g} s",
@@ -91,7 +95,6 @@ class ToolRunner:
         """The counts since the last call (a step's), reset."""
         counts, self.counts = self.counts, ToolCounts()
         return counts
-
 
 
 def _error(message: str) -> Observation:
