@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,47 @@ def test_saved_checkpoint_passes_verify_model(sft_run: dict[str, Path]) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].endswith("roundtrip=exact")
+
+
+def _memorize(tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """SFT of the random tiny model on 8 sums, held out = the same 8 (a target it can reach in ~50 steps)."""
+    rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)}
+            for a, b in [(1, 2), (3, 4), (12, 5), (7, 7), (20, 31), (9, 1), (44, 4), (6, 60)]]
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_tiny", "data.build_if_missing=null",
+           f"data.train_files=[{pairs}]", f"data.val_files=[{pairs}]", "data.train_batch_size=8",
+           "data.micro_batch_size_per_gpu=8", "trainer.test_freq=10", "optim.lr=3e-3",
+           f"trainer.output_dir={tmp / 'out'}", f"trainer.save_path={tmp / 'saved'}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRIDRL_CACHE_DIR": str(tmp)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_target_accuracy_stops_the_run_once_greedy_decoding_reproduces_the_targets(tmp_path: Path) -> None:
+    """``trainer.target_accuracy``: the run stops at the first check that reaches it (not at the step cap), and the
+    saved model's greedy decoding (transformers ``generate``) reproduces as many held-out targets as
+    ``val/greedy_accuracy`` said — the teacher-forced metric is greedy decoding's accuracy."""
+    proc = _memorize(tmp_path, "trainer.total_training_steps=400", "trainer.target_accuracy=1.0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    checks = [(r["step"], r["val/greedy_accuracy"]) for r in rows if "val/greedy_accuracy" in r]
+    assert checks[-1][1] == 1.0 and all(a < 1.0 for _, a in checks[:-1]), checks
+    assert rows[-1]["step"] == checks[-1][0] < 400 and checks[-1][0] % 10 == 0
+    assert f"reached trainer.target_accuracy=1 at step {checks[-1][0]} of at most 400" in proc.stdout + proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    for line in (tmp_path / "pairs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+        assert tok.decode(out, skip_special_tokens=True) == row["ground_truth"], row
+    # partway, the metric counted a row right exactly when its greedy decoding was: 0 < accuracy < 1 was logged
+    assert any(0 < a < 1 for _, a in checks), checks
+
+
+def test_a_target_not_reached_within_the_cap_fails_and_saves_nothing(tmp_path: Path) -> None:
+    proc = _memorize(tmp_path, "trainer.total_training_steps=10", "optim.lr_warmup_steps=2", "trainer.target_accuracy=1.0")
+    assert proc.returncode != 0
+    assert re.search(r"val/greedy_accuracy was at most 0\.\d{3} in trainer\.total_training_steps=10 steps, below "
+                     r"trainer\.target_accuracy=1; nothing was saved to", proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "saved").exists()

@@ -110,6 +110,10 @@ def dpo_problems(cfg: DPOConfig) -> list[ConfigIssue]:
     """What is wrong with ``algorithm`` and the pair columns (the rest is SFT's to check)."""
     a, d = cfg.algorithm, cfg.data
     issues = []
+    if cfg.trainer.target_accuracy is not None:
+        issues.append(ConfigIssue(key="trainer.target_accuracy", value=cfg.trainer.target_accuracy,
+                                  message="is SFT's (held-out greedy accuracy); a DPO run trains "
+                                          "trainer.total_training_steps steps: set it to null"))
     if a.loss_type not in DPO_LOSS_TYPES:
         issues.append(ConfigIssue(key="algorithm.loss_type", value=a.loss_type,
                                   message=f"valid: {', '.join(DPO_LOSS_TYPES)}"))

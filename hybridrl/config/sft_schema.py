@@ -27,6 +27,10 @@ class SFTTrainerConfig:
     total_training_steps: int = 100
     seed: int = 1
     test_freq: int = 100  # val/loss on data.val_files every N steps and at the end (0 = never)
+    # stop once the held-out greedy accuracy (val/greedy_accuracy, checked every test_freq steps) reaches this;
+    # total_training_steps is then the cap, and ending there below the target fails the run, saving nothing (SFT only;
+    # null: train total_training_steps steps)
+    target_accuracy: float | None = None
     output_dir: str = "outputs/sft"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # entries of hybridrl.tracking.LOGGERS
     project_name: str = "hybridrl"
@@ -46,3 +50,18 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+
+
+def target_problems(t: SFTTrainerConfig, *, val_files: list[str]) -> list[tuple[str, object, str]]:
+    """``(key, value, message)`` for what is wrong with ``trainer.target_accuracy`` (none when it is null)."""
+    if t.target_accuracy is None:
+        return []
+    key, value = "trainer.target_accuracy", t.target_accuracy
+    if not 0 < value <= 1:
+        return [(key, value, "must be in (0, 1] (held-out greedy accuracy), or null for a fixed step count")]
+    if not val_files:
+        return [(key, value, "is measured on held-out pairs: set data.val_files (or trainer.target_accuracy=null)")]
+    if t.test_freq <= 0:
+        return [(key, value, f"is checked every trainer.test_freq steps, which is {t.test_freq}: set it > 0")]
+    return []
+

@@ -35,7 +35,7 @@ from hybridrl.megatron.lora import LoRAModel, apply_lora
 from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.router_replay import RouterReplay, unpacked_routing
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
-from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
+from hybridrl.megatron.vocab_parallel import vocab_parallel_is_argmax, vocab_parallel_logprob_entropy
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
 from hybridrl.ops import compiled_kernels, lm_head_logprob_entropy
 from hybridrl.tracking import say
@@ -118,25 +118,50 @@ class MegatronPolicy(MegatronRunner):
             logits_Nv if select_N is None else logits_Nv[select_N], target_N, vocab_size=self.arch.vocab_size,
             temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)
 
-    def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
-              temperature: float, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _response_tokens(self, output: torch.Tensor, mb: _Micro,
+                         per_token: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
+                         ) -> list[torch.Tensor]:
+        """``per_token(output, target_N, select_N)``'s values (``[N]`` each) at every response token, ``[B, T]`` each:
+        the target of a position is the next token of its row (gathered over CP when CP > 1)."""
         # s: this CP rank's positions (all S when CP = 1)
         B, s = (output.shape[1], output.shape[0]) if self.returns_hidden_states else output.shape[:2]
         if mb.rows.shared_prompts:  # a row holds several samples: read each response token's position
             response_BT = mb.batch.response_ids
-            logp_N, ent_N = self._token_logprobs(output, response_BT.reshape(-1),
-                                                 mb.rows.flat_response_index_BT().reshape(-1), temperature)
-            logp_BT, ent_BT = logp_N.view_as(response_BT), ent_N.view_as(response_BT)
-        else:
-            next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
-            logp_N, ent_N = self._token_logprobs(output, shard_sequence(next_BS).reshape(-1), None, temperature)
-            idx_BT = mb.rows.response_index_BT()
-            logp_BT = gather_sequence(logp_N.view(B, s)).gather(1, idx_BT)
-            ent_BT = gather_sequence(ent_N.view(B, s)).gather(1, idx_BT)
+            values = per_token(output, response_BT.reshape(-1), mb.rows.flat_response_index_BT().reshape(-1))
+            return [v.view_as(response_BT) for v in values]
+        next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
+        values = per_token(output, shard_sequence(next_BS).reshape(-1), None)
+        idx_BT = mb.rows.response_index_BT()
+        return [gather_sequence(v.view(B, s)).gather(1, idx_BT) for v in values]
+
+    def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
+              temperature: float, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp_BT, ent_BT = self._response_tokens(
+            output, mb, lambda out, target_N, select_N: self._token_logprobs(out, target_N, select_N, temperature))
         if loss_fn is None:
             return logp_BT.sum() * 0.0, {"logprobs": logp_BT.detach(), "entropy": ent_BT.detach()}
         loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
         return loss, {k: v.detach() for k, v in metrics.items()}
+
+    def _greedy_matches(self, output: torch.Tensor, target_N: torch.Tensor,
+                        select_N: torch.Tensor | None) -> tuple[torch.Tensor]:
+        if self.returns_hidden_states:  # the fused LM head's hidden states: this rank's vocabulary columns of logits
+            hidden_Nh = output.transpose(0, 1).reshape(-1, output.shape[-1])
+            logits_Nv = (hidden_Nh if select_N is None else hidden_Nh[select_N]) @ output_weight(self.chunks[-1]).t()
+        else:
+            logits_Nv = output.reshape(-1, output.shape[-1])
+            logits_Nv = logits_Nv if select_N is None else logits_Nv[select_N]
+        return (vocab_parallel_is_argmax(logits_Nv, target_N, vocab_size=self.arch.vocab_size),)
+
+    def _greedy_head(self, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        (match_BT,) = self._response_tokens(output, mb, self._greedy_matches)
+        return match_BT.sum() * 0.0, {"greedy": match_BT}
+
+    def greedy_matches(self, batch: RolloutBatch, *, batching: MicroBatching) -> torch.Tensor:
+        """``[B, T]``: 1 where a response token is the model's greedy (argmax) choice after the tokens before it, 0
+        elsewhere and at masked positions (teacher-forced). A row that matches at every response token is exactly
+        what greedy decoding from its prompt writes: one forward pass measures greedy accuracy, at any layout."""
+        return self._forward_rows(batch, self._greedy_head, ("greedy",), batching=batching)[0]
 
     def compute_log_probs(self, batch: RolloutBatch, *, batching: MicroBatching, temperature: float = 1.0,
                           old_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

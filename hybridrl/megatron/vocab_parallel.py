@@ -70,6 +70,25 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return (grad_Nv / ctx.temperature).to(ctx.logits_dtype), None, None, None
 
 
+def vocab_parallel_is_argmax(logits_Nv: torch.Tensor, target_N: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """``[N]``: 1.0 where ``target_N`` is the greedy (argmax) token of its row of TP-local logits ``[N, V_pad / TP]``,
+    else 0.0 (a tie counts as a match; the vocabulary padding never wins). No gradient; the full vocabulary is never
+    gathered: the row maximum and the target's logit are each one all-reduce (max) over the TP group."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    start, v = parallel_state.get_tensor_model_parallel_rank() * logits_Nv.shape[-1], logits_Nv.shape[-1]
+    z_Nv = logits_Nv.detach().float()
+    if start + v > vocab_size:
+        z_Nv = z_Nv.clone()
+        z_Nv[:, max(vocab_size - start, 0):] = float("-inf")
+    m_N = z_Nv.max(dim=-1).values
+    dist.all_reduce(m_N, op=dist.ReduceOp.MAX, group=group)
+    local = (target_N >= start) & (target_N < start + v)
+    zy_N = torch.where(local, z_Nv.gather(-1, (target_N - start).clamp(0, v - 1)[:, None]).squeeze(-1),
+                       torch.full_like(m_N, float("-inf")))
+    dist.all_reduce(zy_N, op=dist.ReduceOp.MAX, group=group)
+    return (zy_N >= m_N).float()
+
+
 def use_fused_kernels(setting: bool | None, device: torch.device) -> bool:
     """``actor_rollout_ref.actor.megatron.use_fused_kernels`` resolved for ``device``: null = when the compiled
     kernels of :mod:`hybridrl.ops` build there (else warned once); true = they must; false = never."""

@@ -87,6 +87,7 @@ class DPOJob:
     """:class:`~hybridrl.trainers.offline.OfflineJob` of offline DPO."""
 
     name = "DPO"
+    target_metric = None  # no trainer.target_accuracy (validation refuses it)
 
     def __init__(self, cfg: DPOConfig) -> None:
         self.cfg = cfg

@@ -3,7 +3,14 @@ every ``trainer.test_freq`` steps and at the end, an HF checkpoint at ``trainer.
 
     start (process groups, the output-dir lock, seeds, tokenizer, datasets, loader, the policy)
     for each step: metrics = job.step(policy, batch); + job.validate(...) when due; log
+        stop early once job.target_metric reaches trainer.target_accuracy (when set)
     save the policy as an HF checkpoint (LoRA: the merged weights)
+
+With ``trainer.target_accuracy`` a run stops on what it is for, not on a step count: the step at which a small model
+crosses a given quality moves with the CPU's kernels, the thread count and the package versions (the tiny recipes'
+warm starts drop sharply once, anywhere from step 400 to 1100), so a fixed step count gives another model on every
+machine. ``total_training_steps`` is then the cap; ending there below the target raises :class:`TargetNotReached`
+and saves nothing, so no caller ever takes a half-trained model for the one it asked for.
 
 A job (:class:`OfflineJob`) says what differs: its datasets, how a loader batch becomes one optimizer step, and its
 held-out metrics. The policy is the RL actor's ``MegatronPolicy`` (every TP/PP/CP/DP layout, LoRA); a job that
@@ -45,8 +52,13 @@ class OfflineConfig(Protocol):
     trainer: SFTTrainerConfig
 
 
+class TargetNotReached(RuntimeError):
+    """An offline run hit ``trainer.total_training_steps`` below ``trainer.target_accuracy`` (nothing was saved)."""
+
+
 class OfflineJob(Protocol):
     name: str  # "SFT", "DPO": the start of its log lines
+    target_metric: str | None  # the held-out metric trainer.target_accuracy is compared with (None: not supported)
 
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Any, Any]:
         """The training rows (a ``PromptDataset``) and the held-out ones (None: no validation)."""
@@ -79,11 +91,23 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
     say(job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     metrics: dict[str, float] = {}
+    target, best = t.target_accuracy, float("-inf")
     for step, prompts in zip(range(1, t.total_training_steps + 1), loader.forever(), strict=False):
         metrics = job.step(policy, prompts)
         if val is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
             metrics |= job.validate(policy, val)
+            best = max(best, metrics.get(job.target_metric or "", best))
         tracker.log(metrics, step=step)
+        if target is not None and best >= target:
+            say(f"{job.name}: {job.target_metric} {best:.3f} reached trainer.target_accuracy={target:g} at step {step} "
+                f"of at most {t.total_training_steps}")
+            break
+    if target is not None and best < target:
+        tracker.close()
+        raise TargetNotReached(
+            f"{job.name} ({t.experiment_name}): {job.target_metric} was at most {max(best, 0.0):.3f} in "
+            f"trainer.total_training_steps={t.total_training_steps} steps, below trainer.target_accuracy={target:g}; "
+            f"nothing was saved to {t.save_path}. Raise the step cap or the learning rate (optim.lr), or lower the target")
     say(f"{job.name}: saving the HF checkpoint to {t.save_path}")
     save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
                        key="trainer.save_path", overwrite=t.overwrite_save_path,

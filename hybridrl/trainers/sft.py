@@ -54,6 +54,7 @@ class SFTJob:
     """:class:`~hybridrl.trainers.offline.OfflineJob` of supervised fine-tuning."""
 
     name = "SFT"
+    target_metric = "val/greedy_accuracy"  # what trainer.target_accuracy is compared with
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
@@ -78,14 +79,20 @@ class SFTJob:
         return {f"sft/{k}": v for k, v in metrics.items()}
 
     def validate(self, policy: MegatronPolicy, val: PromptDataset) -> dict[str, float]:
-        """Token-mean NLL of the held-out pairs (``data.val_files``), each DP rank scoring its share."""
+        """On the held-out pairs (``data.val_files``), each DP rank scoring its share: ``val/loss``, the token-mean
+        NLL, and ``val/greedy_accuracy``, the share of pairs whose whole target (EOS included) is the model's greedy
+        choice token by token — what greedy decoding from the prompt would write (``MegatronPolicy.greedy_matches``).
+        For a multi-turn transcript the target's tool replies count too: it is stricter than an episode's success."""
         m = DPMeans()
         for idx, weight in dp_strided_passes(len(val), rows=256):  # pairs per forward-only pass
             batch = sft_batch(collate_prompts([val[i] for i in idx], idx, pad_token_id=self.pad_token_id),
                               self.tokenizer, max_response_length=self.cfg.data.max_response_length)
             logp_BT, _ = policy.compute_log_probs(batch, batching=self.micro)
-            m.add("val/loss", -(logp_BT * batch.loss_mask).sum() * weight, batch.loss_mask.sum() * weight)
-        return {"val/loss": m.reduce()["val/loss"]}
+            mask_BT = batch.loss_mask
+            m.add("val/loss", -(logp_BT * mask_BT).sum() * weight, mask_BT.sum() * weight)
+            misses_B = ((1 - policy.greedy_matches(batch, batching=self.micro)) * mask_BT).sum(-1)
+            m.add("val/greedy_accuracy", (misses_B == 0).float().sum() * weight, torch.tensor(len(idx) * weight))
+        return m.reduce()
 
 
 def fit_sft(cfg: SFTConfig) -> dict[str, float]:
