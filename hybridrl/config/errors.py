@@ -1,4 +1,9 @@
-"""Config errors that report every violation at once, each naming its key."""
+"""The errors of what a user gave — config, data files, checkpoints — as opposed to bugs.
+
+A :class:`UserError` ends a run with its message alone (exit code 2, no traceback unless ``HYBRIDRL_DEBUG=1``:
+:mod:`hybridrl.trainers.entry`); every other exception keeps its traceback. Config errors report every
+violation at once, each naming its key; data and checkpoint errors name the file and row, line or step.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,20 @@ class ConfigIssue:
         return f"{self.key}={self.value!r}: {self.message}"
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """A mistake in the run's input, said in one message that names the key, file, row or checkpoint and what to do."""
+
+
+class DataError(UserError):
+    """A data file's problem found while reading its rows (a bad byte at line N, an over-long prompt, a missing
+    key): the message names the file and the row or line."""
+
+
+class CheckpointError(UserError):
+    """Checkpoints that ``trainer.resume`` cannot use; the message names them and how to start over."""
+
+
+class ConfigError(UserError):
     """Raised with all violations found, before any model or engine is built."""
 
     def __init__(self, issues: list[ConfigIssue]) -> None:

@@ -27,7 +27,8 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
 from hybridrl.config.plan import AOR, Plan, RoleLayout, critic_needed, device_memory_gb
 from hybridrl.config.schema import DEVICES, ROLLOUT_MODES, ModelConfig, RLConfig, TrainerConfig
-from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig
+from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig, target_problems
+from hybridrl.data.checks import file_problems
 from hybridrl.data.rows import TRUNCATIONS
 from hybridrl.data.sources import VALID as VALID_DATA
 from hybridrl.data.sources import is_hf, source_problem
@@ -156,7 +157,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                    "middle tokens)")
     if not planning:
         _check_data(issues, "data", cfg.data.train_files, cfg.data.val_files, cfg.data.build_if_missing,
-                    before_bootstrap=before_bootstrap)
+                    before_bootstrap=before_bootstrap, columns={"data.prompt_key": cfg.data.prompt_key,
+                                                                "data.ground_truth_key": cfg.data.ground_truth_key})
     _check_trainer(cfg, issues, planning=planning)
     _check_timeouts(cfg, issues)
     _check_reward(cfg, issues)
@@ -551,7 +553,9 @@ def _check_lengths(prompt: int, response: int, model: HFArch | None, issues: _Is
 
 
 def _check_data(issues: _Issues, prefix: str, train_files: list[str], val_files: list[str], build: str | None, *,
-                before_bootstrap: bool) -> None:
+                before_bootstrap: bool, columns: dict[str, str]) -> None:
+    """Each entry's form, and each local file's own problems (:mod:`hybridrl.data.checks`: readable, has rows, has
+    ``columns``); a file the run builds first is checked once it exists."""
     if (problem := bootstrap.kind_problem(build, model=False)) is not None:
         issues.add(f"{prefix}.build_if_missing", build, problem)
     if not train_files:
@@ -570,7 +574,10 @@ def _check_data(issues: _Issues, prefix: str, train_files: list[str], val_files:
                                        f"(it is {build!r}) or name a file for it to write")
             elif f in built and (problem := bootstrap.outside_cache_problem(build, f)) is not None:
                 issues.add(key, f, problem)
-            elif not Path(f).is_file() and not pending:
+            elif Path(f).is_file():
+                for problem in file_problems(f, columns=columns):
+                    issues.add(key, f, problem)
+            elif not pending:
                 issues.add(key, f, "file does not exist")
 
 
@@ -650,8 +657,11 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
             issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
                        interleaved_micro_batches_problem(layout.pp, layout.vpp) + f", got {n_micro}")
     _check_lengths(d.max_prompt_length, d.max_response_length, model, issues)
-    _check_data(issues, "data", d.train_files, d.val_files, d.build_if_missing, before_bootstrap=before_bootstrap)
+    _check_data(issues, "data", d.train_files, d.val_files, d.build_if_missing, before_bootstrap=before_bootstrap,
+                columns={"data.prompt_key": d.prompt_key})
     issues.positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
+    for key, value, message in target_problems(cfg.trainer, val_files=d.val_files):
+        issues.add(key, value, message)
     _check_tracking(cfg.trainer, issues)
     if issues:
         raise ConfigError(list(issues))

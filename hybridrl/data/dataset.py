@@ -38,6 +38,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from hybridrl.batch import SampleMeta
+from hybridrl.config.errors import DataError
 from hybridrl.data.rows import TRUNCATIONS, Row
 from hybridrl.data.sources import is_hf, read_source, source_stem
 from hybridrl.distributed import host_group
@@ -160,7 +161,7 @@ class PromptDataset:
             logger.warning("dropped %d of %d prompts longer than %d tokens (data.max_prompt_length)",
                            total - kept, total, config.max_prompt_length)
         if not kept:
-            raise ValueError(f"no prompts left in {[str(f) for f in files]}: all {total} rows are empty "
+            raise DataError(f"no prompts left in {[str(f) for f in files]}: all {total} rows are empty "
                              f"or longer than data.max_prompt_length={config.max_prompt_length} tokens")
 
     def __len__(self) -> int:
@@ -176,7 +177,7 @@ class PromptDataset:
         if self.config.truncation == "error":
             g = int(over[0])
             t = int(np.searchsorted(self._starts, g, side="right")) - 1
-            raise ValueError(f"{self.tables[t].source} row {g - int(self._starts[t])}: the prompt has {lengths[g]} "
+            raise DataError(f"{self.tables[t].source} row {g - int(self._starts[t])}: the prompt has {lengths[g]} "
                              f"tokens, over data.max_prompt_length={limit} ({len(over)} such prompts in all), and "
                              "data.truncation=error; set data.filter_overlong_prompts=true (drop them), "
                              "data.truncation=left|right|middle (cut them) or raise data.max_prompt_length")
@@ -215,12 +216,14 @@ class PromptDataset:
         try:
             part = self._tokenize_rows(start, stop, total=total, world=world, names=names)
         except Exception as e:  # noqa: BLE001 — a bad row: every rank raises it, none is left waiting in the gather
-            error = (type(e).__name__, str(e))
+            error = ("DataError" if isinstance(e, DataError) else type(e).__name__, str(e))
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (error, part.ids, part.lengths), group=host_group.get())
         errors = [e for e, _, _ in gathered if e is not None]
         if errors:  # the first bad row in file order, as one rank reading everything would have found
             kind, message = errors[0]
+            if kind == "DataError":  # the input's mistake: one line on every rank (hybridrl/trainers/entry.py)
+                raise DataError(message)
             raise (ValueError if kind == "ValueError" else RuntimeError)(
                 message if kind == "ValueError" else f"{kind}: {message}")
         return TokenTable.from_lengths(np.concatenate([ids for _, ids, _ in gathered]),
@@ -289,7 +292,7 @@ class PromptDataset:
             messages = [{"role": "user", "content": prompt}]
         elif _is_messages(prompt):
             if not self.use_chat_template:
-                raise ValueError(
+                raise DataError(
                     f"{where}: {key!r} is a list of chat messages, but "
                     + ("data.apply_chat_template is false" if not self.config.apply_chat_template
                        else "the tokenizer has no chat template")
@@ -297,7 +300,7 @@ class PromptDataset:
                 )
             messages = prompt
         else:
-            raise ValueError(f"{where}: {key!r} (data.prompt_key) must be a string or a list of "
+            raise DataError(f"{where}: {key!r} (data.prompt_key) must be a string or a list of "
                              f"{{'role', 'content'}} messages, got {type(prompt).__name__}: {prompt!r:.80}")
         text = self.tokenizer.apply_chat_template(messages, tools=list(self.config.tools) or None,  # type: ignore[arg-type]
                                                   add_generation_prompt=True, tokenize=False)
@@ -310,7 +313,7 @@ def _lookup(row: Row, key: str, *, where: str, config_key: str) -> Any:
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value or value[part] is None:
             keys = sorted(value) if isinstance(value, dict) else []
-            raise ValueError(f"{where}: missing key {key!r} ({config_key}); the row has keys {keys}")
+            raise DataError(f"{where}: missing key {key!r} ({config_key}); the row has keys {keys}")
         value = value[part]
     return value
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from hybridrl.config.errors import DataError
 from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig, PromptItem
 from hybridrl.data.rows import Row
 
@@ -56,7 +57,7 @@ class PreferenceDataset(PromptDataset):
             value = row.get(key)
             if not isinstance(value, str) or not value:
                 what = "missing" if key not in row else f"{type(value).__name__} {value!r:.60}"
-                raise ValueError(f"{where}: {key!r} ({config_key}) must be a non-empty string, got {what}; the row has "
+                raise DataError(f"{where}: {key!r} ({config_key}) must be a non-empty string, got {what}; the row has "
                                  f"keys {sorted(row)} (conversational pairs: convert them with `hybridrl prepare "
                                  f"preference`)")
         return super()._item(where, stem, row)

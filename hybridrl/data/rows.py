@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridrl.config.errors import DataError
+
 Row = dict[str, Any]
 SUFFIXES = (".parquet", ".jsonl")
 # data.truncation (verl's values): what happens to a prompt over data.max_prompt_length when it is not dropped
@@ -31,19 +33,30 @@ def read_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, Row]]:
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Row]]:
     row = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            line = decode_line(raw, path=path, line_no=line_no)
             if not line.strip():
                 continue
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {line_no} (row {row}): invalid JSON: {e}") from None
+                raise DataError(f"{path} line {line_no} (row {row}): invalid JSON: {e}") from None
             if not isinstance(value, dict):
-                raise ValueError(f"{path} line {line_no} (row {row}): expected a JSON object, "
-                                 f"got {type(value).__name__}")
+                raise DataError(f"{path} line {line_no} (row {row}): expected a JSON object, "
+                                f"got {type(value).__name__}")
             yield row, value
             row += 1
+
+
+def decode_line(raw: bytes, *, path: Path, line_no: int) -> str:
+    """One jsonl line as text; a byte that is not UTF-8 is a :class:`DataError` naming the file, line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} line {line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}; "
+                        f"jsonl is UTF-8: re-encode the file, e.g. iconv -f latin1 -t utf-8 {path} > "
+                        f"{path.with_suffix('.utf8.jsonl')})") from None
 
 
 def write_rows(rows: Sequence[Row], path: str | os.PathLike[str]) -> Path:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridrl.config.errors import DataError
+
 
 @dataclass(slots=True, kw_only=True)
 class SamplerConfig:
@@ -49,7 +51,7 @@ class DistributedPromptSampler:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
         if config.drop_last and num_samples < config.train_batch_size:
-            raise ValueError(f"the dataset has {num_samples} prompts, fewer than one global batch "
+            raise DataError(f"the dataset has {num_samples} prompts, fewer than one global batch "
                              f"(data.train_batch_size={config.train_batch_size}) with drop_last")
         if num_samples < 1:
             raise ValueError("the dataset is empty")

@@ -1,17 +1,27 @@
-"""What ``launch/train.py``, ``launch/sft.py`` and ``launch/dpo.py`` run once Hydra has composed the config."""
+"""What ``launch/train.py``, ``launch/sft.py`` and ``launch/dpo.py`` run once Hydra has composed the config.
+
+A mistake in the run's input (:class:`~hybridrl.config.errors.UserError`: config, data, checkpoints) ends the run
+with its one message as the last thing the rank prints and exit code 2, on rank 0 (every rank raises it), and in
+torchrun's failure summary (the rank's error file), never a traceback; ``HYBRIDRL_DEBUG=1`` raises it as is. Any
+other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 from omegaconf import DictConfig
 
 from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import available_recipes, compose_config, to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
-from hybridrl.config.errors import ConfigError
+from hybridrl.config.errors import UserError
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
@@ -19,9 +29,43 @@ from hybridrl.config.validate import validate, validate_sft, world_from_env
 from hybridrl.distributed import check as dist_check
 from hybridrl.tracking import say
 
+R = TypeVar("R")
+DEBUG_ENV = "HYBRIDRL_DEBUG"  # set (not 0): a UserError keeps its traceback
 USAGE = "usage: torchrun --nproc-per-node N launch/train.py recipe=NAME [key=value ...]"
 
 
+def one_line_on_user_error(run: Callable[..., R]) -> Callable[..., R]:
+    """``run`` with a :class:`UserError` ending the process in one line (see the module docstring)."""
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> R:
+        try:
+            return run(*args, **kwargs)
+        except UserError as e:
+            if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+                raise
+            end_run(e)
+
+    return wrapper
+
+
+def end_run(error: UserError) -> NoReturn:
+    """Exit 2 with ``error``'s message: printed by rank 0 (every rank meets the same error), and written to this
+    rank's torchrun error file, so that torchrun's failure summary, printed last, ends with it too."""
+    message, first = f"hybridrl: {error}", os.environ.get("RANK", "0") == "0"
+    if first:
+        print(message, file=sys.stderr, flush=True)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # shown as the summary's "traceback :" line
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    sys.stdout.flush()
+    if not first:  # torchrun stops every rank at the first exit: rank 0's, whose line is then printed
+        time.sleep(1.0)
+    sys.exit(2)
+
+
+@one_line_on_user_error
 def run_rl_cli(argv: list[str]) -> int:
     """``launch/train.py``: compose ``argv`` (Hydra overrides) as ``hybridrl validate`` does, then run."""
     if any(a in ("-h", "--help") for a in argv):
@@ -32,27 +76,19 @@ def run_rl_cli(argv: list[str]) -> int:
         print(f"hybridrl: launch/train.py takes key=value overrides only, not {' '.join(flags)} (Hydra's "
               f"--config-path/--config-name: pick a recipe with recipe=NAME)\n{USAGE}", file=sys.stderr)
         return 2
-    try:
-        cfg = compose_config(argv)
-    except ConfigError as e:
-        print(f"hybridrl: {e}", file=sys.stderr)
-        return 2
-    run_rl(cfg)
+    run_rl(compose_config(argv))
     return 0
 
 
+@one_line_on_user_error
 def run_rl(cfg: RLConfig) -> dict[str, float]:
-    try:
-        world, per_node = world_from_env()
-        validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
-        ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
-        ensure_model(cfg.actor_rollout_ref.model.build_if_missing, cfg.actor_rollout_ref.model.path)
-        if (teacher := cfg.actor_rollout_ref.teacher.model).path is not None:  # on-policy distillation's
-            ensure_model(teacher.build_if_missing, teacher.path, key="actor_rollout_ref.teacher.model")
-        plan = validate(cfg, world_size=world, ranks_per_node=per_node)
-    except ConfigError as e:
-        print(f"hybridrl: {e}", file=sys.stderr)
-        sys.exit(2)
+    world, per_node = world_from_env()
+    validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
+    ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
+    ensure_model(cfg.actor_rollout_ref.model.build_if_missing, cfg.actor_rollout_ref.model.path)
+    if (teacher := cfg.actor_rollout_ref.teacher.model).path is not None:  # on-policy distillation's
+        ensure_model(teacher.build_if_missing, teacher.path, key="actor_rollout_ref.teacher.model")
+    plan = validate(cfg, world_size=world, ranks_per_node=per_node)
     say("config OK\n" + plan.render())
     from hybridrl import preemption
 
@@ -83,24 +119,18 @@ def _run_rl(cfg: RLConfig, plan: Plan) -> dict[str, float]:
         destroy_parallel()
 
 
+@one_line_on_user_error
 def run_sft(dcfg: DictConfig) -> dict[str, float]:
-    cfg = _typed(to_typed, dcfg)
+    cfg = to_typed(dcfg)
     assert isinstance(cfg, SFTConfig)
     return _run_offline(cfg, validate_sft, "hybridrl.trainers.sft", "fit_sft")
 
 
+@one_line_on_user_error
 def run_dpo(dcfg: DictConfig) -> dict[str, float]:
-    cfg = _typed(to_typed_dpo, dcfg)
+    cfg = to_typed_dpo(dcfg)
     assert isinstance(cfg, DPOConfig)
     return _run_offline(cfg, validate_dpo, "hybridrl.trainers.dpo", "fit_dpo")
-
-
-def _typed(convert: Callable[[DictConfig], Any], dcfg: DictConfig) -> Any:
-    try:
-        return convert(dcfg)
-    except ConfigError as e:
-        print(f"hybridrl: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: str, fit: str) -> dict[str, float]:
@@ -108,15 +138,11 @@ def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: 
     start model, check again, then train with ``module.fit`` (Megatron imported only once the config passed)."""
     import importlib
 
-    try:
-        world, _ = world_from_env()
-        check(cfg, world_size=world, before_bootstrap=True)
-        ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
-        ensure_model(cfg.model.build_if_missing, cfg.model.path)
-        check(cfg, world_size=world)
-    except ConfigError as e:
-        print(f"hybridrl: {e}", file=sys.stderr)
-        sys.exit(2)
+    world, _ = world_from_env()
+    check(cfg, world_size=world, before_bootstrap=True)
+    ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
+    ensure_model(cfg.model.build_if_missing, cfg.model.path)
+    check(cfg, world_size=world)
     from hybridrl.megatron.parallel import destroy_parallel
 
     try:
