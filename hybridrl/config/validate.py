@@ -26,6 +26,7 @@ from hybridrl.config.derived import apply_gradient_checkpointing, resolve_total_
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.memory import GB
 from hybridrl.config.plan import AOR, Plan, RoleLayout, critic_needed, device_memory_gb
+from hybridrl.config.plugin_kwargs import resolve_plugin_kwargs
 from hybridrl.config.schema import DEVICES, ROLLOUT_MODES, ModelConfig, RLConfig, TrainerConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTTrainerConfig, target_problems
 from hybridrl.data.checks import file_problems
@@ -89,6 +90,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     t, aor = cfg.trainer, cfg.actor_rollout_ref
     steps_problem, steps_note = resolve_total_steps(cfg)  # total_epochs → total_training_steps (verl's rule)
     apply_gradient_checkpointing(cfg)
+    resolve_plugin_kwargs(cfg)  # each plugin block as its chosen plugin's kwargs
     if steps_problem is not None:
         issues.add("trainer.total_epochs", t.total_epochs, steps_problem)
     world = world_size if world_size is not None else t.nnodes * t.n_gpus_per_node

@@ -8,7 +8,7 @@ episode.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hybridrl.tools.calls import FORMATS
@@ -21,9 +21,13 @@ class MultiTurnConfig:
     enable: bool = False
     max_assistant_turns: int = 4  # policy turns per episode at most
     tools: list[str] = field(default_factory=list)  # tool plugin names (group hybridrl.tools)
-    tool_kwargs: dict[str, Any] = field(default_factory=dict)  # tool name -> its Config's keys
+    # tool name -> its Config's keys; an installed tool's that is not in `tools` are dropped
+    # (hybridrl/config/plugin_kwargs.py)
+    tool_kwargs: dict[str, Any] = field(default_factory=dict)
     environment: str | None = None  # environment plugin name (group hybridrl.environments)
-    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's Config
+    # the environment's Config: flat keys (the chosen environment's), or <environment name>: {keys} blocks, each used
+    # only when that environment is chosen (hybridrl/config/plugin_kwargs.py)
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_timeout_s: float = 10.0  # one tool call; past it the call is an error observation
     environment_timeout_s: float = 60.0  # one environment open()/step(); past it the episode ends as failed
     max_tool_response_length: int = 256  # tokens of a tool's output; longer is cut (and counted)
@@ -35,7 +39,8 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
                     environments: Callable[[str], type]) -> list[tuple[str, object, str]]:
     """``(key, value, message)`` for every problem of ``multi_turn``. ``load_tool(name)`` / ``environments(name)``
     return the plugin class or raise naming the installed ones; ``check_kwargs(group, name, kwargs, key)`` raises
-    when a plugin's kwargs do not fit its Config. Checked even while ``enable`` is false, except the plugins."""
+    when a plugin's kwargs do not fit its Config. While ``enable`` is false any other setting off its default is a
+    problem (nothing would use it), and the plugins are not loaded."""
     out: list[tuple[str, object, str]] = []
     if m.max_assistant_turns < 1:
         out.append((f"{KEY}.max_assistant_turns", m.max_assistant_turns, "must be ≥ 1"))
@@ -46,9 +51,17 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
         out.append((f"{KEY}.max_tool_response_length", m.max_tool_response_length, "must be ≥ 1 (tokens)"))
     if m.format not in FORMATS:
         out.append((f"{KEY}.format", m.format, f"valid: {', '.join(FORMATS)}"))
-    if extra := sorted(set(m.tool_kwargs) - set(m.tools)):
+    if extra := sorted(set(m.tool_kwargs) - set(m.tools)):  # an installed tool's are dropped when it is not listed
         out.append((f"{KEY}.tool_kwargs", extra, f"names tools that are not in {KEY}.tools={m.tools}"))
     if not m.enable:
+        default = MultiTurnConfig()
+        unused = [f"{KEY}.{f.name}={getattr(m, f.name)!r}" for f in fields(m)
+                  if f.name != "enable" and getattr(m, f.name) != getattr(default, f.name)]
+        if unused:
+            one = len(unused) == 1
+            out.append((f"{KEY}.enable", False, f"but {', '.join(unused)} {'is a setting' if one else 'are settings'} "
+                        "of the multi-turn rollout, which is off (no tool or environment would run; their rewards "
+                        f"would be 0): set {KEY}.enable=true, or drop {'it' if one else 'them'}"))
         return out
     called: dict[str, str] = {}  # the name the policy calls -> the tool plugin
     for i, name in enumerate(m.tools):

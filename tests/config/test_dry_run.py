@@ -65,6 +65,8 @@ def test_every_run_command_in_the_readme_validates(tmp_path: Path, monkeypatch: 
         n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1))
         args = [a for a in shlex.split(m.group(2).split("#")[0]) if "=" in a and not a.startswith("--")]
         commands.setdefault((*args, "--world-size", n.group(1) if n else "1"), m.group(0))
+    # docs/multi-turn.md's agent command: another environment by its one key, the recipe's environment_kwargs stay
+    assert any("actor_rollout_ref.rollout.multi_turn.environment=openai_agent" in c for c in commands), commands
     for command, line in commands.items():
         code = main(["validate", *command])
         assert code == 0, (line, capsys.readouterr().err)
