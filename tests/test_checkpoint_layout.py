@@ -27,6 +27,7 @@ from hybridrl.checkpoint.rl import (
     set_aside_other_histories,
     step_dirs,
 )
+from hybridrl.config.errors import CheckpointError
 from hybridrl.config.schema import RLConfig
 
 
@@ -65,7 +66,13 @@ def test_manifest_and_latest_are_written_and_a_damaged_newest_falls_back(tmp_pat
     assert f"not resuming from {s2}: megatron/__0_0.distcp has 10 bytes" in capsys.readouterr().out
     (s1 / "trainer_state.pt").write_text("state of step 9 ")  # same size, other content
     assert checkpoint_problem(s1) == "trainer_state.pt does not match its SHA-256 in manifest.json"
-    assert latest_complete(tmp_path) is None
+    with pytest.raises(CheckpointError) as e:  # none usable: the run stops, never a silent start at step 0
+        latest_complete(tmp_path)
+    assert str(e.value).startswith(f"trainer.resume=auto: no checkpoint in {tmp_path} can be resumed: "
+                                   "step_00000002: megatron/__0_0.distcp has 10 bytes")
+    assert "step_00000001: trainer_state.pt does not match its SHA-256" in str(e.value)
+    assert "set trainer.resume=never" in str(e.value) and names(tmp_path) == ["latest", "step_00000001",
+                                                                               "step_00000002"]
     (s1 / MANIFEST).unlink()
     assert str(checkpoint_problem(s1)).startswith("no manifest.json: its save did not finish")
 

@@ -27,9 +27,10 @@ fsynced, renamed) → retention. A SIGKILL at any moment leaves the previous com
 
 ``resume=auto`` takes the checkpoint ``latest`` names (without ``latest``: the newest ``step_*``); if its
 manifest does not match its files it warns and falls back to the next older complete one. A ``step_*``
-newer than ``latest`` was never committed and is not used. Only complete checkpoints are trusted;
-loading reads pickles (``torch.load(weights_only=True)`` here, Megatron's own metadata upstream), so a
-checkpoint directory is trusted input.
+newer than ``latest`` was never committed and is not used. When checkpoints are there and none is usable the run
+stops, naming each and why (``trainer.resume=never`` starts over; nothing is moved or deleted before that).
+Only complete checkpoints are trusted; loading reads pickles (``torch.load(weights_only=True)`` here, Megatron's
+own metadata upstream), so a checkpoint directory is trusted input.
 
 History: at start, checkpoints that are not the resumed run's history — those newer than the resumed
 step, or all of them with ``resume=never`` or a resume from another directory — are moved (never
@@ -65,6 +66,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from omegaconf import DictConfig, OmegaConf
 
 from hybridrl.checkpoint.hashing import sha256_collective, sha256_many
+from hybridrl.config.errors import CheckpointError
 from hybridrl.config.schema import OptimConfig, RLConfig
 from hybridrl.distributed import host_group
 from hybridrl.hf.write import copy_side_files, save_hf_checkpoint
@@ -139,24 +141,33 @@ def _read_latest(root: Path) -> str | None:
 
 def latest_complete(root: Path) -> Path | None:
     """The checkpoint ``resume=auto`` takes: the committed one (``latest``; without it the newest), or the
-    next older complete one, with a warning for each skipped."""
-    dirs = step_dirs(root)
+    next older complete one, with a warning for each skipped; None when ``root`` holds no checkpoint. Checkpoints
+    none of which is usable are a :class:`CheckpointError` naming each (nothing is moved or deleted)."""
+    dirs = present = step_dirs(root)
     pointer = _read_latest(root)
+    skipped: list[tuple[Path, str]] = []
     if pointer is not None:
         committed = int(pointer.removeprefix("step_"))
-        uncommitted = [p.name for s, p in dirs if s > committed]
-        if uncommitted:
-            say(f"warning: {root}: {', '.join(uncommitted)} newer than {LATEST} ({pointer}) were never committed; "
-                "not resuming from them")
+        skipped += [(p, f"newer than {LATEST} ({pointer}): never committed") for s, p in dirs if s > committed]
         if not (root / pointer).is_dir():
-            say(f"warning: {root / LATEST} names {pointer}, which is missing; falling back to an older checkpoint")
+            skipped.append((root / pointer, f"named by {LATEST}, and missing"))
         dirs = [(s, p) for s, p in dirs if s <= committed]
     for _, path in reversed(dirs):
         problem = checkpoint_problem(path)
         if problem is None:
+            for p, why in skipped:
+                say(f"warning: not resuming from {p}: {why}; falling back to {path.name}")
             return path
-        say(f"warning: not resuming from {path}: {problem}; falling back to the previous complete checkpoint")
-    return None
+        skipped.append((path, problem))
+    if not present:  # nothing to resume (a `latest` whose checkpoint was deleted: said, then removed at start)
+        for p, why in skipped:
+            say(f"warning: not resuming from {p}: {why}; starting at step 0")
+        return None
+    raise CheckpointError(
+        f"trainer.resume=auto: no checkpoint in {root} can be resumed: "
+        + "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        + ". Nothing was changed. To start over from step 0 set trainer.resume=never (they are then moved aside into "
+          f"{root.name}/abandoned-<time>/, not deleted), or resume one by its path: trainer.resume=<its dir>")
 
 
 def resolve_resume(cfg: RLConfig) -> Path | None:
@@ -185,12 +196,13 @@ def resume_point(cfg: RLConfig) -> Path | None:
             set_aside_other_histories(checkpoint_root(cfg), resumed=path)
             box = [None if path is None else str(path), None]
         except (OSError, ValueError) as e:
-            error, box = e, [None, str(e)]
+            error, box = e, [None, (isinstance(e, CheckpointError), str(e))]
     dist.broadcast_object_list(box, src=0, group=host_group.get())
     if error is not None:
         raise error
     if box[1] is not None:
-        raise RuntimeError(f"rank 0: {box[1]}")
+        user, message = box[1]
+        raise CheckpointError(message) if user else RuntimeError(f"rank 0: {message}")
     return None if box[0] is None else Path(box[0])
 
 
