@@ -11,7 +11,8 @@ per data-parallel rank.
 
 Plugin blocks (``reward.kwargs``, ``algorithm.adv_estimator_kwargs``,
 ``algorithm.policy_loss_kwargs``, ``actor_rollout_ref.rollout.engine_kwargs``) are free-form here
-and checked against the chosen plugin's own ``Config`` dataclass by ``validate.py``.
+and checked against the chosen plugin's own ``Config`` dataclass by ``validate.py``; each holds flat keys and/or
+one block per plugin name, used only when that plugin is chosen (``plugin_kwargs.py``).
 """
 
 from __future__ import annotations
