@@ -15,6 +15,12 @@ torchrun forwards a SIGTERM it gets to every rank and SIGKILLs them ``TORCH_ELAS
   before the SIGKILL would come, the checkpoint being left as the last committed one (a half-written save is
   scratch that the next start removes).
 
+A killed launcher (``kill -9`` of torchrun, an OOM kill of its agent) ends the run too, within seconds: under
+torchrun each rank watches its parent, the agent, from :func:`install` on (:func:`watch_launcher`); once it is gone
+the rank says so, shuts its engines down and exits :data:`EXIT_CODE_ORPHANED` without a checkpoint (nothing of the
+launcher is left to restart, log or stop the ranks, and its store may be gone). Engine processes that outlive a
+shutdown are killed by their watcher (:mod:`hybridrl.rollout.reaper`) when the rank is gone.
+
 Colocated SGLang/vLLM engines keep running until the process exits (:mod:`hybridrl.rollout.processes` defers
 their shutdown-on-SIGTERM to this module), so a generation in flight completes. Engine ranks of a disaggregated
 placement note the signal the same way and end when the trainer tells them to.
@@ -32,6 +38,9 @@ from hybridrl.tracking import say
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODE_TOO_LATE = 128 + signal.SIGTERM
+EXIT_CODE_ORPHANED = 128 + signal.SIGHUP  # the launcher is gone (as a shell's jobs end when its terminal hangs up)
+LAUNCHER_POLL_S = 0.2
+SHUTDOWN_S = 5.0  # the engines' shutdown when the launcher is gone; their watcher kills what is left after
 
 
 class Preemption:
@@ -81,13 +90,54 @@ _CURRENT: Preemption | None = None
 
 
 def install(grace_s: float) -> Preemption:
-    """Note SIGTERM/SIGUSR1 in this process from now on (main thread only; elsewhere a no-op record)."""
+    """Note SIGTERM/SIGUSR1 in this process from now on (main thread only; elsewhere a no-op record); under torchrun,
+    exit when the launcher is gone (:func:`watch_launcher`)."""
     global _CURRENT
     _CURRENT = Preemption(grace_s=grace_s)
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             signal.signal(signum, _CURRENT.note)
+    watch_launcher()
     return _CURRENT
+
+
+_WATCHING: threading.Thread | None = None
+
+
+def watch_launcher() -> threading.Thread | None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set): a daemon thread that polls this rank's parent, torchrun's agent,
+    every :data:`LAUNCHER_POLL_S`; when the rank has been re-parented (the agent died, however) it shuts this rank's
+    engines down (at most :data:`SHUTDOWN_S`) and exits :data:`EXIT_CODE_ORPHANED`. One per process; None when not
+    under torchrun (a run started by hand outlives its shell, as ``nohup`` promises).
+
+    A thread rather than ``prctl(PR_SET_PDEATHSIG)``: the death signal fires when the *thread* that started the
+    process ends, not the process (a launcher that spawns from a worker thread would kill its ranks at random), and
+    SIGKILL would skip the engines' shutdown and the line saying why. The poll needs the main thread to let go of
+    the GIL now and then, which torch's ops and collectives do."""
+    global _WATCHING
+    if "TORCHELASTIC_RUN_ID" not in os.environ or (_WATCHING is not None and _WATCHING.is_alive()):
+        return None
+    _WATCHING = threading.Thread(target=_watch_parent, args=(os.getppid(),), name="hybridrl-launcher-watch",
+                                 daemon=True)
+    _WATCHING.start()
+    return _WATCHING
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent and parent != 1:
+        time.sleep(LAUNCHER_POLL_S)
+    try:  # the launcher may have held the only reader of our output
+        os.write(2, f"[hybridrl] rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}, torchrun's agent) "
+                    f"is gone: shutting the engines down and exiting {EXIT_CODE_ORPHANED} without a checkpoint; "
+                    "resume=auto takes the last committed one\n".encode())
+    except OSError:
+        pass
+    from hybridrl.rollout import processes
+
+    shutdown = threading.Thread(target=processes.shut_down_all_now, name="hybridrl-orphan-shutdown", daemon=True)
+    shutdown.start()
+    shutdown.join(SHUTDOWN_S)
+    os._exit(EXIT_CODE_ORPHANED)
 
 
 def current() -> Preemption | None:

@@ -46,6 +46,7 @@ class Ended:
     log: str  # stdout and stderr, interleaved
     seconds_after_fault: float  # from the fault to the exit of the launcher
     mark: str
+    pid: int  # the launcher's
 
 
 def run_with_fault(args: list[str], *, when: Callable[[str], bool], fault: Callable[[subprocess.Popen[bytes]], None],
@@ -71,7 +72,7 @@ def run_with_fault(args: list[str], *, when: Callable[[str], bool], fault: Calla
     ended = time.monotonic()
     text = log.read_text(errors="replace")
     assert t_fault is not None, text[-4000:]
-    return Ended(code=code, log=text, seconds_after_fault=ended - t_fault, mark=mark)
+    return Ended(code=code, log=text, seconds_after_fault=ended - t_fault, mark=mark, pid=proc.pid)
 
 
 def after_step(n: int) -> Callable[[str], bool]:
