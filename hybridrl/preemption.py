@@ -110,6 +110,10 @@ def watch_launcher() -> threading.Thread | None:
     engines down (at most :data:`SHUTDOWN_S`) and exits :data:`EXIT_CODE_ORPHANED`. One per process; None when not
     under torchrun (a run started by hand outlives its shell, as ``nohup`` promises).
 
+    Upstream behaviour it covers: torch's ``SubprocessHandler`` (``torch/distributed/elastic/multiprocessing/
+    subprocess_handler``) starts each worker in a session of its own with no death signal, so a SIGKILLed torchrun
+    leaves its workers running (``tests/faults/test_killed_launcher.py`` checks that this is still so).
+
     A thread rather than ``prctl(PR_SET_PDEATHSIG)``: the death signal fires when the *thread* that started the
     process ends, not the process (a launcher that spawns from a worker thread would kill its ranks at random), and
     SIGKILL would skip the engines' shutdown and the line saying why. The poll needs the main thread to let go of

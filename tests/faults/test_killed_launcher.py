@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults.runs import MARK, after_step, run_with_fault, train_args
+from faults.runs import MARK, after_step, free_port, run_with_fault, train_args
 from rollout.process_marks import marked
 
 from hybridrl.models.tiny import make_tiny_model
@@ -38,6 +38,33 @@ import subprocess, sys, time
 subprocess.Popen([sys.executable, "-c", {RANK!r}])
 time.sleep(60)
 """
+
+
+def test_torchrun_alone_leaves_its_workers_running_when_it_is_killed(tmp_path: Path) -> None:
+    """Why ``watch_launcher`` exists (upstream: torch's ``SubprocessHandler`` starts each worker in a session of its
+    own, with no death signal): a plain script's worker outlives a SIGKILLed torchrun. When this fails, torch ends
+    its workers itself and the watch can go. ~10 s (a torchrun start)."""
+    import psutil
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    log = tmp_path / "out.log"
+    with log.open("wb") as f:
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+                                     "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(worker)],
+                                    stdout=f, stderr=f)
+    deadline = time.monotonic() + 60
+    while "up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = psutil.Process(launcher.pid).children()
+    launcher.kill()
+    launcher.wait()
+    try:
+        time.sleep(3)
+        assert workers and all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    finally:
+        for w in workers:
+            w.kill()
 
 
 @pytest.mark.parametrize("torchrun", [True, False], ids=["under-torchrun", "by-hand"])
