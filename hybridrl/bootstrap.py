@@ -29,6 +29,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridrl.config.errors import UserError
 from hybridrl.paths import cache_dir, in_cache, recipes_dir
 from hybridrl.tracking import say
 
@@ -62,6 +64,10 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft")
 MODEL_KINDS = ("tiny", "tiny_bpe", "tiny_moe", "sft:<recipe>")
 _RANDOM_MODELS = ("tiny", "tiny_bpe", "tiny_moe")
+
+
+class WarmStartError(UserError):
+    """A start model's SFT build ended without a model (e.g. its ``trainer.target_accuracy`` not reached)."""
 
 
 def kind_problem(kind: str | None, *, model: bool) -> str | None:
@@ -241,7 +247,7 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
                 make_tiny_model(tmp, **spec)  # type: ignore[arg-type]
             tmp.rename(out)
     elif kind.startswith("sft:"):
-        recipe = kind.removeprefix("sft:")
+        recipe, key_name = kind.removeprefix("sft:"), key
         key = _sft_build_key(recipe)
 
         def build() -> None:
@@ -252,7 +258,10 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
             say(f"start model {out}: {why}; building it with the SFT recipe '{recipe}' ({' '.join(cmd[1:])}); "
                 f"this runs once and is cached")
             env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
-            subprocess.run(cmd, check=True, env=env)
+            if (code := subprocess.run(cmd, check=False, env=env).returncode) != 0:
+                raise WarmStartError(f"{key_name}.build_if_missing=sft:{recipe}: building {out} failed (`python "
+                                     f"launch/sft.py recipe={recipe}` exited {code}; its last line above says why); "
+                                     "nothing was cached, the next run tries again")
             (tmp / BUILD_INFO).write_text(json.dumps({"recipe": recipe, "key": key}) + "\n")
             if out.exists():  # stale: swap the new one in, then drop the old one
                 old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -269,14 +278,24 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
 
 def _sft_build_key(recipe: str) -> str:
     """Hash of what an SFT-built start model depends on: the recipe file and the tiny settings here."""
-    path = recipes_dir() / "recipe" / f"{recipe}.yaml"
-    text = path.read_text() if path.exists() else recipe
+    text = _recipe_text(recipe)
     # the settings of the builds the recipe names (so a change to one task does not rebuild the other's models)
     extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE),
                                                             ("tiny_moe", TINY_MOE_MODEL)) if kind in text)
     if "arithmetic_tool_sft" in text:  # the transcripts' layout is part of the warm start
         extra += "\n" + inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic"))
     return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}{extra}".encode()).hexdigest()[:16]
+
+
+def _recipe_text(recipe: str) -> str:
+    """The recipe file's text and, recursively, that of the recipes its ``defaults`` list names (a change to
+    ``sft_tiny`` is a change to ``sft_tiny_early``, which starts from it)."""
+    path = recipes_dir() / "recipe" / f"{recipe}.yaml"
+    if not path.exists():
+        return recipe
+    text = path.read_text()
+    parents = re.findall(r"^\s*-\s*([\w.]+)\s*$", text.split("defaults:", 1)[1], re.M) if "defaults:" in text else []
+    return text + "".join(f"\n{_recipe_text(p)}" for p in parents if p not in ("_self_", recipe))
 
 
 def _stale_build(out: Path, key: str) -> bool:

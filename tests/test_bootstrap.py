@@ -23,6 +23,20 @@ def test_build_key_follows_the_recipe_text(tmp_path: Path, monkeypatch: pytest.M
     assert _sft_build_key("my_sft") != first
 
 
+def test_build_key_follows_the_recipes_it_starts_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sft_tiny_early is ``defaults: [sft_tiny, _self_]`` plus a target: a change to sft_tiny changes it too (its
+    cached student was kept when only the parent recipe changed)."""
+    (tmp_path / "recipe").mkdir()
+    parent = tmp_path / "recipe" / "base_sft.yaml"
+    parent.write_text("trainer:\n  target_accuracy: 0.45\n")
+    (tmp_path / "recipe" / "early.yaml").write_text("defaults:\n  - base_sft\n  - _self_\ntrainer:\n"
+                                                    "  target_accuracy: 0.2\n")
+    monkeypatch.setattr(bootstrap, "recipes_dir", lambda: tmp_path)
+    first = _sft_build_key("early")
+    parent.write_text("trainer:\n  target_accuracy: 0.45\n  test_freq: 50\n")
+    assert _sft_build_key("early") != first
+
+
 def test_build_key_ignores_the_settings_of_builds_the_recipe_does_not_name(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Adding the GSM8K task's settings to every key rebuilt grpo_tiny's cached arithmetic start model."""

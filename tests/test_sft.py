@@ -23,7 +23,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out, saved = tmp / "out", tmp / "saved"
     cmd = [sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_tiny", f"model.path={tmp / 'random'}",
            f"data.train_files=[{tmp / 'train.parquet'}]", f"data.val_files=[{tmp / 'test.parquet'}]",
-           "trainer.total_training_steps=40", "optim.lr_warmup_steps=2", "data.train_batch_size=32",
+           "trainer.total_training_steps=40", "trainer.target_accuracy=null", "optim.lr_warmup_steps=2", "data.train_batch_size=32",
            "data.micro_batch_size_per_gpu=16", "trainer.test_freq=20", f"trainer.output_dir={out}",
            f"trainer.save_path={saved}"]
     # the recipe builds its random model and data when missing (build_if_missing): only inside the cache

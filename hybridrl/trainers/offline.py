@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hybridrl.config.errors import UserError
 from hybridrl.config.sft_schema import SFTTrainerConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.data.loader import PromptLoader
@@ -52,8 +53,9 @@ class OfflineConfig(Protocol):
     trainer: SFTTrainerConfig
 
 
-class TargetNotReached(RuntimeError):
-    """An offline run hit ``trainer.total_training_steps`` below ``trainer.target_accuracy`` (nothing was saved)."""
+class TargetNotReached(UserError):
+    """An offline run hit ``trainer.total_training_steps`` below ``trainer.target_accuracy`` (nothing was saved): said
+    in one line, as a config mistake is, since what would help is a setting."""
 
 
 class OfflineJob(Protocol):
