@@ -485,7 +485,7 @@ def _batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[Config
         positive(f"{key}.ppo_mini_batch_size", mini)
         positive(f"{key}.ppo_micro_batch_size_per_gpu", micro)
         positive(f"{key}.ppo_epochs", epochs)
-        if min(mini, micro, d.train_batch_size) < 1:
+        if min(mini, micro, d.train_batch_size, aor.rollout.n) < 1:  # said above; no arithmetic on a stand-in value
             continue
         lay = roles[role]
         if d.train_batch_size % mini:
