@@ -23,7 +23,8 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out, saved = tmp / "out", tmp / "saved"
     cmd = [sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_tiny", f"model.path={tmp / 'random'}",
            f"data.train_files=[{tmp / 'train.parquet'}]", f"data.val_files=[{tmp / 'test.parquet'}]",
-           "trainer.total_training_steps=40", "trainer.target_accuracy=null", "optim.lr_warmup_steps=2", "data.train_batch_size=32",
+           "trainer.total_training_steps=40", "trainer.target_accuracy=null", "optim.lr_warmup_steps=2",
+           "data.train_batch_size=32",
            "data.micro_batch_size_per_gpu=16", "trainer.test_freq=20", f"trainer.output_dir={out}",
            f"trainer.save_path={saved}"]
     # the recipe builds its random model and data when missing (build_if_missing): only inside the cache
@@ -123,7 +124,8 @@ def test_target_accuracy_stops_the_run_once_greedy_decoding_reproduces_the_targe
 
 
 def test_a_target_not_reached_within_the_cap_fails_and_saves_nothing(tmp_path: Path) -> None:
-    proc = _memorize(tmp_path, "trainer.total_training_steps=10", "optim.lr_warmup_steps=2", "trainer.target_accuracy=1.0")
+    proc = _memorize(tmp_path, "trainer.total_training_steps=10", "optim.lr_warmup_steps=2",
+                     "trainer.target_accuracy=1.0")
     assert proc.returncode != 0
     assert re.search(r"val/greedy_accuracy was at most 0\.\d{3} in trainer\.total_training_steps=10 steps, below "
                      r"trainer\.target_accuracy=1; nothing was saved to", proc.stderr), proc.stderr[-3000:]

@@ -60,6 +60,10 @@ def _fused_kernels_everywhere(setting: bool | None, device: torch.device) -> boo
     return False
 
 
+PerToken = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
+"""``(last stage's output, target_N, select_N)`` → per-token values ``[N]`` (log-prob and entropy; a greedy match)."""
+
+
 class LossFn(Protocol):
     """A micro-batch's loss divided by ``normalizer`` (the mini-batch's, over all DP ranks), and metrics."""
 
@@ -118,9 +122,7 @@ class MegatronPolicy(MegatronRunner):
             logits_Nv if select_N is None else logits_Nv[select_N], target_N, vocab_size=self.arch.vocab_size,
             temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)
 
-    def _response_tokens(self, output: torch.Tensor, mb: _Micro,
-                         per_token: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, ...]]
-                         ) -> list[torch.Tensor]:
+    def _response_tokens(self, output: torch.Tensor, mb: _Micro, per_token: PerToken) -> list[torch.Tensor]:
         """``per_token(output, target_N, select_N)``'s values (``[N]`` each) at every response token, ``[B, T]`` each:
         the target of a position is the next token of its row (gathered over CP when CP > 1)."""
         # s: this CP rank's positions (all S when CP = 1)

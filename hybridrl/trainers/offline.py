@@ -109,7 +109,8 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
         raise TargetNotReached(
             f"{job.name} ({t.experiment_name}): {job.target_metric} was at most {max(best, 0.0):.3f} in "
             f"trainer.total_training_steps={t.total_training_steps} steps, below trainer.target_accuracy={target:g}; "
-            f"nothing was saved to {t.save_path}. Raise the step cap or the learning rate (optim.lr), or lower the target")
+            f"nothing was saved to {t.save_path}. Raise the step cap or the learning rate (optim.lr), or lower the "
+            "target")
     say(f"{job.name}: saving the HF checkpoint to {t.save_path}")
     save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
                        key="trainer.save_path", overwrite=t.overwrite_save_path,

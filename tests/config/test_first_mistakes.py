@@ -181,10 +181,11 @@ def test_a_prompt_too_long_at_run_time_ends_the_run_with_its_line(tmp_path: Path
 
 
 def test_a_refused_sample_count_is_not_used_in_the_same_report(base: list[str], tmp_path: Path) -> None:
-    """``rollout.n=0`` is refused, and no follow-on line does batch arithmetic with a stand-in n=1 (it said "32 prompts ×
-    rollout.n=1 = 32 samples must split into micro-batches of 64")."""
+    """``rollout.n=0`` is refused, and no follow-on line does batch arithmetic with a stand-in n=1 (it said "32
+    prompts × rollout.n=1 = 32 samples must split into micro-batches of 64")."""
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "ground_truth": "2"}) + "\n")
-    found = problems(base, f"data.train_files=[{data}]", f"{AOR}.rollout.n=0", f"{AOR}.actor.ppo_micro_batch_size_per_gpu=8")
+    found = problems(base, f"data.train_files=[{data}]", f"{AOR}.rollout.n=0",
+                     f"{AOR}.actor.ppo_micro_batch_size_per_gpu=8")
     assert f"{AOR}.rollout.n=0: must be ≥ 1" in found
     assert not any("rollout.n=1" in line for line in found), found
