@@ -8,12 +8,16 @@ episode.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.tools.calls import FORMATS
 
 KEY = "actor_rollout_ref.rollout.multi_turn"
+# what picks a tool or an environment: refused while enable is false (the plugin would never run: an agent
+# environment's every reward 0); the turn limits, timeouts and format are harmless then (a multi-turn recipe run with
+# enable=false keeps them)
+PLUGIN_CHOICES = ("tools", "tool_kwargs", "environment", "environment_kwargs")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,8 +43,8 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
                     environments: Callable[[str], type]) -> list[tuple[str, object, str]]:
     """``(key, value, message)`` for every problem of ``multi_turn``. ``load_tool(name)`` / ``environments(name)``
     return the plugin class or raise naming the installed ones; ``check_kwargs(group, name, kwargs, key)`` raises
-    when a plugin's kwargs do not fit its Config. While ``enable`` is false any other setting off its default is a
-    problem (nothing would use it), and the plugins are not loaded."""
+    when a plugin's kwargs do not fit its Config. While ``enable`` is false a tool or environment chosen is a problem
+    (nothing would run it), and the plugins are not loaded."""
     out: list[tuple[str, object, str]] = []
     if m.max_assistant_turns < 1:
         out.append((f"{KEY}.max_assistant_turns", m.max_assistant_turns, "must be ≥ 1"))
@@ -53,10 +57,10 @@ def config_problems(m: MultiTurnConfig, *, load_tool: Callable[[str], type],
         out.append((f"{KEY}.format", m.format, f"valid: {', '.join(FORMATS)}"))
     if extra := sorted(set(m.tool_kwargs) - set(m.tools)):  # an installed tool's are dropped when it is not listed
         out.append((f"{KEY}.tool_kwargs", extra, f"names tools that are not in {KEY}.tools={m.tools}"))
-    if not m.enable:
+    if not m.enable:  # a plugin chosen for a rollout that is off; its limits and format may stay as a recipe set them
         default = MultiTurnConfig()
-        unused = [f"{KEY}.{f.name}={getattr(m, f.name)!r}" for f in fields(m)
-                  if f.name != "enable" and getattr(m, f.name) != getattr(default, f.name)]
+        unused = [f"{KEY}.{name}={getattr(m, name)!r}" for name in PLUGIN_CHOICES
+                  if getattr(m, name) != getattr(default, name)]
         if unused:
             one = len(unused) == 1
             out.append((f"{KEY}.enable", False, f"but {', '.join(unused)} {'is a setting' if one else 'are settings'} "

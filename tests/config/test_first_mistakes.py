@@ -110,6 +110,9 @@ def test_multi_turn_settings_with_multi_turn_off_are_refused_naming_both_keys(ba
     [one] = problems(base, f"data.train_files=[{data}]", f"{MT}.tools=[calculator]")
     assert one.startswith(f"{MT}.enable=False: but {MT}.tools=['calculator'] is a setting of the multi-turn")
     assert problems(base, f"data.train_files=[{data}]", f"{MT}.enable=true", f"{MT}.tools=[calculator]") == []
+    # a multi-turn recipe's limits, timeouts and format are harmless with it off: only a chosen plugin is refused
+    assert problems(base, f"data.train_files=[{data}]", f"{MT}.max_assistant_turns=3", f"{MT}.tool_timeout_s=5",
+                    f"{MT}.format=hermes") == []
 
 
 def test_swapping_a_plugin_by_its_key_leaves_the_recipes_kwargs_with_their_plugin() -> None:
