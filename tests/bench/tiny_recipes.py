@@ -4,7 +4,7 @@
                                        [--steps N] [--shared-cache] [--out bench_tiny]
 
 For every recipe × ``trainer.seed`` × ``OMP_NUM_THREADS``: ``torchrun --nproc-per-node 1 launch/train.py recipe=R
-trainer.seed=S`` (the jsonl logger added) in a fresh ``HYBRIDRL_CACHE_DIR`` — so the run first builds its data, its
+trainer.seed=S`` (the jsonl logger added to the console) in a fresh ``HYBRIDRL_CACHE_DIR`` — so the run first builds its data, its
 random model and its SFT warm start(s) (which stop on their held-out greedy accuracy, ``trainer.target_accuracy``),
 as a newcomer's first run does; ``--shared-cache`` reuses one cache for all runs of a thread count instead. Prints a
 markdown row per run: ``eval/accuracy`` (greedy, held out) at step 0 and at the end and its gain, minutes to the
@@ -32,7 +32,7 @@ from launch_run import REPO, free_port
 def run(recipe: str, *, seed: int, threads: int, cache: Path, out: Path, steps: int | None) -> dict[str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(REPO / "launch" / "train.py"), f"recipe={recipe}",
-           f"trainer.seed={seed}", "trainer.logger=[jsonl]", f"trainer.output_dir={out}"]
+           f"trainer.seed={seed}", "trainer.logger=[console,jsonl]", f"trainer.output_dir={out}"]
     cmd += [f"trainer.total_training_steps={steps}"] if steps else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HYBRIDRL_CACHE_DIR": str(cache)}
     t0, first_step, configured, tail = time.monotonic(), None, False, []
