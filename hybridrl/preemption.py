@@ -128,7 +128,8 @@ def watch_launcher() -> threading.Thread | None:
 
 
 def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent and parent != 1:
+    # a parent of pid 1 is watched like any other: torchrun may be a container's first process
+    while os.getppid() == parent:
         time.sleep(LAUNCHER_POLL_S)
     try:  # the launcher may have held the only reader of our output
         os.write(2, f"[hybridrl] rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}, torchrun's agent) "
