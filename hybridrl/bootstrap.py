@@ -23,6 +23,7 @@ other ranks wait for the result. Every build writes to a temporary path and rena
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import importlib
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -258,7 +260,7 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
             say(f"start model {out}: {why}; building it with the SFT recipe '{recipe}' ({' '.join(cmd[1:])}); "
                 f"this runs once and is cached")
             env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
-            if (code := subprocess.run(cmd, check=False, env=env).returncode) != 0:
+            if (code := subprocess.run(cmd, check=False, env=env, preexec_fn=_die_with_parent).returncode) != 0:
                 raise WarmStartError(f"{key_name}.build_if_missing=sft:{recipe}: building {out} failed (`python "
                                      f"launch/sft.py recipe={recipe}` exited {code}; its last line above says why); "
                                      "nothing was cached, the next run tries again")
@@ -274,6 +276,12 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
         _once([out], build, lambda: not out.exists() or _stale_build(out, key))
         return
     _once([out], build)
+
+
+def _die_with_parent() -> None:
+    """In the warm start's SFT process: a SIGTERM when the run that started it dies (Linux ``PR_SET_PDEATHSIG``), so a
+    killed launcher's rank, which exits, does not leave a build running (the build's files are temporary ones)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG; set by the thread that runs subprocess.run
 
 
 def _sft_build_key(recipe: str) -> str:

@@ -82,6 +82,9 @@ def run_rl_cli(argv: list[str]) -> int:
 
 @one_line_on_user_error
 def run_rl(cfg: RLConfig) -> dict[str, float]:
+    from hybridrl import preemption
+
+    preemption.watch_launcher()  # from the start: a warm start's build is minutes of work a dead launcher must end too
     world, per_node = world_from_env()
     validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
     ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
@@ -90,8 +93,6 @@ def run_rl(cfg: RLConfig) -> dict[str, float]:
         ensure_model(teacher.build_if_missing, teacher.path, key="actor_rollout_ref.teacher.model")
     plan = validate(cfg, world_size=world, ranks_per_node=per_node)
     say("config OK\n" + plan.render())
-    from hybridrl import preemption
-
     preempt = preemption.install(cfg.trainer.preempt_grace_s)  # a SIGTERM from now on: stop after the step, saved
     try:
         return _run_rl(cfg, plan)
@@ -138,6 +139,9 @@ def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: 
     start model, check again, then train with ``module.fit`` (Megatron imported only once the config passed)."""
     import importlib
 
+    from hybridrl import preemption
+
+    preemption.watch_launcher()  # under torchrun: a killed launcher ends the run (SFT/DPO have no SIGTERM handling)
     world, _ = world_from_env()
     check(cfg, world_size=world, before_bootstrap=True)
     ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)

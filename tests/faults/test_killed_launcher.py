@@ -145,3 +145,32 @@ def proc_mark(proc: subprocess.Popen[bytes]) -> str:
     import psutil
 
     return psutil.Process(proc.pid).environ()[MARK]
+
+
+@pytest.mark.distributed
+def test_kill_9_of_torchrun_during_the_warm_start_build_leaves_no_process(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run of a tiny recipe builds its SFT warm start in a child process before the RL run starts; kill -9 of
+    torchrun then must end the rank (watched from its start, not only once training starts) and the build (it dies
+    with the rank: PR_SET_PDEATHSIG), and nothing half-built is left in place. ~40 s: a torchrun start, the data and
+    random model, the SFT process to its first step."""
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path / "cache"))
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", str(Path(__file__).resolve().parents[2] / "launch" / "train.py"),
+            "recipe=grpo_tiny", f"trainer.output_dir={tmp_path / 'out'}"]
+    seen: dict[str, list[int]] = {}
+
+    def kill_launcher(proc: subprocess.Popen[bytes]) -> None:
+        seen["before"] = marked(MARK, proc_mark(proc))
+        os.kill(proc.pid, signal.SIGKILL)
+
+    ended = run_with_fault(args, when=after_step(1), fault=kill_launcher, log=tmp_path / "run.log")
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (left := marked(MARK, ended.mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = ended.log + (tmp_path / "run.log").read_text(errors="replace")
+    assert "building it with the SFT recipe 'sft_tiny'" in log, log[-3000:]
+    assert left == [], log[-4000:]
+    assert len(seen["before"]) >= 3  # torchrun, the rank, the SFT build
+    assert "[hybridrl] rank 0: the launcher" in (tmp_path / "run.log").read_text(errors="replace")
+    assert not (tmp_path / "cache" / "tiny" / "sft-qwen2").exists()  # only the build's temporary folder
