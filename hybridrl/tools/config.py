@@ -33,7 +33,8 @@ class MultiTurnConfig:
     # only when that environment is chosen (hybridrl/config/plugin_kwargs.py)
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_timeout_s: float = 10.0  # one tool call; past it the call is an error observation
-    environment_timeout_s: float = 60.0  # one environment open()/step(); past it the episode ends as failed
+    # one environment open() or step() (close() too, past which it is only warned of); past it the episode ends failed
+    environment_timeout_s: float = 60.0
     max_tool_response_length: int = 256  # tokens of a tool's output; longer is cut (and counted)
     format: str = "hermes"  # one of hybridrl.tools.calls.FORMATS
 
