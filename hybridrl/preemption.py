@@ -102,6 +102,8 @@ def install(grace_s: float) -> Preemption:
 
 
 _WATCHING: threading.Thread | None = None
+_WATCHED_PARENT: int | None = None
+_ORPHAN_EXIT = threading.Lock()  # the watcher and a failing main thread may both find the launcher gone: one exit
 
 
 def watch_launcher() -> threading.Thread | None:
@@ -117,32 +119,52 @@ def watch_launcher() -> threading.Thread | None:
     A thread rather than ``prctl(PR_SET_PDEATHSIG)``: the death signal fires when the *thread* that started the
     process ends, not the process (a launcher that spawns from a worker thread would kill its ranks at random), and
     SIGKILL would skip the engines' shutdown and the line saying why. The poll needs the main thread to let go of
-    the GIL now and then, which torch's ops and collectives do."""
-    global _WATCHING
+    the GIL now and then, which torch's ops and collectives do. A rank whose peer noticed first meets the peer's
+    exit as a failed collective before its own poll: :func:`exit_if_orphaned` turns that into the same exit."""
+    global _WATCHING, _WATCHED_PARENT
     if "TORCHELASTIC_RUN_ID" not in os.environ or (_WATCHING is not None and _WATCHING.is_alive()):
         return None
-    _WATCHING = threading.Thread(target=_watch_parent, args=(os.getppid(),), name="hybridrl-launcher-watch",
+    _WATCHED_PARENT = os.getppid()
+    _WATCHING = threading.Thread(target=_watch_parent, args=(_WATCHED_PARENT,), name="hybridrl-launcher-watch",
                                  daemon=True)
     _WATCHING.start()
     return _WATCHING
+
+
+def orphaned() -> bool:
+    """True when this rank watches its launcher and the launcher is gone (the rank was re-parented)."""
+    return _WATCHED_PARENT is not None and os.getppid() != _WATCHED_PARENT
+
+
+def exit_if_orphaned() -> None:
+    """For an exception that ends the run: when the launcher is gone, it is the cause (a collective fails once a
+    peer rank has left for the same reason), so exit as :func:`watch_launcher` does instead of a traceback."""
+    if orphaned():
+        assert _WATCHED_PARENT is not None
+        _exit_orphaned(_WATCHED_PARENT)
 
 
 def _watch_parent(parent: int) -> None:
     # a parent of pid 1 is watched like any other: torchrun may be a container's first process
     while os.getppid() == parent:
         time.sleep(LAUNCHER_POLL_S)
-    try:  # the launcher may have held the only reader of our output
-        os.write(2, f"[hybridrl] rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}, torchrun's agent) "
-                    f"is gone: shutting the engines down and exiting {EXIT_CODE_ORPHANED} without a checkpoint; "
-                    "resume=auto takes the last committed one\n".encode())
-    except OSError:
-        pass
-    from hybridrl.rollout import processes
+    _exit_orphaned(parent)
 
-    shutdown = threading.Thread(target=processes.shut_down_all_now, name="hybridrl-orphan-shutdown", daemon=True)
-    shutdown.start()
-    shutdown.join(SHUTDOWN_S)
-    os._exit(EXIT_CODE_ORPHANED)
+
+def _exit_orphaned(parent: int) -> None:
+    with _ORPHAN_EXIT:  # never released: the second caller waits for the first one's exit
+        try:  # the launcher may have held the only reader of our output
+            os.write(2, f"[hybridrl] rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}, torchrun's "
+                        f"agent) is gone: shutting the engines down and exiting {EXIT_CODE_ORPHANED} without a "
+                        "checkpoint; resume=auto takes the last committed one\n".encode())
+        except OSError:
+            pass
+        from hybridrl.rollout import processes
+
+        shutdown = threading.Thread(target=processes.shut_down_all_now, name="hybridrl-orphan-shutdown", daemon=True)
+        shutdown.start()
+        shutdown.join(SHUTDOWN_S)
+        os._exit(EXIT_CODE_ORPHANED)
 
 
 def current() -> Preemption | None:

@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 
 from omegaconf import DictConfig
 
+from hybridrl import preemption
 from hybridrl.bootstrap import ensure_data, ensure_model
 from hybridrl.config.compose import available_recipes, compose_config, to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
@@ -45,6 +46,9 @@ def one_line_on_user_error(run: Callable[..., R]) -> Callable[..., R]:
             if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
                 raise
             end_run(e)
+        except Exception:
+            preemption.exit_if_orphaned()  # a peer's exit seen first as a failed collective: say the real cause
+            raise
 
     return wrapper
 
@@ -82,8 +86,6 @@ def run_rl_cli(argv: list[str]) -> int:
 
 @one_line_on_user_error
 def run_rl(cfg: RLConfig) -> dict[str, float]:
-    from hybridrl import preemption
-
     preemption.watch_launcher()  # from the start: a warm start's build is minutes of work a dead launcher must end too
     world, per_node = world_from_env()
     validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
@@ -138,8 +140,6 @@ def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: 
     """SFT and DPO: check the config (all problems at once, before anything is built), build missing data and
     start model, check again, then train with ``module.fit`` (Megatron imported only once the config passed)."""
     import importlib
-
-    from hybridrl import preemption
 
     preemption.watch_launcher()  # under torchrun: a killed launcher ends the run (SFT/DPO have no SIGTERM handling)
     world, _ = world_from_env()

@@ -4,13 +4,13 @@
                                        [--steps N] [--shared-cache] [--out bench_tiny]
 
 For every recipe × ``trainer.seed`` × ``OMP_NUM_THREADS``: ``torchrun --nproc-per-node 1 launch/train.py recipe=R
-trainer.seed=S`` (the jsonl logger added to the console) in a fresh ``HYBRIDRL_CACHE_DIR`` — so the run first builds its data, its
-random model and its SFT warm start(s) (which stop on their held-out greedy accuracy, ``trainer.target_accuracy``),
-as a newcomer's first run does; ``--shared-cache`` reuses one cache for all runs of a thread count instead. Prints a
-markdown row per run: ``eval/accuracy`` (greedy, held out) at step 0 and at the end and its gain, minutes to the
-first RL step (warm-start builds included) and in all; for a distillation recipe also ``distill/reverse_kl`` (mean
-of the first and of the last 10 steps). Then each recipe's claim as what held on all of its runs: the lowest start,
-the lowest gain.
+trainer.seed=S`` (the jsonl logger added to the console) in a fresh ``HYBRIDRL_CACHE_DIR`` — so the run first builds
+its data, its random model and its SFT warm start(s) (which stop on their held-out greedy accuracy,
+``trainer.target_accuracy``), as a newcomer's first run does; ``--shared-cache`` reuses one cache for all runs of a
+thread count instead. Prints a markdown row per run: ``eval/accuracy`` (greedy, held out) at step 0 and at the end
+and its gain, minutes to the first RL step (warm-start builds included) and in all; for a distillation recipe also
+``distill/reverse_kl`` (mean of the first and of the last 10 steps). Then each recipe's claim as what held on all of
+its runs: the lowest start, the lowest gain.
 """
 
 from __future__ import annotations
