@@ -25,9 +25,11 @@ def _validate(args: argparse.Namespace) -> int:
 
     if not args.get:
         return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
-    from hybridrl.config.compose import compose_config, schema_keys
+    from hybridrl.config.compose import compose_config
+    from hybridrl.config.overrides import schema_keys
+    from hybridrl.config.schema import RLConfig
 
-    keys = list(schema_keys())
+    keys = list(schema_keys(RLConfig))
     for key in args.get:
         if key not in keys:
             close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)

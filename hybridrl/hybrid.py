@@ -1,25 +1,22 @@
-"""``ActorRolloutRef``: the actor, the reference model, the critic and the colocated rollout engines of a run.
+"""``ActorRolloutRef``: the Megatron roles of a run — actor, reference, critic and distillation teacher.
 
 Who does what (every rank runs this same code):
 - Megatron actor, ref, critic and distillation teacher span the whole world with the actor's TP/PP/(CP)/DP layout
   (the others share the actor's process groups; the teacher is its own checkpoint, frozen like the ref). With LoRA
   (``model.lora_rank`` > 0) the ref is the actor's own frozen base with its adapters off, and the weight sync sends
-  the merged W + (alpha/r)·B·A.
-- The rollout engines are placed as the plan says (:mod:`hybridrl.rollout.colocated`): one per
-  rollout-TP group of consecutive ranks; after ``generate`` every rank holds its DP rank's samples. With
-  ``rollout.placement=disaggregated`` they run on ranks of their own (:mod:`hybridrl.rollout.disaggregated`), and
-  the Megatron roles span the trainer ranks only.
-- Phases: an engine resumes its memory to generate and releases it before training; while it
-  generates, the actor's and the critic's params/grads/optimizer state and the ref's params wait in host
-  memory as the ``*_offload`` keys say (:mod:`hybridrl.megatron.offload`), each back on the device before it is used.
-- Weight sync: the actor's bucketed HF-named stream (TP-gathered, PP-broadcast, identical on every
-  rank) is copied into each engine's parameters in place, with the weight version it carries.
+  the merged W + (alpha/r)·B·A. With ``rollout.placement=disaggregated`` they span the trainer ranks only.
+- The rollout engines are not here: the rollout owns them (:mod:`hybridrl.rollout.workers`) and asks this class for
+  the two things it needs, room to generate and the weights:
+  - :meth:`ActorRolloutRef.offload_for_generation`: while the engines generate, the actor's and the critic's
+    params/grads/optimizer state and the ref's params wait in host memory as the ``*_offload`` keys say
+    (:mod:`hybridrl.megatron.offload`), each back on the device before it is used;
+  - :meth:`ActorRolloutRef.weights_for_engines`: the actor's bucketed HF-named stream (TP-gathered, PP-broadcast,
+    identical on every rank), checked finite first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,23 +26,18 @@ from hybridrl.algorithms.actor_objective import ActorObjective
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import ActorRolloutRefConfig, CriticConfig
-from hybridrl.data.collate import PromptBatch
 from hybridrl.guards import require_finite
-from hybridrl.interfaces import SamplingParams, WeightBucket
+from hybridrl.interfaces import WeightBucket
 from hybridrl.lora.config import LoRAConfig
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, reference_policy
-from hybridrl.rollout.colocated import ColocatedEngines, EngineRouting, build_engine_factory
-from hybridrl.rollout.disaggregated import RemoteEngines
 
 
 class ActorRolloutRef:
     def __init__(self, config: ActorRolloutRefConfig, *, plan: Plan, objective: ActorObjective,
-                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1,
-                 dist_timeout_s: float = 3600.0) -> None:
-        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head);
-        ``dist_timeout_s``: the disaggregated bridge's (``trainer.dist_timeout_s``)."""
+                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1) -> None:
+        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head)."""
         self.config, self.plan, self.objective = config, plan, objective
         a, model_dir = config.actor, config.model.path
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
@@ -76,33 +68,20 @@ class ActorRolloutRef:
             self.critic_offload = PolicyOffload(self.critic, params=cm.param_offload, grads=cm.grad_offload,
                                                 optimizer=cm.optimizer_offload)
         r = config.rollout
-        self.engines: EngineRouting
-        if plan.num_engine_ranks:  # the engines run on their own ranks (hybridrl.rollout.disaggregated)
-            self.engines = RemoteEngines(plan, pad_token_id=pad_token_id, timeout_s=dist_timeout_s)
-        else:
-            self.engines = ColocatedEngines(plan, pad_token_id=pad_token_id, build_engine=build_engine_factory(
-                r.name, r.engine_kwargs, model_path=model_dir, gpu_memory_utilization=r.gpu_memory_utilization))
         self.logprob_temperature = r.temperature if r.temperature > 0 else 1.0  # engines: T=0 is untempered
 
-    @property
-    def weight_version(self) -> int:
-        return self.engines.weight_version
-
-    # ---- generate phase ----
-    def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
-        """Samples of the whole batch ``prompts``; this rank gets its DP rank's share."""
-        with self.generating() as engines:
-            return engines.generate(prompts, params, seed=seed)
-
-    @contextmanager
-    def generating(self) -> Iterator[EngineRouting]:
-        """The generate phase: the trainers' state waits in host memory as the ``*_offload`` keys say, the engines
-        hold theirs (over all the calls inside: a multi-turn rollout's turns)."""
+    # ---- what the rollout needs of the trainer (hybridrl.rollout.workers.TrainerSide) ----
+    def offload_for_generation(self) -> None:
+        """The generate phase begins: the trainers' state waits in host memory as the ``*_offload`` keys say."""
         for offload in (self.actor_offload, self.ref_offload, self.teacher_offload, self.critic_offload):
             if offload is not None:
                 offload.offload()
-        with self.engines.awake():
-            yield self.engines
+
+    def weights_for_engines(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The actor's weights as HF-named buckets (collectives: every rank consumes the stream whole); never NaN."""
+        self.actor_offload.reload("params")
+        require_finite(self.actor.parameters(), what="the actor's weights")  # never ship NaN weights
+        return self.actor.export_weights(bucket_bytes=bucket_bytes)
 
     # ---- train phase ----
     def compute_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -185,27 +164,6 @@ class ActorRolloutRef:
         return _epochs(batch.to(critic.device), lambda mini: critic.train_step(
             mini, batching=b.update, cliprange=c.cliprange_value, loss_agg_mode=c.loss_agg_mode),
             epochs=b.ppo_epochs, mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=c.shuffle, seed=seed)
-
-    def sync_weights(self, *, version: int | None = None) -> float:
-        """Stream the actor's weights into the engines in place, as ``version`` (default: the next one);
-        return the MB streamed."""
-        self.actor_offload.reload("params")
-        require_finite(self.actor.parameters(), what="the actor's weights")  # never ship NaN weights
-        bucket_bytes = self.config.rollout.update_weights_bucket_megabytes << 20
-        sent = 0
-
-        def counted(stream: Iterable[WeightBucket]) -> Iterator[WeightBucket]:
-            nonlocal sent
-            for bucket in stream:
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                yield bucket
-
-        self.engines.update_weights(counted(self.actor.export_weights(bucket_bytes=bucket_bytes)),
-                                    version=self.weight_version + 1 if version is None else version)
-        return sent / 2**20
-
-    def shutdown(self) -> None:
-        self.engines.shutdown()
 
 
 def _epochs(batch: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]], *, epochs: int, mini_batch: int,

@@ -184,6 +184,9 @@ class Rollout(Protocol):
     def sync_weights(self, *, version: int | None = None) -> float:
         """Put the actor's current weights into the engines as ``version`` (default: the next one); the MB sent."""
 
+    def shutdown(self) -> None:
+        """Stop the engines (the rollout owns them) and whatever else it runs."""
+
 
 @runtime_checkable
 class ResumableRollout(Rollout, Protocol):
@@ -226,15 +229,17 @@ class RewardManager(Protocol):
 class AdvantageEstimator(Protocol):
     """Turns token-level rewards (and values) into advantages and returns. Built with no ctx.
 
-    Every estimator class declares both flags below (the registry rejects one that does not). Optional
-    ``needs_teacher: ClassVar[bool]`` (absent: False): it distills from ``actor_rollout_ref.teacher`` (validation
-    requires one) and is also called with ``logprobs_BT`` (the actor's log π_old of each sampled token) and
-    ``teacher_logprobs_BT`` (the teacher's), both ``[B, T]`` (``hybridrl/algorithms/advantages/opd.py``).
+    Every estimator class declares ``needs_group`` and ``needs_critic`` (the registry rejects one that does not);
+    ``needs_teacher`` has a default, False, which the registry gives a class that does not declare it. An estimator
+    that needs a teacher distills from ``actor_rollout_ref.teacher`` (validation requires one) and is also called
+    with ``logprobs_BT`` (the actor's log π_old of each sampled token) and ``teacher_logprobs_BT`` (the teacher's),
+    both ``[B, T]`` (``hybridrl/algorithms/advantages/opd.py``).
     """
 
     Config: ClassVar[type]
     needs_group: ClassVar[bool]  # compares samples of one prompt: requires rollout.n >= 2
     needs_critic: ClassVar[bool]  # consumes values: requires a critic (value model)
+    needs_teacher: ClassVar[bool] = False  # reads the teacher's log-probs: requires actor_rollout_ref.teacher
 
     def __call__(
         self,

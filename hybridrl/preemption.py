@@ -19,9 +19,9 @@ A killed launcher (``kill -9`` of torchrun, an OOM kill of its agent) ends the r
 torchrun each rank watches its parent, the agent, from :func:`install` on (:func:`watch_launcher`); once it is gone
 the rank says so, shuts its engines down and exits :data:`EXIT_CODE_ORPHANED` without a checkpoint (nothing of the
 launcher is left to restart, log or stop the ranks, and its store may be gone). Engine processes that outlive a
-shutdown are killed by their watcher (:mod:`hybridrl.rollout.reaper`) when the rank is gone.
+shutdown are killed by their watcher (:mod:`hybridrl.rollout.engines.reaper`) when the rank is gone.
 
-Colocated SGLang/vLLM engines keep running until the process exits (:mod:`hybridrl.rollout.processes` defers
+Colocated SGLang/vLLM engines keep running until the process exits (:mod:`hybridrl.rollout.engines.processes` defers
 their shutdown-on-SIGTERM to this module), so a generation in flight completes. Engine ranks of a disaggregated
 placement note the signal the same way and end when the trainer tells them to.
 """
@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hybridrl.tracking import say
@@ -80,13 +81,24 @@ class Preemption:
         say(f"{self.signal_name} {self.grace_s:g} s ago (trainer.preempt_grace_s) and still {self.where}: exiting "
             f"{EXIT_CODE_TOO_LATE} without a new checkpoint; resume=auto takes the last committed one. A step plus "
             "a save must fit in trainer.preempt_grace_s, and that below the scheduler's grace period")
-        from hybridrl.rollout import processes
-
-        processes.shut_down_all_now()
+        _run_hooks()
         os._exit(EXIT_CODE_TOO_LATE)
 
 
 _CURRENT: Preemption | None = None
+_BEFORE_HARD_EXIT: list[Callable[[], None]] = []
+
+
+def before_hard_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before this module ends the process with ``os._exit`` (no atexit hooks run then): the engines'
+    processes register their shutdown here, so that this module needs no engine module."""
+    if hook not in _BEFORE_HARD_EXIT:
+        _BEFORE_HARD_EXIT.append(hook)
+
+
+def _run_hooks() -> None:
+    for hook in list(_BEFORE_HARD_EXIT):
+        hook()
 
 
 def install(grace_s: float) -> Preemption:
@@ -159,9 +171,7 @@ def _exit_orphaned(parent: int) -> None:
                         "checkpoint; resume=auto takes the last committed one\n".encode())
         except OSError:
             pass
-        from hybridrl.rollout import processes
-
-        shutdown = threading.Thread(target=processes.shut_down_all_now, name="hybridrl-orphan-shutdown", daemon=True)
+        shutdown = threading.Thread(target=_run_hooks, name="hybridrl-orphan-shutdown", daemon=True)
         shutdown.start()
         shutdown.join(SHUTDOWN_S)
         os._exit(EXIT_CODE_ORPHANED)

@@ -49,7 +49,25 @@ PROTOCOLS: dict[str, type] = {
 
 
 def capability_flags(protocol: type) -> list[str]:
-    """The protocol's ``ClassVar[bool]`` attributes, which every plugin class of its group declares."""
+    """The protocol's ``ClassVar[bool]`` attributes without a default, which every plugin class of its group
+    declares."""
+    return [n for n in _bool_class_vars(protocol) if not hasattr(protocol, n)]
+
+
+def default_flags(protocol: type) -> dict[str, bool]:
+    """The protocol's ``ClassVar[bool]`` attributes with a default: a plugin class may leave them out."""
+    return {n: getattr(protocol, n) for n in _bool_class_vars(protocol) if hasattr(protocol, n)}
+
+
+def give_default_flags(cls: type, protocol: type) -> None:
+    """Set on ``cls`` each flag of :func:`default_flags` it does not declare (callers read every flag as a plain
+    class attribute)."""
+    for flag, default in default_flags(protocol).items():
+        if not hasattr(cls, flag):
+            setattr(cls, flag, default)
+
+
+def _bool_class_vars(protocol: type) -> list[str]:
     return [n for n, tp in typing.get_type_hints(protocol).items()
             if typing.get_origin(tp) is typing.ClassVar and typing.get_args(tp) == (bool,)]
 
@@ -178,8 +196,10 @@ class Registry:
 
     def _check_flags(self, entry: PluginEntry, cls: type) -> None:
         protocol = PROTOCOLS[self.group]
+        give_default_flags(cls, protocol)
         problems = [f"`{flag}` is missing" if not hasattr(cls, flag) else f"`{flag}` is {getattr(cls, flag)!r}"
-                    for flag in capability_flags(protocol) if not isinstance(getattr(cls, flag, None), bool)]
+                    for flag in [*capability_flags(protocol), *default_flags(protocol)]
+                    if not isinstance(getattr(cls, flag, None), bool)]
         if problems:
             raise PluginLoadError(
                 f"{self.group} plugin {entry.name!r} ({entry.value}) from {entry.distribution} {entry.version}: "

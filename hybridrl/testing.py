@@ -62,7 +62,15 @@ from hybridrl.interfaces import (
     SamplingParams,
     WeightBucket,
 )
-from hybridrl.registry import GROUPS, PROTOCOLS, PluginError, capability_flags, make_plugin_config
+from hybridrl.registry import (
+    GROUPS,
+    PROTOCOLS,
+    PluginError,
+    capability_flags,
+    default_flags,
+    give_default_flags,
+    make_plugin_config,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -126,7 +134,8 @@ def check_plugin_class(cls: type, group: str, *, config: Any = None) -> Any:
     positional = [f.name for f in dataclasses.fields(config_cls) if f.init and not f.kw_only]
     p.expect(not positional, "Config is kw-only",
              f"fields {positional} can be passed by position; declare @dataclass(kw_only=True)")
-    flags = capability_flags(PROTOCOLS[group])
+    give_default_flags(cls, PROTOCOLS[group])  # as the registry does when it loads the plugin
+    flags = [*capability_flags(PROTOCOLS[group]), *default_flags(PROTOCOLS[group])]
     bad = [f for f in flags if not isinstance(getattr(cls, f, None), bool)]
     p.expect(not bad, "capability flags", lambda: f"the {PROTOCOLS[group].__name__} protocol needs the class "
              f"attributes {flags}, each a bool; {', '.join(f'{f}={getattr(cls, f, None)!r}' for f in bad)}")

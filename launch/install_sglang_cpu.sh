@@ -6,7 +6,7 @@
 # SGLang's declared dependencies pull CUDA stacks (flashinfer, sglang-kernel, cuda-python, ...) and a
 # CUDA torch, so this installs `sglang --no-deps` plus, by hand and pinned, the pure-Python packages it
 # imports on the CPU engine path, `triton` (imported unconditionally) with --no-deps, and closes two
-# CPU gaps (see launch/sglang_cpu/ and hybridrl/rollout/sglang_compat.py):
+# CPU gaps (see launch/sglang_cpu/ and hybridrl/rollout/engines/sglang_compat.py):
 #   - torchvision from PyPI is a CUDA build: its C extension is removed and its fake-kernel
 #     registration guarded (launch/sglang_cpu/patch_torchvision.py);
 #   - there is no CPU build of sgl_kernel: a stand-in whose kernels raise when called is copied into

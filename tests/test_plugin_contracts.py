@@ -102,8 +102,8 @@ def test_rollout_engine(entry: PluginEntry, policy_model: Path, monkeypatch: pyt
     if (entry.name, entry.distribution) == ("sglang", "hybridrl"):
         if importlib.util.find_spec("sglang") is None:
             pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh`")
-        # the storage probe of tests/rollout: SGLang's scheduler (spawned now) imports it by name from sys.path
-        monkeypatch.syspath_prepend(str(Path(__file__).parent / "rollout"))
+        # the storage probe of tests/rollout/engines: SGLang's scheduler (spawned now) imports it by name from sys.path
+        monkeypatch.syspath_prepend(str(Path(__file__).parent / "rollout" / "engines"))
         probes = importlib.import_module("sglang_probes")
         kwargs = {"server_args": probes.SERVER_ARGS}
         # SGLang honours per-request seeds only with deterministic inference, which needs CUDA

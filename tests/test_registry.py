@@ -72,7 +72,9 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _pip_install(broken_src, broken)
     flagless_src = _write_dist(tmp / "flagless_src", "flagless-estimators", "flagless_estimators",
                                GROUPS["advantage_estimators"],
-                               {"nocritic": "flagless_estimators:NoCritic", "strflag": "flagless_estimators:StrFlag"},
+                               {"nocritic": "flagless_estimators:NoCritic", "strflag": "flagless_estimators:StrFlag",
+                                "noteacher": "flagless_estimators:NoTeacher",
+                                "strteacher": "flagless_estimators:StrTeacher"},
                                """
                                from dataclasses import dataclass
                                class NoCritic:
@@ -83,6 +85,10 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                class StrFlag(NoCritic):
                                    needs_group = "yes"
                                    needs_critic = False
+                               class NoTeacher(NoCritic):
+                                   needs_critic = False
+                               class StrTeacher(NoTeacher):
+                                   needs_teacher = "no"
                                """)
     flagless = tmp / "site_flagless"
     _pip_install(flagless_src, flagless)
@@ -196,6 +202,24 @@ def test_missing_capability_flag_names_plugin_distribution_attribute_and_protoco
     assert "plugin 'nocritic'" in lines[0] and "`needs_critic` is missing" in lines[0]
     assert "plugin 'strflag'" in lines[1] and "`needs_group` is 'yes'" in lines[1]
     assert lines[2] == "True"
+
+
+def test_a_flag_with_a_default_may_be_left_out_but_not_mistyped(sites: dict[str, Path]) -> None:
+    """``needs_teacher`` (default False in the protocol): an estimator written before it existed still loads, and
+    the loop reads the flag as a plain attribute; one that sets it to a non-bool is refused by name."""
+    r = _run("""
+        from hybridrl.registry import Registry, PluginError
+        reg = Registry("advantage_estimators")
+        print(reg.load("noteacher").needs_teacher, reg.load("opd").needs_teacher)
+        try:
+            reg.load("strteacher", key="algorithm.adv_estimator")
+        except PluginError as e:
+            print(e)
+        """, sites["flagless"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "False True"
+    assert "plugin 'strteacher'" in lines[1] and "`needs_teacher` is 'no'" in lines[1], lines[1]
 
 
 @pytest.mark.parametrize("group", GROUPS)

@@ -10,9 +10,7 @@ Hydra stops at the first unknown key or wrong type, so the overrides are checked
 from __future__ import annotations
 
 import difflib
-import typing
-from collections.abc import Iterator, Sequence
-from dataclasses import fields, is_dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
-from hybridrl.config.overrides import CheckedOverrides, apply_engine_settings, check_overrides
+from hybridrl.config.overrides import CheckedOverrides, apply_engine_settings, check_overrides, schema_keys
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.paths import cache_dir, recipes_dir
@@ -100,15 +98,6 @@ def hydra_error(e: Exception) -> ConfigError:
         append = []
     if append:  # a new key in a free-form block (plugin kwargs) is added with +key=value, as in verl
         msg += f" ({append[0].strip()})"
-    close = difflib.get_close_matches(key, list(schema_keys()), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, list(schema_keys(RLConfig)), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close and key not in close and not append else ""
     return ConfigError([ConfigIssue(key=key, value=getattr(inner, "value", None), message=msg + hint)])
-
-
-def schema_keys(node: type = RLConfig, prefix: str = "") -> Iterator[str]:
-    """Every dotted key of the schema (for suggestions and docs)."""
-    hints = typing.get_type_hints(node)
-    for f in fields(node):  # type: ignore[arg-type]
-        yield prefix + f.name
-        if is_dataclass(hints[f.name]):
-            yield from schema_keys(hints[f.name], f"{prefix}{f.name}.")

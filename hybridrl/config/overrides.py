@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -139,9 +139,16 @@ def key_problem(schema: type, key: str) -> str | None:
 RENAMED = {"trainer.loggers": "trainer.logger", "trainer.save_every": "trainer.save_freq"}  # hybridrl's old names
 
 
-def _unknown(schema: type, key: str) -> str:
-    from hybridrl.config.compose import schema_keys
+def schema_keys(node: type, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the schema (for suggestions and docs)."""
+    hints = typing.get_type_hints(node)
+    for f in fields(node):  # type: ignore[arg-type]
+        yield prefix + f.name
+        if is_dataclass(hints[f.name]):
+            yield from schema_keys(hints[f.name], f"{prefix}{f.name}.")
 
+
+def _unknown(schema: type, key: str) -> str:
     if key in RENAMED:
         return f"is now {RENAMED[key]} (verl's name)"
     keys = [k for k in schema_keys(schema) if not key.startswith(k + ".")]

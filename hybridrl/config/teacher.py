@@ -26,7 +26,7 @@ def estimator_needs_teacher(name: str) -> bool | None:
     from hybridrl.registry import PluginError, Registry
 
     try:
-        return bool(getattr(Registry("advantage_estimators").load(name), "needs_teacher", False))
+        return bool(Registry("advantage_estimators").load(name).needs_teacher)
     except PluginError:
         return None
 

@@ -43,7 +43,7 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.guards import RewardContractError, check_reward_scores
 from hybridrl.interfaces import RewardOutput, Scored
 from hybridrl.registry import PluginError, PluginLoadError, Registry
-from hybridrl.rewards.overlong import OverlongBufferConfig
+from hybridrl.rewards.overlong import OverlongBufferConfig, overlong_penalty_B
 from hybridrl.rewards.pool import PluginSpec, WorkerPool, start_timeout_s
 from hybridrl.rewards.scoring import Failure, Part, RewardError, RewardTimeoutError
 from hybridrl.rewards.thread import InThread
@@ -86,15 +86,17 @@ class Backend(Protocol):
 
 class RewardRunner:
     def __init__(self, backend: Backend, *, name: str, on_error: str, timeout_s: float | None,
-                 overlaps: bool) -> None:
+                 overlaps: bool, overlong: OverlongBufferConfig | None = None, max_response_length: int = 0) -> None:
         self.backend, self.on_error, self.timeout_s, self.overlaps = backend, on_error, timeout_s, overlaps
         self.name, self.what = name, f"reward.name={name!r}"
+        self.overlong, self.max_response_length = overlong or OverlongBufferConfig(), max_response_length
 
     @classmethod
     def build(cls, cfg: RewardConfig, *, tokenizer: PreTrainedTokenizerBase, tokenizer_path: str,
-              **ctx: Any) -> RewardRunner:
+              max_response_length: int = 0, **ctx: Any) -> RewardRunner:
         """The runner of ``reward.*``: the plugin built here (thread mode) or in each worker, with ctx ``tokenizer``
-        (a worker reloads it from ``tokenizer_path``) and ``ctx`` (pickled to the workers)."""
+        (a worker reloads it from ``tokenizer_path``) and ``ctx`` (pickled to the workers); ``max_response_length``
+        (``data.max_response_length``): where ``reward.overlong_buffer``'s penalty reaches its full size."""
         registry, what = Registry("reward_managers"), f"reward.name={cfg.name!r}"
         overlaps = overlaps_compute(registry.load(cfg.name, key="reward.name"), cfg.name)
         backend: Backend
@@ -104,7 +106,8 @@ class RewardRunner:
         else:
             manager = registry.build(cfg.name, cfg.kwargs, key="reward.kwargs", tokenizer=tokenizer, **ctx)
             backend = InThread(manager, timeout_s=cfg.timeout_s)
-        return cls(backend, name=cfg.name, on_error=cfg.on_error, timeout_s=cfg.timeout_s, overlaps=overlaps)
+        return cls(backend, name=cfg.name, on_error=cfg.on_error, timeout_s=cfg.timeout_s, overlaps=overlaps,
+                   overlong=cfg.overlong_buffer, max_response_length=max_response_length)
 
     def submit(self, batch: RolloutBatch) -> PendingReward:
         """Start scoring ``batch``; it runs on while the caller computes, if the reward allows it (else done here)."""
@@ -115,6 +118,14 @@ class RewardRunner:
 
     def score(self, batch: RolloutBatch) -> Scored:
         return self.submit(batch).result()
+
+    def training_scores(self, batch: RolloutBatch, pending: PendingReward) -> tuple[torch.Tensor, int]:
+        """A training step's ``[B]`` sequence scores: the reward's plus DAPO's overlong penalty
+        (``reward.overlong_buffer``, :mod:`hybridrl.rewards.overlong`; evaluation scores go without it); and how
+        many samples failed to score (0.0 each under ``reward.on_error=zero``)."""
+        scored = pending.result()
+        penalty_B = overlong_penalty_B(self.overlong, batch.response_mask, max_length=self.max_response_length)
+        return scored.output.scores_B + penalty_B.to(scored.output.scores_B.device), scored.errors
 
     @staticmethod
     def empty() -> Scored:

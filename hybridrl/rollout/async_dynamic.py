@@ -43,10 +43,10 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.interfaces import Generation, RolloutStep, Scored
 from hybridrl.rewards.execution import PendingReward
 from hybridrl.rollout.async_rollout import AsyncRollout, Queued, token_version_counts
-from hybridrl.rollout.dynamic_sampling import ROUND_SEED_STRIDE, GroupPool, gather_round, index_output, metric_values
+from hybridrl.rollout.dynamic_sampling import GroupPool, gather_round, index_output, metric_values
 from hybridrl.rollout.multi_turn import Episodes
 from hybridrl.rollout.partial import mask_stale_prefix
-from hybridrl.rollout.seeding import step_seed
+from hybridrl.seeds import ROUND_SEED_STRIDE, step_seed
 
 if TYPE_CHECKING:
     from hybridrl.config.plan import Plan

@@ -45,13 +45,12 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
 from hybridrl.rewards.execution import PendingReward, RewardRunner
-from hybridrl.rollout.colocated import prompt_seed
 from hybridrl.rollout.disaggregated import RemoteEngines
 from hybridrl.rollout.multi_turn import Episodes, raise_failures, with_episode_meta
 from hybridrl.rollout.partial import mask_stale_prefix
-from hybridrl.rollout.seeding import step_seed
 from hybridrl.rollout.single_turn import ColocatedWorkers
 from hybridrl.rollout.staleness import StalenessGate
+from hybridrl.seeds import prompt_seed, step_seed
 
 if TYPE_CHECKING:
     from hybridrl.metrics import Timer
@@ -77,11 +76,11 @@ class Queued:
 class AsyncRollout:
     """:class:`~hybridrl.interfaces.Rollout` whose batches are generated ahead, within the staleness bound."""
 
-    def __init__(self, hybrid: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
+    def __init__(self, workers: ColocatedWorkers, *, engines: RemoteEngines, prompts: Iterator[PromptBatch],
                  position: Callable[[], dict[str, int]], reward: RewardRunner, params: SamplingParams,
                  gate: StalenessGate, seed: int, mask_stale: bool = False,
                  episodes: EpisodeOptions | None = None) -> None:
-        self.hybrid, self.engines, self.prompts, self.reward, self.params = hybrid, engines, prompts, reward, params
+        self.workers, self.engines, self.prompts, self.reward, self.params = workers, engines, prompts, reward, params
         self.position, self.gate, self.seed, self.mask_stale = position, gate, seed, mask_stale
         self.episodes = episodes  # multi-turn: whole episodes are played on the engine ranks
         self.queued: deque[Queued] = deque()
@@ -90,7 +89,7 @@ class AsyncRollout:
 
     @property
     def weight_version(self) -> int:
-        return self.hybrid.weight_version
+        return self.workers.weight_version
 
     def step(self, *, seed: int, timer: Timer) -> RolloutStep:
         version = self.weight_version
@@ -193,13 +192,16 @@ class AsyncRollout:
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """Evaluation: queued behind the generations already submitted, on the weights of the latest update."""
         if self.episodes is None:
-            return self.hybrid.generate(prompts, params, seed=seed)
+            return self.workers.generate(prompts, params, seed=seed)
         made = self._collect(self._submit(prompts, params, seed=seed))
         assert isinstance(made, Episodes)
         return self._episode_batch(prompts, made)
 
     def sync_weights(self, *, version: int | None = None) -> float:
-        return self.hybrid.sync_weights(version=version)
+        return self.workers.sync_weights(version=version)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
 
 
 def token_version_counts(gens: Sequence[Generation]) -> tuple[int, int]:

@@ -16,26 +16,22 @@ below it are engines, rewards, tools and environments (their entry-point groups)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import Rollout, SamplingParams
-from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
 from hybridrl.rollout.dynamic_sampling import DynamicSamplingRollout
-from hybridrl.rollout.episodes import EpisodeActors
+from hybridrl.rollout.episodes import episode_actors
 from hybridrl.rollout.multi_turn import MultiTurnRollout
 from hybridrl.rollout.single_turn import SingleTurnRollout
-from hybridrl.rollout.turns import TurnRenderer
-from hybridrl.tools.config import KEY
-from hybridrl.tools.runner import ToolRunner, tokenizer_cut
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hybridrl.config.plan import Plan
-    from hybridrl.hybrid import ActorRolloutRef
+    from hybridrl.rollout.workers import EngineWorkers
 
 
 def sampling_params(cfg: RLConfig) -> SamplingParams:
@@ -46,10 +42,11 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
                           return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
 
 
-def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts: Iterator[PromptBatch],
+def build_rollout(cfg: RLConfig, plan: Plan, *, workers: EngineWorkers, prompts: Iterator[PromptBatch],
                   position: Callable[[], dict[str, int]], reward: RewardRunner,
                   tokenizer: PreTrainedTokenizerBase) -> Rollout:
-    """``prompts``: the stream of training batches; ``position()``: where that stream stands (a resumable
+    """``workers``: the run's engines, which the rollout owns from now on; ``prompts``: the stream of training
+    batches; ``position()``: where that stream stands (a resumable
     position, saved by rollouts that draw ahead of the trainer)."""
     rollout: Rollout
     if cfg.async_training.enable:  # validation allows it disaggregated only
@@ -57,7 +54,7 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
         from hybridrl.rollout.disaggregated import RemoteEngines
         from hybridrl.rollout.staleness import StalenessGate
 
-        assert isinstance(hybrid.engines, RemoteEngines)
+        assert isinstance(workers.engines, RemoteEngines)
         gate = StalenessGate(max_staleness=cfg.async_training.staleness_threshold,
                              groups_per_step=plan.batch.prompts_per_step)
         m = cfg.actor_rollout_ref.rollout.multi_turn
@@ -68,43 +65,17 @@ def build_rollout(cfg: RLConfig, plan: Plan, *, hybrid: ActorRolloutRef, prompts
             from hybridrl.rollout.async_dynamic import AsyncDynamicSamplingRollout
 
             kind, extra = AsyncDynamicSamplingRollout, {"cfg": cfg, "plan": plan}
-        return kind(hybrid, engines=hybrid.engines, prompts=prompts, position=position, reward=reward,
+        return kind(workers, engines=workers.engines, prompts=prompts, position=position, reward=reward,
                     params=sampling_params(cfg), gate=gate, seed=cfg.trainer.seed,
                     mask_stale=cfg.async_training.mask_stale_prefix,
                     episodes=EpisodeOptions(on_error=cfg.reward.on_error, environment=m.environment)
                     if m.enable else None, **extra)
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        rollout = MultiTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg),
+        rollout = MultiTurnRollout(workers, prompts=prompts, reward=reward, params=sampling_params(cfg),
                                    actors=episode_actors(cfg, tokenizer), on_error=cfg.reward.on_error,
                                    environment=cfg.actor_rollout_ref.rollout.multi_turn.environment)
     else:
-        rollout = SingleTurnRollout(hybrid, prompts=prompts, reward=reward, params=sampling_params(cfg))
+        rollout = SingleTurnRollout(workers, prompts=prompts, reward=reward, params=sampling_params(cfg))
     if cfg.algorithm.filter_groups.enable:
         rollout = DynamicSamplingRollout(rollout, cfg=cfg, plan=plan)
     return rollout
-
-
-def tool_schemas(cfg: RLConfig) -> list[dict[str, Any]]:
-    """The schemas of ``multi_turn.tools`` (the chat template renders them into the prompt), [] when off."""
-    return [t.schema for t in build_tools(cfg)] if cfg.actor_rollout_ref.rollout.multi_turn.enable else []
-
-
-def build_tools(cfg: RLConfig) -> list[Any]:
-    """``multi_turn.tools``, built with their ``tool_kwargs`` (a tool may make its schema from its config)."""
-    m = cfg.actor_rollout_ref.rollout.multi_turn
-    tools = Registry("tools")
-    return [tools.build(name, m.tool_kwargs.get(name), key=f"{KEY}.tool_kwargs.{name}") for name in m.tools]
-
-
-def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> EpisodeActors:
-    """The multi-turn rollout's tools, environment and turn renderer; refuses a template that is not token-exact."""
-    m = cfg.actor_rollout_ref.rollout.multi_turn
-    built = build_tools(cfg)
-    renderer = TurnRenderer(tokenizer, tools=[t.schema for t in built])
-    renderer.check()
-    runner = ToolRunner({t.schema["function"]["name"]: t for t in built}, timeout_s=m.tool_timeout_s,
-                        max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer))
-    env = None if m.environment is None else Registry("environments").build(
-        m.environment, m.environment_kwargs, key=f"{KEY}.environment_kwargs")
-    return EpisodeActors(renderer, runner, format=m.format, environment=env,
-                         environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns)

@@ -28,6 +28,7 @@ from hybridrl.data.collate import PromptBatch
 from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.rollout.batching import rollout_batch_from_generations
+from hybridrl.seeds import prompt_seed
 
 # builds this rank's engine: (device, tp_size) -> engine
 EngineFactory = Callable[..., RolloutEngine]
@@ -160,10 +161,3 @@ def _cut(g: Generation, cap: int) -> Generation:
         return g
     return dataclasses.replace(g, token_ids=g.token_ids[:cap], logprobs=g.logprobs[:cap], finish_reason="length",
                                loss_mask=None if g.loss_mask is None else g.loss_mask[:cap])
-
-
-def prompt_seed(seed: int, position: int) -> int:
-    """The seed of the prompt at ``position`` of a batch sampled with ``seed`` (63-bit, well mixed)."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % 2**64
-    x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) % 2**64
-    return (x ^ (x >> 29)) >> 1

@@ -258,7 +258,7 @@ def _episode_actors(cfg: RLConfig) -> Any:
     """The multi-turn rollout's tools, environment and turn renderer on an engine rank (as a trainer builds them)."""
     from transformers import AutoTokenizer
 
-    from hybridrl.rollout.build import episode_actors
+    from hybridrl.rollout.episodes import episode_actors
 
     model = cfg.actor_rollout_ref.model
     return episode_actors(cfg, AutoTokenizer.from_pretrained(model.tokenizer_path or model.path))

@@ -43,14 +43,12 @@ from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import RewardOutput, Rollout, RolloutStep, SamplingParams, Scored
 from hybridrl.rewards.execution import PendingReward
 from hybridrl.rewards.overlong import overlong_penalty_B
+from hybridrl.seeds import ROUND_SEED_STRIDE
 from hybridrl.tracking import say
 
 if TYPE_CHECKING:
     from hybridrl.config.plan import Plan
     from hybridrl.metrics import Timer
-
-ROUND_SEED_STRIDE = 2**32  # round r samples with seed + r·stride (steps differ by 1 in the seed)
-
 
 class GroupPool:
     """One step's groups of ``n`` consecutive samples in generation order: the first ``want`` with signal and,
@@ -125,6 +123,9 @@ class DynamicSamplingRollout:
 
     def sync_weights(self, *, version: int | None = None) -> float:
         return self.inner.sync_weights(version=version)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
     def step(self, *, seed: int, timer: Timer) -> RolloutStep:
         """Rounds of generation and scoring until the step is full; this rank's DP share of the step's groups,

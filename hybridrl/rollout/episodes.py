@@ -18,16 +18,22 @@ from __future__ import annotations
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridrl.batch import SampleMeta
 from hybridrl.interfaces import Environment, EnvStep, Episode
+from hybridrl.registry import Registry
 from hybridrl.rollout.turns import Message, TurnRenderer
 from hybridrl.tools.bounded import Bounded, StuckCallsError
 from hybridrl.tools.calls import parse_calls
 from hybridrl.tools.config import KEY
-from hybridrl.tools.runner import ToolRunner
+from hybridrl.tools.runner import ToolRunner, tokenizer_cut
 from hybridrl.tracking import say
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hybridrl.config.schema import RLConfig
 
 
 @dataclass(slots=True, kw_only=True)
@@ -170,3 +176,29 @@ def _is_env_step(value: Any) -> bool:
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in value.messages)
             and (value.reward is None or isinstance(value.reward, int | float)))
+
+
+def tool_schemas(cfg: RLConfig) -> list[dict[str, Any]]:
+    """The schemas of ``multi_turn.tools`` (the chat template renders them into the prompt), [] when off."""
+    return [t.schema for t in build_tools(cfg)] if cfg.actor_rollout_ref.rollout.multi_turn.enable else []
+
+
+def build_tools(cfg: RLConfig) -> list[Any]:
+    """``multi_turn.tools``, built with their ``tool_kwargs`` (a tool may make its schema from its config)."""
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = Registry("tools")
+    return [tools.build(name, m.tool_kwargs.get(name), key=f"{KEY}.tool_kwargs.{name}") for name in m.tools]
+
+
+def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> EpisodeActors:
+    """The multi-turn rollout's tools, environment and turn renderer; refuses a template that is not token-exact."""
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    built = build_tools(cfg)
+    renderer = TurnRenderer(tokenizer, tools=[t.schema for t in built])
+    renderer.check()
+    runner = ToolRunner({t.schema["function"]["name"]: t for t in built}, timeout_s=m.tool_timeout_s,
+                        max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer))
+    env = None if m.environment is None else Registry("environments").build(
+        m.environment, m.environment_kwargs, key=f"{KEY}.environment_kwargs")
+    return EpisodeActors(renderer, runner, format=m.format, environment=env,
+                         environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns)

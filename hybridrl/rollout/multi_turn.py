@@ -40,8 +40,8 @@ from hybridrl.data.collate import PromptBatch
 from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
 from hybridrl.rewards.execution import PendingReward, RewardRunner
-from hybridrl.rollout.colocated import prompt_seed
 from hybridrl.rollout.episodes import Act, EpisodeActors
+from hybridrl.seeds import prompt_seed
 from hybridrl.tools.runner import ToolCounts
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class MultiTurnWorkers(Protocol):
     def generating(self) -> AbstractContextManager[TurnEngines]: ...
 
     def sync_weights(self, *, version: int | None = None) -> float: ...
+
+    def shutdown(self) -> None: ...
 
 
 class EnvironmentFailed(RuntimeError):
@@ -133,15 +135,15 @@ class _Sample:
 class MultiTurnRollout:
     """:class:`~hybridrl.interfaces.Rollout` of multi-turn episodes (module docstring)."""
 
-    def __init__(self, hybrid: MultiTurnWorkers, *, prompts: Iterator[PromptBatch], reward: RewardRunner,
+    def __init__(self, workers: MultiTurnWorkers, *, prompts: Iterator[PromptBatch], reward: RewardRunner,
                  params: SamplingParams, actors: EpisodeActors, on_error: str, environment: str | None) -> None:
-        self.hybrid, self.prompts, self.reward, self.params = hybrid, prompts, reward, params
+        self.workers, self.prompts, self.reward, self.params = workers, prompts, reward, params
         self.actors, self.on_error, self.environment = actors, on_error, environment
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     @property
     def weight_version(self) -> int:
-        return self.hybrid.weight_version
+        return self.workers.weight_version
 
     def step(self, *, seed: int, timer: Timer) -> RolloutStep:
         with timer("gen"):
@@ -154,7 +156,10 @@ class MultiTurnRollout:
         return self._episodes(prompts, params, seed=seed)[0]
 
     def sync_weights(self, *, version: int | None = None) -> float:
-        return self.hybrid.sync_weights(version=version)
+        return self.workers.sync_weights(version=version)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
 
     def _episodes(self, prompts: PromptBatch, params: SamplingParams, *,
                   seed: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -170,7 +175,7 @@ class MultiTurnRollout:
         samples = {s: _Sample(prompt_index=s // n, prompt=contexts[s // n]) for s in range(len(prompts) * n)}
         for s in range(self.rank, len(samples), self.world):
             self.actors.open(s, prompts.meta[s // n])
-        with self.hybrid.generating() as engines:
+        with self.workers.generating() as engines:
             play(samples, prompts.meta, params, seed=seed, owns=lambda s: s % self.world == self.rank,
                  generate=engines.generate_ids, act=self._act)
             episodes = Episodes.of(list(samples.values()), counts=self._counts())

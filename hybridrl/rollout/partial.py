@@ -33,7 +33,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from hybridrl.interfaces import Generation, SamplingParams
-from hybridrl.rollout.colocated import generate_share, prompt_seed
+from hybridrl.rollout.colocated import generate_share
+from hybridrl.seeds import prompt_seed
 
 
 class Interrupt:

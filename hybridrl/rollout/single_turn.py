@@ -1,4 +1,4 @@
-"""The single-turn rollout: one response per sample from the colocated engines of :class:`ActorRolloutRef`.
+"""The single-turn rollout: one response per sample from the run's engines (:mod:`hybridrl.rollout.workers`).
 
 A step takes the next prompt batch (the same on every rank), generates ``rollout.n`` samples of each prompt
 (the actor, ref and critic wait in host memory as the ``*_offload`` keys say while the engines hold theirs) and
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class ColocatedWorkers(Protocol):
-    """What the rollout uses of :class:`~hybridrl.hybrid.ActorRolloutRef`: generation on its colocated engines
-    (with the trainer's memory phases) and the weight sync from its actor."""
+    """What the rollout uses of the engines it owns (:class:`~hybridrl.rollout.workers.EngineWorkers`): generation
+    (with the trainer's memory phases) and the weight sync from the actor."""
 
     @property
     def weight_version(self) -> int: ...
@@ -31,17 +31,19 @@ class ColocatedWorkers(Protocol):
 
     def sync_weights(self, *, version: int | None = None) -> float: ...
 
+    def shutdown(self) -> None: ...
+
 
 class SingleTurnRollout:
     """:class:`~hybridrl.interfaces.Rollout` of one engine call per prompt batch."""
 
-    def __init__(self, hybrid: ColocatedWorkers, *, prompts: Iterator[PromptBatch], reward: RewardRunner,
+    def __init__(self, workers: ColocatedWorkers, *, prompts: Iterator[PromptBatch], reward: RewardRunner,
                  params: SamplingParams) -> None:
-        self.hybrid, self.prompts, self.reward, self.params = hybrid, prompts, reward, params
+        self.workers, self.prompts, self.reward, self.params = workers, prompts, reward, params
 
     @property
     def weight_version(self) -> int:
-        return self.hybrid.weight_version
+        return self.workers.weight_version
 
     def step(self, *, seed: int, timer: Timer) -> RolloutStep:
         with timer("gen"):
@@ -51,7 +53,10 @@ class SingleTurnRollout:
         return RolloutStep(batch=batch, scores=scores)
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
-        return self.hybrid.generate(prompts, params, seed=seed)
+        return self.workers.generate(prompts, params, seed=seed)
 
     def sync_weights(self, *, version: int | None = None) -> float:
-        return self.hybrid.sync_weights(version=version)
+        return self.workers.sync_weights(version=version)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()

@@ -27,7 +27,9 @@ from hybridrl.megatron.parallel import init_parallel, rank_device, seed_everythi
 from hybridrl.megatron.policy import parallel_config
 from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
-from hybridrl.rollout.build import build_rollout, tool_schemas
+from hybridrl.rollout.build import build_rollout
+from hybridrl.rollout.episodes import tool_schemas
+from hybridrl.rollout.workers import EngineWorkers, build_engines
 from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
 
@@ -78,7 +80,7 @@ class Components:
 
     def close(self) -> None:
         self.reward.close()
-        self.hybrid.shutdown()
+        self.rollout.shutdown()
         self.tracker.close()
 
 
@@ -103,13 +105,16 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
-                             critic=cfg.critic, seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.dist_timeout_s)
-    reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path, device=rank_device())
+                             critic=cfg.critic, seed=cfg.trainer.seed)
+    workers = EngineWorkers(build_engines(cfg, plan, pad_token_id=loader.pad_token_id), trainer=hybrid,
+                            bucket_megabytes=aor.rollout.update_weights_bucket_megabytes)
+    reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path,
+                                max_response_length=d.max_response_length, device=rank_device())
     estimator = Registry("advantage_estimators").build(
         cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator_kwargs, key="algorithm.adv_estimator_kwargs")
     # each step's whole prompt batch, the same on every rank (under algorithm.filter_groups: each round's); the
     # rollout hands each rank its DP share of the samples; resumable through the loader
-    rollout = build_rollout(cfg, plan, hybrid=hybrid, prompts=loader.forever(), position=loader.state_dict,
+    rollout = build_rollout(cfg, plan, workers=workers, prompts=loader.forever(), position=loader.state_dict,
                             reward=reward, tokenizer=tokenizer)
     kl_ctrl, resume_step = KLController(cfg.algorithm.kl_ctrl), 0
     if resume_from is not None:

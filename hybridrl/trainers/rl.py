@@ -13,6 +13,7 @@ before the actor's (both train on the batch as scored, so the order does not cha
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,10 +23,9 @@ from hybridrl.algorithms.masked import masked_mean
 from hybridrl.batch import RolloutBatch
 from hybridrl.checkpoint.rl import checkpoint_root
 from hybridrl.guards import SkipCounter, agree, non_finite, update_skip_cause
-from hybridrl.interfaces import PendingScores, RewardOutput, SamplingParams
+from hybridrl.interfaces import RewardOutput, SamplingParams
 from hybridrl.metrics import DPMeans, Timer, rollout_metrics
-from hybridrl.rewards.overlong import overlong_penalty_B
-from hybridrl.rollout.seeding import step_seed
+from hybridrl.seeds import eval_seed, step_seed, update_seed
 from hybridrl.tracking import say
 from hybridrl.trainers import rollout_dump
 from hybridrl.trainers.components import Components
@@ -34,7 +34,7 @@ from hybridrl.trainers.profiling import StepProfiler
 
 
 def fit(c: Components) -> dict[str, float]:
-    hybrid, t = c.hybrid, c.cfg.trainer
+    t = c.cfg.trainer
     if t.val_before_train and c.val_dataset is not None and c.resume_step == 0:
         c.tracker.log(evaluate(c), step=0)
     metrics, skips = {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
@@ -50,23 +50,9 @@ def fit(c: Components) -> dict[str, float]:
             batch = rolled.batch
             warmup = step < t.critic_warmup  # verl's: the critic alone trains until step critic_warmup
             old_pass = old_log_prob_pass_needed(c) or warmup
-            entropy_BT = None
-            if old_pass:
-                with timer("old_log_prob"):
-                    entropy_BT = hybrid.compute_log_probs(batch)
-            if hybrid.ref is not None:
-                with timer("ref"):
-                    hybrid.compute_ref_log_probs(batch)
-            if hybrid.teacher is not None:
-                with timer("teacher"):
-                    hybrid.compute_teacher_log_probs(batch)
-            if hybrid.critic is not None:
-                with timer("values"):
-                    hybrid.compute_values(batch)
+            entropy_BT = log_prob_passes(c, batch, timer, old_pass=old_pass)
             with timer("reward"):
-                penalty_B = overlong_penalty_B(c.cfg.reward.overlong_buffer, batch.response_mask,
-                                               max_length=c.cfg.data.max_response_length)
-                scores_B, reward_errors = score(batch, rolled.scores, penalty_B)
+                scores_B, reward_errors = score(batch, *c.reward.training_scores(batch, rolled.scores))
             with timer("adv"):
                 adv_metrics = compute_advantages(c, batch)
             if (cause := skip_cause(c, batch)) is not None:  # decided on every rank together: no update, no sync
@@ -74,35 +60,13 @@ def fit(c: Components) -> dict[str, float]:
                 say(f"step {step} skipped: {cause}")
                 c.tracker.log({"training/skipped_steps": skips.total}, step=step)
                 continue
-            critic = {}
-            if hybrid.critic is not None:
-                with timer("update_critic"):
-                    critic = critic_metrics(hybrid.update_critic(batch, seed=t.seed * 7919 + step), batch)
-            updates, sync_mb = [], 0.0
-            if not warmup:
-                with timer("update_actor"):
-                    if old_pass:
-                        updates = hybrid.update_actor(batch, seed=t.seed * 7919 + step)
-                    else:  # π_old = the update's own detached log-probs, filled into the batch afterwards
-                        updates, entropy_BT = hybrid.update_actor_on_policy(batch, seed=t.seed * 7919 + step)
-                skips.record(update_skip_cause(updates))
-                with timer("sync_weights"):
-                    sync_mb = c.rollout.sync_weights()
-        assert entropy_BT is not None
-        m = rollout_metrics(batch, scores_B, entropy_BT)
-        m.total("reward/errors", reward_errors)
-        work = timer.times.pop("timing/work")  # generate … weight sync: what perf/tokens_per_s counts
-        timer.times.pop("timing_cpu/work")
-        metrics = (m.reduce() | rolled.metrics | adv_metrics | (actor_metrics(updates) if updates else {}) | critic
-                   | hybrid.take_routing_metrics() | distill_metrics(batch))
-        metrics["actor/old_logprob_pass"] = float(old_pass)
-        metrics["training/skipped_steps"] = skips.total
-        metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / work, "perf/weight_sync_mb": sync_mb}
-        if step == 1:  # data/prompts_{total,kept,dropped}: the length filter's counts, once a run (not on resume)
-            metrics |= c.loader.dataset.filter_metrics
-        if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
-            with timer("eval"):
-                metrics |= evaluate(c)
+            update = update_and_sync(c, batch, timer, seed=update_seed(t.seed, step), warmup=warmup,
+                                     old_pass=old_pass)
+            if not warmup:  # (the critic alone trains in its warmup: no actor update to count)
+                skips.record(update_skip_cause(update.actor))
+        metrics = step_metrics(c, step, batch, timer, rolled.metrics | adv_metrics, update,
+                               entropy_BT=entropy_BT if old_pass else update.entropy_BT, scores_B=scores_B,
+                               reward_errors=reward_errors, old_pass=old_pass, skipped=skips.total)
         now = time.perf_counter()
         metrics |= timer.times | {"timing/step": now - last}
         last = now
@@ -113,6 +77,80 @@ def fit(c: Components) -> dict[str, float]:
             c.save(step)
             saved = step
     stop_if_preempted(c, done=t.total_training_steps, saved=saved)  # a signal during the last step
+    return metrics
+
+
+def log_prob_passes(c: Components, batch: RolloutBatch, timer: Timer, *, old_pass: bool) -> torch.Tensor | None:
+    """Fill the batch's old (actor, when ``old_pass``), ref and teacher log-probs and the critic's values, each
+    role that the run has; the actor's entropy ``[B, T]`` when it ran (else the update gives it)."""
+    hybrid, entropy_BT = c.hybrid, None
+    if old_pass:
+        with timer("old_log_prob"):
+            entropy_BT = hybrid.compute_log_probs(batch)
+    if hybrid.ref is not None:
+        with timer("ref"):
+            hybrid.compute_ref_log_probs(batch)
+    if hybrid.teacher is not None:
+        with timer("teacher"):
+            hybrid.compute_teacher_log_probs(batch)
+    if hybrid.critic is not None:
+        with timer("values"):
+            hybrid.compute_values(batch)
+    return entropy_BT
+
+
+@dataclass(slots=True, kw_only=True)
+class Update:
+    """What a step's updates gave: per optimizer step metrics of the critic and the actor (none while the critic
+    warms up), the MB of the weight sync, and the entropy of an on-policy update (no old-log-prob pass)."""
+
+    critic: dict[str, float] = field(default_factory=dict)
+    actor: list[dict[str, float]] = field(default_factory=list)
+    sync_mb: float = 0.0
+    entropy_BT: torch.Tensor | None = None
+
+
+def update_and_sync(c: Components, batch: RolloutBatch, timer: Timer, *, seed: int, warmup: bool,
+                    old_pass: bool) -> Update:
+    """The critic's update, then (after ``trainer.critic_warmup``) the actor's and the weight sync into the engines.
+    Without the old-log-prob pass π_old is the update's own detached log-probs, filled into the batch afterwards."""
+    hybrid, out = c.hybrid, Update()
+    if hybrid.critic is not None:
+        with timer("update_critic"):
+            out.critic = critic_metrics(hybrid.update_critic(batch, seed=seed), batch)
+    if warmup:
+        return out
+    with timer("update_actor"):
+        if old_pass:
+            out.actor = hybrid.update_actor(batch, seed=seed)
+        else:
+            out.actor, out.entropy_BT = hybrid.update_actor_on_policy(batch, seed=seed)
+    with timer("sync_weights"):
+        out.sync_mb = c.rollout.sync_weights()
+    return out
+
+
+def step_metrics(c: Components, step: int, batch: RolloutBatch, timer: Timer, extra: dict[str, float],
+                 update: Update, *, entropy_BT: torch.Tensor | None, scores_B: torch.Tensor, reward_errors: int,
+                 old_pass: bool, skipped: int) -> dict[str, float]:
+    """The step's logged metrics (but ``timing/*``): the batch's (DP-reduced), ``extra`` (the rollout's and the
+    advantages'), the updates', routing and distillation ones, throughput, and evaluation when it is due."""
+    t = c.cfg.trainer
+    assert entropy_BT is not None
+    m = rollout_metrics(batch, scores_B, entropy_BT)
+    m.total("reward/errors", reward_errors)
+    work = timer.times.pop("timing/work")  # generate … weight sync: what perf/tokens_per_s counts
+    timer.times.pop("timing_cpu/work")
+    metrics = (m.reduce() | extra | (actor_metrics(update.actor) if update.actor else {}) | update.critic
+               | c.hybrid.take_routing_metrics() | distill_metrics(batch))
+    metrics["actor/old_logprob_pass"] = float(old_pass)
+    metrics["training/skipped_steps"] = skipped
+    metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / work, "perf/weight_sync_mb": update.sync_mb}
+    if step == 1:  # data/prompts_{total,kept,dropped}: the length filter's counts, once a run (not on resume)
+        metrics |= c.loader.dataset.filter_metrics
+    if c.val_dataset is not None and t.test_freq and (step % t.test_freq == 0 or step == t.total_training_steps):
+        with timer("eval"):
+            metrics |= evaluate(c)
     return metrics
 
 
@@ -134,22 +172,17 @@ def old_log_prob_pass_needed(c: Components) -> bool:
     """Whether the step runs the separate old-log-prob pass: unless the update is provably on-policy
     (``ActorRolloutRef.update_is_on_policy``: one epoch, one mini-batch), or π_old is read before the update
     (the in-reward KL penalty, ``algorithm.use_kl_in_reward``; a distillation estimator's log π_old − log π_teacher)."""
-    return (not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward
-            or getattr(c.estimator, "needs_teacher", False))
+    return not c.hybrid.update_is_on_policy or c.cfg.algorithm.use_kl_in_reward or c.estimator.needs_teacher
 
 
-def score(batch: RolloutBatch, pending: PendingScores,
-          penalty_B: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """The batch's sequence scores (checked: one float per sample) plus ``penalty_B`` (the overlong penalty:
-    :mod:`hybridrl.rewards.overlong`), also put on each response's last trained token (``loss_mask``); and how
-    many samples failed to
-    score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
-    scored = pending.result()
-    scores_B = scored.output.scores_B + (0.0 if penalty_B is None else penalty_B.to(scored.output.scores_B.device))
+def score(batch: RolloutBatch, scores_B: torch.Tensor, errors: int) -> tuple[torch.Tensor, int]:
+    """Put each sample's sequence score (the reward runner's training scores, overlong penalty included) on its
+    response's last trained token (``loss_mask``): ``batch.token_level_scores``. Returns ``scores_B`` and how many
+    samples failed to score (0.0 each under ``reward.on_error=zero``; under ``raise`` the run has stopped)."""
     scores_BT = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
     scores_BT[torch.arange(len(batch)), last_trained_B(batch.loss_mask)] = scores_B
     batch.token_level_scores = scores_BT * batch.loss_mask
-    return scores_B, scored.errors
+    return scores_B, errors
 
 
 def last_trained_B(loss_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -192,7 +225,7 @@ def compute_advantages(c: Components, batch: RolloutBatch) -> dict[str, float]:
         c.kl_ctrl.update(step["actor/reward_kl_penalty"], n_samples=round(step["samples"]))
     batch.token_level_rewards = rewards_BT * batch.loss_mask
     extra = {}
-    if getattr(c.estimator, "needs_teacher", False):  # on-policy distillation (hybridrl/algorithms/advantages/opd.py)
+    if c.estimator.needs_teacher:  # on-policy distillation (hybridrl/algorithms/advantages/opd.py)
         assert batch.old_logprobs is not None and batch.teacher_logprobs is not None
         extra = {"logprobs_BT": batch.old_logprobs, "teacher_logprobs_BT": batch.teacher_logprobs}
     batch.advantages, batch.returns = c.estimator(
@@ -247,7 +280,7 @@ def evaluate(c: Components) -> dict[str, float]:
                             max_new_tokens=c.cfg.data.max_response_length)
     m = DPMeans()
     for k, prompts in enumerate(c.val_batches()):
-        batch = c.rollout.generate(prompts, params, seed=c.cfg.trainer.seed * 1_000_003 - k - 1)
+        batch = c.rollout.generate(prompts, params, seed=eval_seed(c.cfg.trainer.seed, k))
         out = reward(c, batch)
         correct_B = out.correct_B if out.correct_B is not None else out.scores_B > 0
         m.add("eval/accuracy", correct_B.sum(), len(batch))

@@ -50,9 +50,9 @@ ENGINE_OVERRIDES: dict[str, tuple[str, ...]] = {
     # bfloat16 is the sglang engine's default on GPU, and its memory saver (release_memory frees memory)
     "sglang": ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4"),
 }
-# the sglang engine's parameter addresses are read by this test-only weight loader (tests/rollout/sglang_probes.py)
+# the sglang engine's parameter addresses are read by a test-only weight loader (tests/rollout/engines/sglang_probes.py)
 SGLANG_STORAGE_PROBE = ("+actor_rollout_ref.rollout.engine_kwargs.server_args="
-                        "{custom_weight_loader:[rollout.sglang_probes.report_parameter_storage]}")
+                        "{custom_weight_loader:[rollout.engines.sglang_probes.report_parameter_storage]}")
 
 
 def work_dir() -> Path:

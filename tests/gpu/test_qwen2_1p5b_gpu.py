@@ -197,9 +197,9 @@ def _engine_storage(eng: Any, engine: str) -> dict[str, int]:
     """``{name: data_ptr}`` of the engine's parameters (the sglang engine's read in its scheduler process)."""
     if engine == "hf":
         return {n: p.data_ptr() for n, p in eng.params.items()}
-    from rollout.sglang_probes import STORAGE_REPORTER, parameter_storage  # tests/ is on sys.path
+    from rollout.engines.sglang_probes import STORAGE_REPORTER, parameter_storage  # tests/ is on sys.path
 
-    assert STORAGE_REPORTER == "rollout.sglang_probes.report_parameter_storage", STORAGE_REPORTER
+    assert STORAGE_REPORTER == "rollout.engines.sglang_probes.report_parameter_storage", STORAGE_REPORTER
     return parameter_storage(eng)
 
 

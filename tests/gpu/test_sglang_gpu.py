@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from gpu_checks import report  # tests/gpu is on sys.path under pytest
-from rollout.sglang_probes import SERVER_ARGS, parameter_storage  # tests/ is on sys.path (tests/conftest.py)
+from rollout.engines.sglang_probes import SERVER_ARGS, parameter_storage  # tests/ is on sys.path (tests/conftest.py)
 from safetensors.torch import load_file
 
 from hybridrl.interfaces import SamplingParams, WeightBucket

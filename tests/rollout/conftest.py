@@ -28,7 +28,7 @@ def vllm_engine(vllm_models: tuple[Path, Path]) -> Iterator[Any]:
     """The ``vllm`` engine on model A. Its workers also accept callables (``VLLM_ALLOW_INSECURE_SERIALIZATION``,
     test-only): the compat probes run code inside them."""
     from hybridrl.registry import Registry
-    from hybridrl.rollout.vllm import CONFIG_KEY
+    from hybridrl.rollout.engines.vllm import CONFIG_KEY
 
     saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -110,7 +110,7 @@ def test_partial_rollouts_need_an_engine_that_can_be_interrupted(base: list[str]
     for name in ("hf", "sglang", "vllm"):  # every built-in engine has abort / resume
         assert Registry("rollout_engines").load(name, key="k").supports_abort is True
     assert issues(base, *on) == {}
-    from hybridrl.rollout.hf import HFRolloutEngine
+    from hybridrl.rollout.engines.hf import HFRolloutEngine
 
     monkeypatch.setattr(HFRolloutEngine, "supports_abort", False)  # as an engine plugin without the capability
     found = issues(base, *on)

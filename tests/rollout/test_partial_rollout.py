@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.interfaces import Generation, SamplingParams
 from hybridrl.models.tiny import make_tiny_model
-from hybridrl.rollout.hf import HFRolloutEngine
+from hybridrl.rollout.engines.hf import HFRolloutEngine
 from hybridrl.rollout.partial import Interrupt, generate_continued, joined, mask_stale_prefix
 
 PARAMS = SamplingParams(temperature=1.0, n=2, max_new_tokens=12)

@@ -24,8 +24,9 @@ from hybridrl.config.schema import RLConfig
 from hybridrl.interfaces import RewardOutput, Rollout, RolloutStep, Scored
 from hybridrl.rewards.execution import PendingReward
 from hybridrl.rollout.build import build_rollout
-from hybridrl.rollout.dynamic_sampling import ROUND_SEED_STRIDE, DynamicSamplingRollout
+from hybridrl.rollout.dynamic_sampling import DynamicSamplingRollout
 from hybridrl.rollout.single_turn import SingleTurnRollout
+from hybridrl.seeds import ROUND_SEED_STRIDE
 
 N, PROMPTS, PER_ROUND = 2, 2, 4  # samples per prompt; prompts per step; prompts per generation round
 # round r's groups (prompt-major, 4 per round): 1 = the group's samples differ (signal), 0 = they are equal
@@ -78,6 +79,9 @@ class ScriptedRollout:
         self.synced.append(self.version)
         return 1.5
 
+    def shutdown(self) -> None:
+        self.shut = True
+
 
 def main() -> None:
     import torch.distributed as dist
@@ -99,6 +103,8 @@ def main() -> None:
            "metrics": got.metrics, "seeds": inner.seeds, "timed": sorted(timer.times),
            "generate": rollout.generate(None, None, seed=9), "sync": rollout.sync_weights(),
            "version": rollout.weight_version, "synced": inner.synced}
+    rollout.shutdown()  # the wrapper stops what the rollout it wraps owns
+    out["shut"] = getattr(inner, "shut", False)
     torch.save(out, Path(sys.argv[1]) / f"rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -108,13 +114,13 @@ def test_build_rollout_wraps_the_single_turn_rollout_under_filter_groups() -> No
     cfg = _config()
     plan, problems = Plan.build(cfg, world_size=1, device_type="cpu")
     assert not problems, problems
-    hybrid = SimpleNamespace(weight_version=3)
-    wrapped = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
+    workers = SimpleNamespace(weight_version=3)
+    wrapped = build_rollout(cfg, plan, workers=workers, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
                             tokenizer=None)
     assert isinstance(wrapped, DynamicSamplingRollout) and isinstance(wrapped.inner, SingleTurnRollout)
     assert isinstance(wrapped, Rollout) and wrapped.weight_version == 3
     cfg.algorithm.filter_groups.enable = False
-    plain = build_rollout(cfg, plan, hybrid=hybrid, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
+    plain = build_rollout(cfg, plan, workers=workers, prompts=iter([]), position=dict, reward=None,  # type: ignore[arg-type]
                             tokenizer=None)
     assert isinstance(plain, SingleTurnRollout) and isinstance(plain, Rollout)
     assert plain.params.n == N and plain.params.max_new_tokens == cfg.data.max_response_length
@@ -132,6 +138,7 @@ def test_dynamic_sampling_wraps_any_rollout_on_2_ranks(torchrun, tmp_path: Path)
                                 "dynamic_sampling/dropped_groups": 5.0, "dynamic_sampling/refilled_groups": 0.0}
         assert "timing/reward" in r["timed"]
         assert r["generate"] == ("generated", 9) and (r["sync"], r["version"], r["synced"]) == (1.5, 1, [1])
+        assert r["shut"]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from hybridrl.interfaces import SamplingParams
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.rollout.batching import rollout_batch_from_generations
-from hybridrl.rollout.hf import HFRolloutEngine
+from hybridrl.rollout.engines.hf import HFRolloutEngine
 
 MICRO = MicroBatching(micro_batch_size=8)
 

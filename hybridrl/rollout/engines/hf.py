@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
-from hybridrl.rollout.hf_compat import RoutingRecorder, checkpoint_views
+from hybridrl.rollout.engines.hf_compat import RoutingRecorder, checkpoint_views
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -200,7 +200,7 @@ class HFRolloutEngine:
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters by name, and its fused MoE experts by the checkpoint's per-expert names too
-    (:mod:`hybridrl.rollout.hf_compat` item 1): what ``update_weights`` copies into."""
+    (:mod:`hybridrl.rollout.engines.hf_compat` item 1): what ``update_weights`` copies into."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     return {**params, **checkpoint_views(params)}
 

@@ -10,7 +10,7 @@ needed (it fails once upstream changes, so the item can go).
    once all its tensors came, and copies the result into the kernel's existing storage. Its ``reload_weights`` takes
    one iterator; hybridrl streams buckets, and a layer split over two buckets must not be processed half-loaded, so
    :func:`begin_layerwise_reload`, :func:`load_into_session` and :func:`finish_layerwise_reload` span a whole stream
-   (called in the engine's worker by :mod:`hybridrl.rollout.vllm_worker`).
+   (called in the engine's worker by :mod:`hybridrl.rollout.engines.vllm_worker`).
 2. **A stale prefix cache after a swap.** The prefix cache keeps KV computed with the old weights: a cached
    200-token prompt's log-probs were 3.8–4.9 off after a swap. The engine calls ``reset_prefix_cache()`` after
    every swap.
@@ -22,9 +22,9 @@ needed (it fails once upstream changes, so the item can go).
    world: a rank that starts an engine alone hangs there. It also replaces ``torch.set_num_threads`` with a no-op
    and reseeds the trainer's RNGs. The engine therefore always runs in processes of its own (multiprocess mode).
 5. **Engine processes outlive a SIGKILLed trainer.** EngineCore (and its worker) live on for over a minute after
-   their parent is SIGKILLed, ignoring SIGTERM: :func:`hybridrl.rollout.processes.start_reaper` watches them.
+   their parent is SIGKILLed, ignoring SIGTERM: :func:`hybridrl.rollout.engines.processes.start_reaper` watches them.
 6. **The trainer's environment.** The engine's processes inherit torchrun's ``LOCAL_RANK``/``MASTER_PORT``/...
-   (:func:`hybridrl.rollout.processes.without_torchrun_env` hides them), and on CPU: TorchInductor compiles the
+   (:func:`hybridrl.rollout.engines.processes.without_torchrun_env` hides them), and on CPU: TorchInductor compiles the
    first log-prob call even with ``enforce_eager=True`` (6–32 s: ``TORCH_COMPILE_DISABLE=1``); OpenMP threads are
    bound to cores (``VLLM_CPU_OMP_THREADS_BIND``), the cores the trainer's ranks run on (``nobind``); the KV cache
    size defaults to a fraction of one NUMA node's memory, which fails: it is given in bytes

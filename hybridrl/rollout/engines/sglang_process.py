@@ -11,7 +11,7 @@ Process-wide bookkeeping for every SGLang engine started in this (trainer) proce
   the whole process tree, the engine call in progress (or the next one) raises the error.
 - :func:`deadline` and :func:`thread_env` bound the start and set the threads the processes start with.
 
-Nothing here imports sglang; taking SGLang's signal handlers back is :mod:`hybridrl.rollout.sglang_compat`'s.
+Nothing here imports sglang; taking SGLang's signal handlers back is :mod:`hybridrl.rollout.engines.sglang_compat`'s.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from hybridrl.rollout import processes
-from hybridrl.rollout import sglang_compat as compat
-from hybridrl.rollout.processes import alive  # noqa: F401  (the engine asks this module)
+from hybridrl.rollout.engines import processes
+from hybridrl.rollout.engines import sglang_compat as compat
+from hybridrl.rollout.engines.processes import alive  # noqa: F401  (the engine asks this module)
 
 SIGQUIT_GRACE_S = 10.0  # how long a SIGQUIT waits for the failing engine process to be gone
 
@@ -37,7 +37,7 @@ class SGLangEngineError(RuntimeError):
 
 
 class SupervisedEngine(Protocol):
-    """What supervision needs of an engine (:class:`hybridrl.rollout.sglang.SGLangRolloutEngine`)."""
+    """What supervision needs of an engine (:class:`hybridrl.rollout.engines.sglang.SGLangRolloutEngine`)."""
 
     engine: Any  # SGLang's ``Engine``; None once shut down
     procs: list[Any]  # psutil.Process of the engine's own processes

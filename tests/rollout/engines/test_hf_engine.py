@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from hybridrl.interfaces import SamplingParams
 from hybridrl.models.tiny import make_tiny_model
 from hybridrl.registry import Registry
-from hybridrl.rollout.hf import HFRolloutEngine
+from hybridrl.rollout.engines.hf import HFRolloutEngine
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
@@ -90,7 +90,7 @@ def test_a_prompts_samples_depend_only_on_its_seed(models: tuple[Path, Path]) ->
 
 def test_sampling_follows_the_distribution() -> None:
     """Inverse-CDF sampling at the per-sample uniforms draws each token with its probability."""
-    from hybridrl.rollout.hf import sample, sample_stream, uniform
+    from hybridrl.rollout.engines.hf import sample, sample_stream, uniform
 
     probs_V = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     logits_BV = probs_V.clamp_min(1e-30).log().expand(20_000, -1)

@@ -77,7 +77,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 # item 7's helper and the process helpers are shared with the vllm engine
-from hybridrl.rollout.processes import TORCHRUN_ENV, kill_processes, new_children, without_torchrun_env  # noqa: F401
+from hybridrl.rollout.engines.processes import TORCHRUN_ENV, kill_processes, new_children, without_torchrun_env  # noqa: F401
 
 if TYPE_CHECKING:
     import psutil
@@ -248,5 +248,5 @@ def cpu_moe_problem(model_path: str) -> str | None:
     if moe is None:
         return None
     return (f"an MoE model ({moe.num_experts} experts): SGLang 0.5.21's CPU MoE path gives log-probs 0.4–0.8 off "
-            "the model's (hybridrl.rollout.sglang_compat item 10); use actor_rollout_ref.rollout.name=hf or vllm on "
-            "CPU")
+            "the model's (hybridrl.rollout.engines.sglang_compat item 10); use actor_rollout_ref.rollout.name=hf or "
+            "vllm on CPU")

@@ -3,20 +3,20 @@
 The engine is vLLM's offline ``LLM`` started in the trainer process of the first rank of each rollout group, in
 multiprocess mode: the model runs in vLLM's EngineCore process (and its workers, one per engine TP rank), token ids in
 and out, no tokenizer. Importing this module does not import vllm; starting the engine does. Every adaptation to
-vLLM's own behaviour is in :mod:`hybridrl.rollout.vllm_compat` (items referred to below).
+vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items referred to below).
 
 - **Log-probs.** The sampled token's log-prob under softmax(logits / T) (``logprobs_mode="processed_logprobs"``,
   item 3) — what the actor recomputes; greedy (T=0) reports the untempered log_softmax. Deviation from ``hf`` and
   ``sglang``: with top-k/top-p on, vLLM reports the log-prob within the truncated, renormalised distribution (the one
   sampled from), the others before truncation; with ``top_k=-1, top_p=1`` (every recipe) they agree.
 - **Seeds.** ``generate(..., seeds=...)``: sample ``j`` of prompt ``i`` is one vLLM request with
-  ``SamplingParams.seed`` = a hash of ``(seeds[i], j)`` alone (:func:`hybridrl.rollout.seeding.request_seed`).
+  ``SamplingParams.seed`` = a hash of ``(seeds[i], j)`` alone (:func:`hybridrl.seeds.request_seed`).
   vLLM samples a seeded request from a generator of its own, so a sample does not depend on the other requests of
   the call: the per-sample seed contract holds, on CPU and GPU.
 - **Weight swap.** ``update_weights`` sends each HF-named bucket to the engine's workers as safetensors bytes
   (``collective_rpc``: tensors do not survive its msgpack transport) inside one layerwise-reload session
-  (:mod:`hybridrl.rollout.vllm_worker`, item 1): the parameters' storage is kept, nothing is written to disk, the
-  engine is not restarted. The prefix cache is reset after every swap (item 2). Names and shapes are checked
+  (:mod:`hybridrl.rollout.engines.vllm_worker`, item 1): the parameters' storage is kept, nothing is written to
+  disk, the engine is not restarted. The prefix cache is reset after every swap (item 2). Names and shapes are checked
   against the checkpoint first (vLLM would skip an unknown name). On GPU the bytes go through host memory (no
   CUDA IPC yet).
 - **Memory phases.** On GPU the engine starts with ``enable_sleep_mode`` and ``release_memory`` calls
@@ -25,7 +25,7 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.vllm_compat` (items referred t
   mode (item 9): both calls are no-ops, and ``hybridrl validate`` says so.
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an ``atexit`` hook,
   SIGTERM/SIGINT, and a watcher process for a SIGKILLed trainer (item 5,
-  :func:`hybridrl.rollout.processes.start_reaper`) kill exactly the engine's processes.
+  :func:`hybridrl.rollout.engines.processes.start_reaper`) kill exactly the engine's processes.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ import torch
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.hf.tensors import checkpoint_shapes
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
-from hybridrl.rollout import processes
-from hybridrl.rollout import vllm_compat as compat
-from hybridrl.rollout.seeding import request_seed
-from hybridrl.rollout.weight_names import check_bucket
+from hybridrl.rollout.engines import processes
+from hybridrl.rollout.engines import vllm_compat as compat
+from hybridrl.rollout.engines.weight_names import check_bucket
+from hybridrl.seeds import request_seed
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WORKER_EXTENSION = "hybridrl.rollout.vllm_worker.WeightReceiver"
+WORKER_EXTENSION = "hybridrl.rollout.engines.vllm_worker.WeightReceiver"
 # engine args the engine sets itself; `engine_args` may not override them
 _OWNED_ENGINE_ARGS = frozenset({"model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "logprobs_mode",
                                 "worker_extension_cls", "enable_sleep_mode", "seed", "dtype", "enforce_eager",

@@ -14,7 +14,7 @@ A swap is one *session*: :meth:`hybridrl_begin_weights`, :meth:`hybridrl_load_we
 - ``collective_rpc`` arguments travel as msgpack in multiprocess mode, where a tensor arrives as nested lists: a
   bucket is sent as safetensors bytes (``hybridrl_load_weights(payload)``).
 
-Everything vLLM-version-specific about this sits in :mod:`hybridrl.rollout.vllm_compat`.
+Everything vLLM-version-specific about this sits in :mod:`hybridrl.rollout.engines.vllm_compat`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class WeightReceiver:
     """Mixed into vLLM's worker class: ``self`` is the worker (``self.model_runner``, ``self.vllm_config``)."""
 
     def hybridrl_begin_weights(self) -> None:
-        from hybridrl.rollout import vllm_compat as compat
+        from hybridrl.rollout.engines import vllm_compat as compat
 
         compat.begin_layerwise_reload(self)
         self._hybridrl_loaded: set[str] = set()
@@ -35,7 +35,7 @@ class WeightReceiver:
         """Load one bucket (safetensors bytes of HF-named tensors); returns how many tensors it held."""
         from safetensors.torch import load
 
-        from hybridrl.rollout import vllm_compat as compat
+        from hybridrl.rollout.engines import vllm_compat as compat
 
         tensors = load(payload)
         compat.load_into_session(self, tensors.items())
@@ -44,7 +44,7 @@ class WeightReceiver:
 
     def hybridrl_finish_weights(self) -> int:
         """End the session (the layers' kernel repacking); returns how many tensors the session loaded."""
-        from hybridrl.rollout import vllm_compat as compat
+        from hybridrl.rollout.engines import vllm_compat as compat
 
         compat.finish_layerwise_reload(self)
         return len(getattr(self, "_hybridrl_loaded", ()))

@@ -30,8 +30,8 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an
   ``atexit`` hook and SIGTERM/SIGINT handlers kill exactly the engine's processes; a crashed engine
   process raises :class:`SGLangEngineError` in the trainer instead of SGLang's SIGKILL of the whole
-  process tree (:mod:`hybridrl.rollout.sglang_process`). Every adaptation to SGLang's own behaviour
-  lives in :mod:`hybridrl.rollout.sglang_compat`.
+  process tree (:mod:`hybridrl.rollout.engines.sglang_process`). Every adaptation to SGLang's own behaviour
+  lives in :mod:`hybridrl.rollout.engines.sglang_compat`.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ import torch
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.hf.tensors import checkpoint_shapes
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
-from hybridrl.rollout import sglang_compat as compat
-from hybridrl.rollout import sglang_process as process
-from hybridrl.rollout.seeding import request_seed
-from hybridrl.rollout.sglang_process import SGLangEngineError
-from hybridrl.rollout.weight_names import check_bucket
+from hybridrl.rollout.engines import sglang_compat as compat
+from hybridrl.rollout.engines import sglang_process as process
+from hybridrl.rollout.engines.sglang_process import SGLangEngineError
+from hybridrl.rollout.engines.weight_names import check_bucket
+from hybridrl.seeds import request_seed
 
 CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
 DTYPES = ("auto", "float32", "bfloat16", "float16")

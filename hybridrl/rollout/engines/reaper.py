@@ -1,5 +1,5 @@
 """Kill an engine's processes when the trainer that started them dies (see
-:func:`hybridrl.rollout.processes.start_reaper`). Run as a script, not imported: it needs psutil only.
+:func:`hybridrl.rollout.engines.processes.start_reaper`). Run as a script, not imported: it needs psutil only.
 
     python reaper.py TRAINER_PID PID:CREATE_TIME ...
 

@@ -13,7 +13,7 @@ import psutil
 SCRIPT = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     import psutil
-    from hybridrl.rollout import processes
+    from hybridrl.rollout.engines import processes
 
     stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"

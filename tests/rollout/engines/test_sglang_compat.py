@@ -1,4 +1,4 @@
-"""Each adaptation in hybridrl/rollout/sglang_compat.py is still needed: upstream SGLang still behaves as
+"""Each adaptation in hybridrl/rollout/engines/sglang_compat.py is still needed: upstream SGLang still behaves as
 its docstring says. When an upstream release fixes one, its test here fails: drop the adaptation and
 the test. Behaviour that changes process-wide state (signals, start method, killing children) is
 observed in one subprocess, so this test process is left alone.
@@ -25,7 +25,7 @@ if importlib.util.find_spec("sglang") is None:
                 allow_module_level=True)
 
 pytestmark = pytest.mark.sglang
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 PROBE = textwrap.dedent("""
     import asyncio, json, multiprocessing as mp, os, signal, subprocess, sys, types
@@ -211,7 +211,7 @@ def test_moe_models_still_compute_wrong_on_cpu_and_are_refused(tmp_path: Path,  
 
     from hybridrl.interfaces import SamplingParams
     from hybridrl.registry import Registry
-    from hybridrl.rollout.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine
+    from hybridrl.rollout.engines.sglang import CONFIG_KEY, SGLangEngineError, SGLangRolloutEngine
 
     model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", hidden=64, layers=2, heads=2, kv_heads=1,
                             max_positions=128, moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridrl.rollout import sglang_compat as compat
+from hybridrl.rollout.engines import sglang_compat as compat
 
 if TYPE_CHECKING:
-    from hybridrl.rollout.sglang import SGLangRolloutEngine
+    from hybridrl.rollout.engines.sglang import SGLangRolloutEngine
 
 STORAGE_REPORTER = f"{__name__}.report_parameter_storage"
 SERVER_ARGS: dict[str, Any] = {"custom_weight_loader": [STORAGE_REPORTER]}  # engine_kwargs.server_args
