@@ -198,7 +198,7 @@ import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent / "parallel" / "workers")!r})
 from rl_step import fixed_batch
 from transformers import AutoConfig
-from hybridrl.config.plan import MicroBatching
+from hybridrl.megatron.config import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy

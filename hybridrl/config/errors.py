@@ -44,3 +44,14 @@ class ConfigError(UserError):
         n = len(self.issues)
         lines = "\n".join(f"  - {i}" for i in self.issues)
         super().__init__(f"{n} problem{'s' if n != 1 else ''} in the config:\n{lines}")
+
+
+class Issues(list[ConfigIssue]):
+    """The one collector of a validation pass: every owner of a rule adds its problems, each with its key."""
+
+    def add(self, key: str, value: object, message: str) -> None:
+        self.append(ConfigIssue(key=key, value=value, message=message))
+
+    def positive(self, key: str, value: int | float) -> None:
+        if value < 1:
+            self.add(key, value, "must be ≥ 1")

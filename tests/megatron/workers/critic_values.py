@@ -18,8 +18,8 @@ from megatron.core import parallel_state
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "parallel" / "workers"))
 from rl_step import fixed_batch, parse_layout  # noqa: E402
 
-from hybridrl.config.plan import MicroBatching  # noqa: E402
 from hybridrl.config.schema import MegatronConfig, OptimConfig  # noqa: E402
+from hybridrl.megatron.config import MicroBatching  # noqa: E402
 from hybridrl.megatron.critic import MegatronCritic  # noqa: E402
 from hybridrl.megatron.parallel import init_parallel, seed_everything  # noqa: E402
 

@@ -26,9 +26,9 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from hybridrl.batch import RolloutBatch, SampleMeta
 from hybridrl.checkpoint.rl import _model_and_optimizer_state, _restore
-from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.lora.config import LoRAConfig, resolve_targets
+from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy

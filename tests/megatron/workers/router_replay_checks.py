@@ -13,10 +13,10 @@ import sys
 import torch
 
 from hybridrl.batch import RolloutBatch, SampleMeta
-from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.data.collate import PromptBatch
 from hybridrl.interfaces import SamplingParams
+from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.parallel import ParallelConfig, init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.rollout.batching import rollout_batch_from_generations

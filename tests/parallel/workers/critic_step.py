@@ -22,9 +22,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from rl_step import DYN_BUDGET, MICRO, MINI_PROMPTS, N, T, fixed_batch, global_order, parse_layout
 
-from hybridrl.config.plan import MicroBatching
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.hybrid import _epochs
+from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.convert import hf_from_full
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.model import unwrap_model
