@@ -66,3 +66,33 @@ def make_discriminating(model_dir: Path, seed: int) -> Path:
 def discriminate() -> Callable[[Path, int], Path]:
     """:func:`make_discriminating`, for conftests and tests in subfolders."""
     return make_discriminating
+
+
+def area_of(nodeid: str) -> str:
+    """The part of the suite a test belongs to: its folder under ``tests/`` (``tests/rollout/engines``), ``tests``
+    for a file at the root, or its plugin (``plugins/hybridrl-math-reward``)."""
+    parts = nodeid.split("::")[0].split("/")
+    if parts[0] == "plugins":
+        return "/".join(parts[:2])
+    folder = parts[:-1]
+    return "/".join(folder[:3]) if folder else "tests"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where the suite's time went, by area (setup + call + teardown of every test, summed over the workers): the
+    table to read when the CI budget is tight, next to ``--durations``' slowest tests."""
+    seconds: dict[str, float] = {}
+    tests: dict[str, set[str]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            area = area_of(report.nodeid)
+            seconds[area] = seconds.get(area, 0.0) + float(getattr(report, "duration", 0.0))
+            tests.setdefault(area, set()).add(report.nodeid)
+    if not seconds:
+        return
+    total = sum(seconds.values())
+    terminalreporter.write_sep("=", f"time by area ({total / 60:.1f} worker-minutes in all)")
+    for area, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{s / 60:7.1f} min {100 * s / total:5.1f} %  {len(tests[area]):4d} tests  {area}")

@@ -180,15 +180,12 @@ def test_generations_with_a_loss_mask_make_the_batch_s_loss_mask() -> None:
 
 
 def test_the_score_sits_on_the_last_trained_token() -> None:
-    from hybridrl.interfaces import RewardOutput, Scored
-    from hybridrl.rewards.execution import PendingReward
     from hybridrl.trainers.rl import score
 
     batch = make_batch([2, 2, 2], [4, 3, 2])
     batch.loss_mask[0] = torch.tensor([1, 1, 0, 0])  # sample 0 ends in two untrained tokens (an observation)
     batch.loss_mask[1] = torch.tensor([0, 1, 0, 0])
-    scored = Scored(output=RewardOutput(scores_B=torch.tensor([1.0, 2.0, 3.0])), errors=0)
-    scores_B, errors = score(batch, PendingReward.finished(scored))
+    scores_B, errors = score(batch, torch.tensor([1.0, 2.0, 3.0]), 0)
     assert errors == 0 and scores_B.tolist() == [1.0, 2.0, 3.0]
     assert batch.token_level_scores is not None
     assert batch.token_level_scores.tolist() == [[0, 1.0, 0, 0], [0, 2.0, 0, 0], [0, 3.0, 0, 0]]

@@ -156,6 +156,27 @@ def test_the_output_contract_is_not_a_sample_error(make_batch: MakeBatch) -> Non
         r.score(make_batch(["a", "b", "c"]))
 
 
+def test_training_scores_carry_the_overlong_penalty_and_evaluation_scores_do_not(make_batch: MakeBatch) -> None:
+    """DAPO's soft overlong punishment is the runner's (reward.overlong_buffer, len 2 before the longest length T):
+    lengths T, T − 1 and 1 lose 1, 0.5 and 0 of their score in training; ``score`` (evaluation) leaves it whole."""
+    from hybridrl.rewards.overlong import OverlongBufferConfig
+
+    class Ones:
+        def __call__(self, batch: RolloutBatch) -> RewardOutput:
+            return RewardOutput(scores_B=torch.ones(len(batch)))
+
+    batch = make_batch(["123456", "12345", "1"])
+    T = batch.response_mask.shape[1]
+    assert batch.response_mask.sum(-1).tolist() == [T, T - 1, 1] and T > 3, batch.response_mask
+    r = RewardRunner(InThread(Ones(), timeout_s=None), name="ones", on_error="raise", timeout_s=None, overlaps=False,
+                     overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=T)
+    scores_B, errors = r.training_scores(batch, r.submit(batch))
+    assert errors == 0 and scores_B.tolist() == [0.0, 0.5, 1.0]
+    assert r.score(batch).output.scores_B.tolist() == [1.0, 1.0, 1.0]
+    off = RewardRunner(InThread(Ones(), timeout_s=None), name="ones", on_error="raise", timeout_s=None, overlaps=False)
+    assert off.training_scores(batch, off.submit(batch))[0].tolist() == [1.0, 1.0, 1.0]
+
+
 # ---- worker processes --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
