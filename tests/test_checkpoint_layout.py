@@ -15,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import hybridrl.checkpoint.layout as ckpt_layout
 import hybridrl.checkpoint.rl as ckpt
 from hybridrl.checkpoint.rl import (
     LATEST,
@@ -146,9 +147,9 @@ def save_crashing(root: Path, step: int, *, keep: int, crash_at: int, monkeypatc
             raise Crash(name)
         return real[name](*args, **kwargs)  # type: ignore[operator]
 
-    monkeypatch.setattr(ckpt.os, "rename", lambda *a, **k: failing("rename", *a, **k))
-    monkeypatch.setattr(ckpt.os, "replace", lambda *a, **k: failing("replace", *a, **k))
-    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: failing("rmtree", *a, **k))
+    monkeypatch.setattr(ckpt_layout.os, "rename", lambda *a, **k: failing("rename", *a, **k))
+    monkeypatch.setattr(ckpt_layout.os, "replace", lambda *a, **k: failing("replace", *a, **k))
+    monkeypatch.setattr(ckpt_layout.shutil, "rmtree", lambda *a, **k: failing("rmtree", *a, **k))
     try:
         save(root, step, keep=keep, payload="new")
         return False
