@@ -1,4 +1,4 @@
-"""Each adaptation in hybridrl/megatron/cpu.py is still needed (the upstream call fails on CPU without
+"""Each adaptation in hybridrl/megatron/cpu/ is still needed (the upstream call fails on CPU without
 it, with the error its docstring names) and does its job. When an upstream release fixes one of
 them, its ``*_still_fails`` test fails: delete the adaptation and the test.
 

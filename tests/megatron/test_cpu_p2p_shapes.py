@@ -1,4 +1,4 @@
-"""``use_cpu_in_p2p_shape_exchange`` (hybridrl/megatron/cpu.py) is still needed and does its job:
+"""``use_cpu_in_p2p_shape_exchange`` (hybridrl/megatron/cpu/model.py) is still needed and does its job:
 pipeline stages exchange activations of varying shapes (token-budget micro-batches) on gloo."""
 
 from __future__ import annotations
