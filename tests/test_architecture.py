@@ -9,6 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 MAX_FIT_LINES = 60
+MAX_MODULE_LINES = 500
 
 
 def modules() -> dict[str, Path]:
@@ -122,3 +123,9 @@ def test_the_rl_loop_fits_on_a_screen() -> None:
     fit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "fit")
     assert fit.end_lineno is not None
     assert fit.end_lineno - fit.lineno + 1 <= MAX_FIT_LINES
+
+
+def test_no_module_is_longer_than_one_reader_holds() -> None:
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
