@@ -80,7 +80,6 @@ def _step(model_dir: str, pp: int, *, shortcut: bool, shared: bool = False) -> d
         entropy_BT = hybrid.compute_log_probs(batch)
         steps = hybrid.update_actor(batch, seed=7)
     weights = {k: v.clone() for bucket in hybrid.actor.export_weights(bucket_bytes=1 << 20) for k, v in bucket}
-    hybrid.shutdown()
     return {"steps": steps, "old": batch.old_logprobs, "entropy": entropy_BT, "weights": weights}
 
 
@@ -107,7 +106,6 @@ def _refusals(model_dir: str) -> list[str]:
             said.append(str(e))
         assert all(torch.equal(a, p) for a, p in zip(before, hybrid.actor.parameters(), strict=True))
         assert batch.old_logprobs is None
-        hybrid.shutdown()
     return said
 
 

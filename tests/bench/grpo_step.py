@@ -53,7 +53,7 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
             timer = Timer()
             with timer("step"):
                 with timer("gen"):
-                    batch = c.hybrid.generate(next(prompts), sampling_params(cfg), seed=step)
+                    batch = c.rollout.generate(next(prompts), sampling_params(cfg), seed=step)
                 with timer("reward"):
                     score(batch, c.reward.submit(batch))
                 with timer("old_log_prob"):
@@ -63,7 +63,7 @@ def hybridrl_steps(tmp: Path, model: Path, train: Path, steps: int, warmup: int)
                 with timer("update_actor"):
                     c.hybrid.update_actor(batch, seed=step)
                 with timer("sync_weights"):
-                    c.hybrid.sync_weights()
+                    c.rollout.sync_weights()
             if step > warmup:
                 rows.append(timer.times | {"samples": float(len(batch))})
     finally:

@@ -123,7 +123,7 @@ def test_rl_step(model: Path, engine: str) -> None:
     build_s = time.perf_counter() - t0
     seen: dict[str, Any] = {"gen_alloc": [], "gen_used": [], "reload_s": [], "release": []}
     try:
-        eng = c.hybrid.engines.engine
+        eng = c.rollout.workers.engines.engine  # the single-turn rollout's colocated engine
         assert eng is not None
         in_update = [False]
         spy(eng, "generate", before=lambda: (seen["gen_alloc"].append(torch.cuda.memory_allocated()),

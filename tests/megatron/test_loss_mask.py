@@ -78,7 +78,6 @@ def _step(model_dir: str, mode: str, batch) -> dict:
     hybrid.compute_ref_log_probs(batch)
     steps = hybrid.update_actor(batch, seed=7)
     weights = {k: v.clone() for bucket in hybrid.actor.export_weights(bucket_bytes=1 << 20) for k, v in bucket}
-    hybrid.shutdown()
     return {"steps": steps, "weights": weights}
 
 

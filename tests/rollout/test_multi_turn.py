@@ -146,7 +146,7 @@ def _tools() -> dict[str, Any]:
 
 
 class Workers:
-    """The rollout's view of ActorRolloutRef (no trainers to offload here)."""
+    """The rollout's engine workers (no trainers to offload here)."""
 
     def __init__(self, engines: Any) -> None:
         self.engines, self.weight_version = engines, 0

@@ -59,7 +59,6 @@ def rl_step(model_dir: str, fused: bool, full, *, lm_head: bool = False) -> dict
     hybrid.compute_ref_log_probs(batch)
     steps = hybrid.update_actor(batch, seed=7)
     weights = {k: v for bucket in hybrid.actor.export_weights(bucket_bytes=1 << 20) for k, v in bucket}
-    hybrid.shutdown()
     parallel_state.destroy_model_parallel()
     return {"old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "entropy": entropy,
             "steps": steps, "weights": weights}

@@ -41,6 +41,7 @@ from hybridrl.interfaces import SamplingParams
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy
+from hybridrl.rollout.workers import EngineWorkers, build_engines
 from hybridrl.trainers.components import actor_objective
 
 torch.set_num_threads(1)
@@ -154,7 +155,7 @@ def record_phases(hybrid: ActorRolloutRef) -> tuple[list[tuple[str, str, str, di
     return log, phase
 
 
-def rl_steps(hybrid: ActorRolloutRef, batch: RolloutBatch, prompts: PromptBatch, *,
+def rl_steps(hybrid: ActorRolloutRef, workers: EngineWorkers, batch: RolloutBatch, prompts: PromptBatch, *,
              check: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": [], "freed": {}, "phases": []}
     if check:
@@ -163,7 +164,7 @@ def rl_steps(hybrid: ActorRolloutRef, batch: RolloutBatch, prompts: PromptBatch,
         b = batch.index(list(range(len(batch))))  # a fresh copy: the phases fill in fields
         if check:
             phase[0] = "generate"
-        hybrid.generate(prompts, GEN, seed=step)
+        workers.generate(prompts, GEN, seed=step)
         if check:  # everything waits on the host through generation
             actor, ref = state_tensors(hybrid.actor), state_tensors(hybrid.ref)  # type: ignore[arg-type]
             out["freed"][f"step{step}/generate"] = {
@@ -180,7 +181,7 @@ def rl_steps(hybrid: ActorRolloutRef, batch: RolloutBatch, prompts: PromptBatch,
         metrics = hybrid.update_actor(b, seed=7 + step)
         if check:
             phase[0] = "sync_weights"
-        hybrid.sync_weights()
+        workers.sync_weights()
         weights = {k: v for bucket in hybrid.actor.export_weights(bucket_bytes=1 << 20) for k, v in bucket}
         out["steps"].append({"old_logprobs": b.old_logprobs, "ref_logprobs": b.ref_logprobs, "entropy": entropy_BT,
                              "metrics": metrics, "weights": weights})
@@ -208,12 +209,14 @@ def run(model_dir: str, out_dir: Path, name: str, full: RolloutBatch) -> None:
         plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
         assert not problems, problems
         hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=full.pad_token_id)
-        got = rl_steps(hybrid, full.index(mine), prompts_of(full), check=offload)
+        workers = EngineWorkers(build_engines(cfg, plan, pad_token_id=full.pad_token_id), trainer=hybrid,
+                                bucket_megabytes=aor.rollout.update_weights_bucket_megabytes)
+        got = rl_steps(hybrid, workers, full.index(mine), prompts_of(full), check=offload)
         result["on" if offload else "off"] = got["steps"]
         if offload:
             result["freed"], result["phases"] = got["freed"], got["phases"]
             result["round_trip"] = round_trip(hybrid.actor)
-        hybrid.shutdown()
+        workers.shutdown()
         parallel_state.destroy_model_parallel()
     torch.save(result, out_dir / f"{name}-rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:

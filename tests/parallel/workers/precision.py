@@ -132,7 +132,6 @@ def run_step(model_dir: str, out_dir: Path, run: str, mode: str, full: Any) -> N
     with count_forwards(hybrid.actor) as forwards:
         steps = hybrid.update_actor(batch, seed=7)
     weights, main = hf_weights(hybrid.actor.chunks, hybrid.actor), main_weights(hybrid.actor)
-    hybrid.shutdown()
     assert batch.old_logprobs is not None and batch.ref_logprobs is not None
     save_gathered(out_dir / f"{run}-{mode}.pt", mine, len(full),
                   {"old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs, "entropy": entropy_BT},
@@ -207,7 +206,6 @@ def run_resume(model_dir: str, out_dir: Path, run: str, full: Any) -> None:
     before = main_weights(fresh)
     load_checkpoint(path, cfg=cfg, policy=fresh)
     resumed = step(fresh, second)
-    hybrid.shutdown()
     if dist.get_rank() == 0:
         torch.save({"uninterrupted": uninterrupted, "resumed": resumed, "fresh_main_weights": before,
                     "weights_at_checkpoint": at_checkpoint, "checkpoint": str(path)}, out_dir / f"{run}.pt")

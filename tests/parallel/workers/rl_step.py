@@ -11,7 +11,7 @@ budget and are cut into two rows) or ``-lmh`` (the fused LM head: ``use_fused_ke
 ``fused_lm_head``, log-probs from hidden states × the LM-head weight); DP is what remains of the world. Under VPP
 the ref's log-prob pass uses micro-batches of 6 (3 per pass, padded to a multiple of PP by the
 policy); log-probs don't depend on the micro-batch size, so the TP=1 reference (4) still applies. For
-each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref + engine, as the trainer
+each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref, as the trainer
 does), fills a FIXED RolloutBatch (no generation: DP ranks would sample differently) and runs what
 ``trainer.fit`` runs between generation and weight sync: ``compute_log_probs`` →
 ``compute_ref_log_probs`` → ``update_actor``. Rank 0 saves ``OUT_DIR/<layout>dp<DP>-<mode>.pt`` with the
@@ -164,7 +164,6 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     hybrid.compute_ref_log_probs(batch)
     steps = hybrid.update_actor(batch, seed=7)
     weights = {k: v for bucket in hybrid.actor.export_weights(bucket_bytes=1 << 20) for k, v in bucket}
-    hybrid.shutdown()
 
     assert batch.old_logprobs is not None and batch.ref_logprobs is not None
     local = (mine, batch.old_logprobs, batch.ref_logprobs, entropy_BT)
