@@ -96,3 +96,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"time by area ({total / 60:.1f} worker-minutes in all)")
     for area, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{s / 60:7.1f} min {100 * s / total:5.1f} %  {len(tests[area]):4d} tests  {area}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that launches ranks or an engine's processes is ``slow`` too: the quick tier (``-m "not slow"``, in
+    the README) leaves out everything that takes more than a few seconds."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in ("distributed", "sglang", "vllm")):
+            item.add_marker(pytest.mark.slow)

@@ -68,6 +68,7 @@ def lora_run(dpo_run: Path) -> Path:
     return dpo_run / "lora"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["tp1", "lora"])
 def test_first_step_has_policy_equal_to_reference(dpo_run: Path, lora_run: Path, run: str) -> None:
     rows = metrics(dpo_run / run)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CHECKS = {  # the (a), (b) and, behind --full, (c)
     "grpo_tiny": "runs", "qwen2_1p5b_rl_step": "runs", "qwen2_1p5b_verify": "runs", "fused_logprob": "runs",
@@ -18,6 +20,7 @@ CHECKS = {  # the issue's (a), (b) and, behind --full, (c)
 }
 
 
+@pytest.mark.slow
 def test_run_all_dry_run_resolves_every_check(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "HYBRIDRL_GPU_WORK": str(tmp_path)}
     proc = subprocess.run(["bash", "tests/gpu/run_all.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,

@@ -13,12 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_lora_sft_trains_adapters_and_saves_merged_weights(tmp_path: Path) -> None:
     out, saved = tmp_path / "out", tmp_path / "saved"
     cmd = [sys.executable, str(REPO / "launch" / "sft.py"), "recipe=sft_lora_tiny", f"model.path={tmp_path / 'random'}",

@@ -137,6 +137,7 @@ def model(tmp_path_factory: pytest.TempPathFactory, discriminate) -> Path:
     return discriminate(out, seed=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2])
 def test_shortcut_gives_the_same_step(torchrun, model: Path, tmp_path: Path, pp: int) -> None:
     """Same metrics, π_old, entropy and weights with and without the old-log-prob pass (SGD: the update is
@@ -161,6 +162,7 @@ def _check_same_step(ref: dict, got: dict) -> None:
     assert moved <= TOL
 
 
+@pytest.mark.slow
 def test_shortcut_refuses_an_update_that_is_not_provably_on_policy(torchrun, model: Path, tmp_path: Path) -> None:
     """Two mini-batches, or two epochs: a clear error, no weight touched, no π_old filled in."""
     out = tmp_path / "result.pt"

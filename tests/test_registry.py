@@ -101,6 +101,7 @@ def _run(code: str, *sites: Path, args: tuple[str, ...] | list[str] = ()) -> sub
                           text=True)
 
 
+@pytest.mark.slow
 def test_installed_plugin_appears_in_cli_listing(sites: dict[str, Path]) -> None:
     env = {**os.environ, "PYTHONPATH": str(sites["example"])}
     out = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plugins"], env=env,
@@ -112,6 +113,7 @@ def test_installed_plugin_appears_in_cli_listing(sites: dict[str, Path]) -> None
     assert any(r[:3] == ["advantage_estimators", "grpo", "hybridrl"] for r in rows)
 
 
+@pytest.mark.slow
 def test_plugin_is_loaded_lazily_and_its_config_validated(sites: dict[str, Path]) -> None:
     r = _run("""
         import sys
@@ -183,6 +185,7 @@ def test_broken_plugins_fail_with_their_distribution_named(sites: dict[str, Path
     assert "crashes" in lines[1] and "broken-plugin 9.9.1" in lines[1] and "ModuleNotFoundError" in lines[1]
 
 
+@pytest.mark.slow
 def test_missing_capability_flag_names_plugin_distribution_attribute_and_protocol(sites: dict[str, Path]) -> None:
     r = _run("""
         from hybridrl.registry import Registry, PluginError
@@ -204,6 +207,7 @@ def test_missing_capability_flag_names_plugin_distribution_attribute_and_protoco
     assert lines[2] == "True"
 
 
+@pytest.mark.slow
 def test_a_flag_with_a_default_may_be_left_out_but_not_mistyped(sites: dict[str, Path]) -> None:
     """``needs_teacher`` (default False in the protocol): an estimator written before it existed still loads, and
     the loop reads the flag as a plain attribute; one that sets it to a non-bool is refused by name."""

@@ -20,7 +20,7 @@ TRAIN = str(REPO / "launch" / "train.py")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-pytestmark = pytest.mark.distributed  # the runs are real: torchrun launches launch/train.py
+real_run = pytest.mark.distributed  # on the run_dir fixture's real run: torchrun launches launch/train.py
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,7 @@ def images(page: str) -> list[bytes]:
     return [base64.b64decode(m) for m in re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)]
 
 
+@real_run
 def test_html_overlays_a_finished_run_and_one_still_writing(run_dir: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     running = tmp_path / "running"
@@ -68,6 +69,7 @@ def test_html_overlays_a_finished_run_and_one_still_writing(run_dir: Path, tmp_p
     assert "reward mean (band: min–max): not logged" not in page
 
 
+@real_run
 def test_pngs_one_per_figure_and_one_chosen_figure(run_dir: Path, tmp_path: Path) -> None:
     assert main(["report", str(run_dir), "--out", str(tmp_path / "figs")]) == 0
     written = sorted(p.name for p in (tmp_path / "figs").iterdir())
@@ -79,6 +81,7 @@ def test_pngs_one_per_figure_and_one_chosen_figure(run_dir: Path, tmp_path: Path
     assert main(["report", str(run_dir), "--out", str(tmp_path / "all.png")]) == 2  # 6 figures, one file
 
 
+@real_run
 def test_eval_per_data_source_panels_come_from_the_logged_keys(run_dir: Path) -> None:
     from hybridrl.report.panels import figures
     from hybridrl.report.runs import load_run
@@ -92,6 +95,7 @@ def test_eval_per_data_source_panels_come_from_the_logged_keys(run_dir: Path) ->
     assert steps == [0, 2, 4] and all(0 <= v <= 1 for v in values)
 
 
+@real_run
 def test_a_run_without_most_metrics_is_noted_not_fatal(run_dir: Path, tmp_path: Path) -> None:
     """An SFT run's metrics beside an RL run: the RL panels say which run lacks them, the SFT figure is drawn."""
     sft = tmp_path / "sft"
@@ -107,6 +111,7 @@ def test_a_run_without_most_metrics_is_noted_not_fatal(run_dir: Path, tmp_path: 
     assert len(images((tmp_path / "sft.html").read_text())) == 1
 
 
+@real_run
 def test_rotated_metrics_files_are_named_and_readable(run_dir: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A fresh run moves an earlier run's file aside as metrics.<time>.jsonl (hybridrl.tracking)."""
@@ -119,6 +124,7 @@ def test_rotated_metrics_files_are_named_and_readable(run_dir: Path, tmp_path: P
     assert "out/metrics.20261201-003941" in (tmp_path / "x.html").read_text()
 
 
+@real_run
 def test_without_matplotlib_the_error_says_how_to_install_it(run_dir: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,3 +141,14 @@ def test_a_run_that_has_not_finished_a_step_yet(tmp_path: Path, capsys: pytest.C
     assert "nothing to draw yet" in capsys.readouterr().out
     page = (tmp_path / "r.html").read_text()
     assert images(page) == [] and "left out a partial last line" in page
+
+
+def test_a_written_metrics_file_is_drawn_without_a_run(tmp_path: Path) -> None:
+    """The quick tier's report check: a hand-written metrics.jsonl (two evaluations, three steps) gives a page with
+    figures, so ``hybridrl report`` needs nothing but the file."""
+    rows = [{"step": 0, "eval/accuracy": 0.1}, *({"step": k, "reward/mean": 0.2 * k, "actor/pg_loss": 0.5 / k}
+                                                 for k in (1, 2, 3)), {"step": 3, "eval/accuracy": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 0
+    pngs = images((tmp_path / "r.html").read_text())
+    assert pngs and all(p.startswith(PNG) for p in pngs)

@@ -34,6 +34,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"out": out, "saved": saved, "random": tmp / "random", "stdout": Path(proc.stdout)}
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_output_dir_fails_before_writing(sft_run: dict[str, Path]) -> None:
     """Reproduces: SFT took no lock, so a second run on the output dir rotated the first one's metrics."""
     from test_run_lock import HOLD
@@ -101,6 +102,7 @@ def _memorize(tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_target_accuracy_stops_the_run_once_greedy_decoding_reproduces_the_targets(tmp_path: Path) -> None:
     """``trainer.target_accuracy``: the run stops at the first check that reaches it (not at the step cap), and the
     saved model's greedy decoding (transformers ``generate``) reproduces as many held-out targets as
@@ -123,6 +125,7 @@ def test_target_accuracy_stops_the_run_once_greedy_decoding_reproduces_the_targe
     assert any(0 < a < 1 for _, a in checks), checks
 
 
+@pytest.mark.slow
 def test_a_target_not_reached_within_the_cap_fails_and_saves_nothing(tmp_path: Path) -> None:
     proc = _memorize(tmp_path, "trainer.total_training_steps=10", "optim.lr_warmup_steps=2",
                      "trainer.target_accuracy=1.0")

@@ -92,6 +92,7 @@ def run_template(template: str, overrides: list[str], tmp: Path, *, standin: tup
     return proc, recorded_calls(tmp)
 
 
+@pytest.mark.slow
 def test_multinode_template_launches_one_torchrun_per_node(tmp_path: Path) -> None:
     user = [*RECIPE, TRICKY, "trainer.dist_timeout_s=2400"]
     proc, calls = run_template(MULTI, user, tmp_path, standin=("srun", "scontrol", "torchrun"), nodes=2,
@@ -114,6 +115,7 @@ def test_multinode_template_launches_one_torchrun_per_node(tmp_path: Path) -> No
     assert torchruns[0]["argv"][10] == TRICKY  # byte-identical, not re-parsed by a shell
 
 
+@pytest.mark.slow
 def test_multinode_template_reads_the_timeout_and_port_it_is_given(tmp_path: Path) -> None:
     """The recipe's default dist_timeout_s, an explicit MASTER_PORT and NPROC_PER_NODE without GPUs."""
     proc, calls = run_template(MULTI, RECIPE, tmp_path, standin=("srun", "scontrol", "torchrun"),
@@ -124,6 +126,7 @@ def test_multinode_template_reads_the_timeout_and_port_it_is_given(tmp_path: Pat
     assert "--nproc-per-node=2" in argv and argv[-1] == "trainer.n_gpus_per_node=2"
 
 
+@pytest.mark.slow
 def test_single_node_template(tmp_path: Path) -> None:
     user = [*RECIPE, TRICKY]
     proc, calls = run_template(SINGLE, user, tmp_path, standin=("srun", "scontrol", "torchrun"), nodes=1,
@@ -134,6 +137,7 @@ def test_single_node_template(tmp_path: Path) -> None:
                                 "trainer.nnodes=1", "trainer.n_gpus_per_node=4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", [MULTI, SINGLE])
 def test_config_error_stops_the_job_before_any_node_starts(tmp_path: Path, template: str) -> None:
     proc, calls = run_template(template, [*RECIPE, "data.train_batch_size=-3"], tmp_path,
@@ -184,6 +188,7 @@ def test_two_node_loopback_run_through_the_template(tmp_path: Path) -> None:
     assert rows[0]["data/prompts_kept"] > 0
 
 
+@pytest.mark.slow
 def test_validate_get_prints_only_the_values_on_stdout() -> None:
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", "--world-size", "2",
                            "--get", "trainer.dist_timeout_s", "--get", "data.train_batch_size", "--",

@@ -187,6 +187,7 @@ def test_update_skip_cause_counts_fp16_overflow_only_when_nothing_was_applied() 
     assert update_skip_cause([ok, guarded]) == "an update's loss or gradient norm was not finite"
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_skips_the_optimizer_step(tmp_path: Path) -> None:
     """fp32 Adam would step on NaN gradients; the policy skips the step, keeps the weights and the LR schedule.
     Under float16 Megatron's loss scaler skips it instead (and halves the scale); the guard stays out of its way."""

@@ -58,6 +58,7 @@ def test_progress_eta() -> None:
     assert p.update(2) == "step 2/10 (20%) 2.00 s/step, ETA 0m16s"
 
 
+@pytest.mark.slow
 def test_wandb_offline_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -101,6 +102,7 @@ def test_a_fresh_run_moves_the_earlier_runs_metrics_aside(tmp_path: Path) -> Non
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["reward/mean"] == 1.0
 
 
+@pytest.mark.slow
 def test_mlflow_logs_params_and_step_metrics_to_a_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Without MLFLOW_TRACKING_URI the run goes to a sqlite store in the output dir; read back with mlflow's client."""
@@ -126,6 +128,7 @@ def test_mlflow_logs_params_and_step_metrics_to_a_local_store(tmp_path: Path, mo
                                                                                                               0.25]
 
 
+@pytest.mark.slow
 def test_mlflow_honours_the_tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -142,6 +145,7 @@ def test_mlflow_honours_the_tracking_uri(tmp_path: Path, monkeypatch: pytest.Mon
     assert sorted(r.data.metrics["reward/mean"] for r in runs) == [0.0, 1.0]
 
 
+@pytest.mark.slow
 def test_optional_loggers_are_imported_only_when_chosen(tmp_path: Path) -> None:
     code = ("import sys\nfrom hybridrl.config.schema import TrainerConfig\nfrom hybridrl.tracking import Tracker\n"
             f"t = Tracker(TrainerConfig(output_dir={str(tmp_path)!r}, total_training_steps=3), config={{}}, rank=0)\n"

@@ -16,6 +16,7 @@ from hybridrl.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_validate_recipe_before_its_start_model_is_built(tmp_path: Path) -> None:
     env = dict(os.environ, HYBRIDRL_CACHE_DIR=str(tmp_path / "empty-cache"))
     r = subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", "recipe=grpo_tiny"],
@@ -34,6 +35,7 @@ def test_validate_still_reports_a_missing_model_nobody_builds(tmp_path: Path) ->
     assert f"actor_rollout_ref.model.path='{tmp_path / 'nope'}'" in r.stderr and "does not exist" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_path: Path) -> None:
     """``build_if_missing`` builds only inside the hybridrl cache: a typo in a user's model path must not
     start the SFT bootstrap there (it used to write a tiny arithmetic model at the typo)."""
@@ -50,6 +52,7 @@ def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_pa
     print(f"rejected in {took:.1f} s")
 
 
+@pytest.mark.slow
 def test_every_run_command_in_the_readme_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """The ``torchrun ... launch/train.py`` lines of README.md and every docs/*.md page pass ``hybridrl validate``

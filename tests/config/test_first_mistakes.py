@@ -146,6 +146,7 @@ def run_train(args: list[str], *, torchrun: int | None = None, debug: bool = Fal
                           env=env, timeout=600, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_a_config_error_ends_the_run_in_one_line_and_debug_keeps_the_traceback(tmp_path: Path) -> None:
     bad = ["recipe=grpo_tiny", f"{MT}.environment=arithmetic_feedback", f"trainer.output_dir={tmp_path}"]
     r = run_train(bad)

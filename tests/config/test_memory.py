@@ -76,6 +76,7 @@ def validate(*args: str) -> subprocess.CompletedProcess[str]:
                            str(QWEN7B), *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_grpo_qwen7b_fits_and_a_layout_that_does_not_is_rejected_naming_the_keys() -> None:
     ok = validate()
     assert ok.returncode == 0, ok.stderr
@@ -127,6 +128,7 @@ def test_an_engine_with_a_pool_counts_its_share_of_the_device_not_the_steps_toke
     assert fixed.engine_kv == 4 * GB  # vLLM's kv_cache_memory_bytes
 
 
+@pytest.mark.slow
 def test_a_share_too_small_for_one_sequence_is_refused_naming_the_key() -> None:
     r = validate(f"{AOR}.rollout.gpu_memory_utilization=0.09")  # 7.2 GB: not even the 7.6 GB of TP=2 weights
     assert r.returncode == 2 and f"{AOR}.rollout.gpu_memory_utilization=0.09: the engine's KV pool" in r.stderr

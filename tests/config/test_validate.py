@@ -262,6 +262,7 @@ def test_bad_type_names_key(base: list[str]) -> None:
         compose_config([*base, "trainer.seed=abc"])
 
 
+@pytest.mark.slow
 def test_three_mistakes_one_error_before_any_model(base: list[str]) -> None:
     """Run in a fresh interpreter to prove nothing heavy (Megatron, transformers models) is imported."""
     overrides = [*base, f"{AOR}.actor.megatron.tensor_model_parallel_size=3", f"{AOR}.rollout.n=1",

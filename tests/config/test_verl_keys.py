@@ -114,6 +114,7 @@ def test_an_engine_knob_set_twice_must_agree() -> None:
                         f"+{AOR}.rollout.engine_kwargs.enforce_eager=false"])
 
 
+@pytest.mark.slow
 def test_three_misspelled_keys_are_reported_in_one_run_of_the_trainer() -> None:
     """Hydra stops at the first; launch/train.py reports all three (and a bad value) before anything is built."""
     r = subprocess.run([sys.executable, "launch/train.py", "recipe=grpo_tiny", "trainer.totl_epochs=2",

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys
@@ -65,6 +66,7 @@ def _manager_after_sigkill(mode: str, tmp: Path, script: str = SCRIPT, *args: st
     return alive
 
 
+@pytest.mark.slow
 def test_item1_the_writers_results_manager_outlives_a_sigkilled_process_unless_installed(tmp_path: Path) -> None:
     """Megatron's own manager is still alive 10 s after its parent's SIGKILL (still needed); the installed one dies
     with its parent."""
@@ -77,6 +79,7 @@ def test_item1_the_writers_results_manager_outlives_a_sigkilled_process_unless_i
     assert _manager_after_sigkill("fixed", tmp_path) == []
 
 
+@pytest.mark.slow
 def test_item2_a_saves_forked_worker_outlives_a_sigkilled_rank_unless_wrapped(tmp_path: Path) -> None:
     """Megatron's writer worker, blocked in its write, is still alive 10 s after its rank's SIGKILL (still needed);
     wrapped, the kernel kills it with the rank."""

@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
@@ -37,6 +39,7 @@ def _run(tmp: Path, mode: str) -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_dist_checkpointing_save_needs_the_adaptation_on_cpu(tmp_path: Path) -> None:
     assert _run(tmp_path, "upstream") == "FAILED AssertionError Torch not compiled with CUDA enabled"
     assert _run(tmp_path, "adapted") == "OK [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]"

@@ -28,6 +28,7 @@ def _stderr_of(code: str, **env: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NEITHER, reason="with TE or Apex installed megatron-core warns less (or not at all)")
 def test_megatron_core_still_warns_without_te_and_apex() -> None:
     stderr = _stderr_of("import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs")
@@ -35,6 +36,7 @@ def test_megatron_core_still_warns_without_te_and_apex() -> None:
     assert set(warned) == WARNING_FILES, stderr
 
 
+@pytest.mark.slow
 def test_hybridrl_turns_them_into_one_line_at_start() -> None:
     imports = "import hybridrl.metrics, megatron.core.optimizer, hybridrl.megatron.model"  # megatron.core first
     assert _stderr_of(imports) == ""  # `import hybridrl` silenced them, whoever imports megatron.core first

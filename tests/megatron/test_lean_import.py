@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hybridrl.megatron.lean_import import _deferred_compile
 
 PROBE = """
@@ -30,6 +32,7 @@ def _probe(first: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_plain_megatron_import_still_pulls_them_in() -> None:
     """Upstream: ``import megatron.core`` imports dynamo and inductor (its jit_fuser is torch.compile) and
     wandb/tensorboard (its inference context). Fails once it no longer does: then lean_import can go."""

@@ -117,6 +117,7 @@ def _expected_pg_loss(batch, mode: str) -> float:
     return float(-((batch.advantages * m_BT).sum(-1) / m_BT.sum(-1)).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_untrained_tail_gives_the_step_of_the_cut_batch(steps: dict, mode: str) -> None:
     r = steps[mode]

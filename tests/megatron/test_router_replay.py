@@ -30,6 +30,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_hf_engine_records_the_experts_transformers_routes_each_position_to(checks: dict) -> None:
     """Prompt positions (the prefill) and every sampled token but the last (the decoding steps) equal one forward
     over the whole sequence."""

@@ -196,6 +196,7 @@ def ready(pool: WorkerPool) -> None:
     pool._ensure_ready()
 
 
+@pytest.mark.slow
 def test_pool_scores_shards_and_raise_names_the_sample(pool: WorkerPool, make_batch: MakeBatch) -> None:
     responses = ["ab", "cde", "f", "ghij", "k"]
     scored = on(pool, "raise").score(make_batch(responses, ["1"] * 5))
@@ -207,6 +208,7 @@ def test_pool_scores_shards_and_raise_names_the_sample(pool: WorkerPool, make_ba
     assert 'faults.py", line 6, in score' in msg  # the traceback text came back from the worker
 
 
+@pytest.mark.slow
 def test_pool_kills_a_hung_worker_and_zero_isolates_the_sample(pool: WorkerPool, make_batch: MakeBatch) -> None:
     ready(pool)
     pids = [w.process.pid for w in pool.workers]
@@ -227,6 +229,7 @@ def test_pool_kills_a_hung_worker_and_zero_isolates_the_sample(pool: WorkerPool,
     assert took < 2 * TIMEOUT_S + START_S, took
 
 
+@pytest.mark.slow
 def test_a_crashed_worker_is_a_clear_error_or_zero(pool: WorkerPool, make_batch: MakeBatch) -> None:
     ready(pool)
     with pytest.raises(RewardError, match=r"reward.name='function': its reward worker died \(exit code 3\); the "

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hybridrl.batch import RolloutBatch, SampleMeta
@@ -126,6 +127,7 @@ def test_build_rollout_wraps_the_single_turn_rollout_under_filter_groups() -> No
     assert plain.params.n == N and plain.params.max_new_tokens == cfg.data.max_response_length
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_wraps_any_rollout_on_2_ranks(torchrun, tmp_path: Path) -> None:
     torchrun([__file__, str(tmp_path)], nproc=2, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

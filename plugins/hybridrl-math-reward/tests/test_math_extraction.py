@@ -67,6 +67,7 @@ def test_nesting() -> None:
     assert parse_math("{" * MAX_NESTING + "1" + "}" * MAX_NESTING) != []
 
 
+@pytest.mark.slow
 def test_pathological_answers_finish_quickly() -> None:
     """Each of these hung sympy or ANTLR (for minutes or for good) before the guards; in a subprocess
     because such a hang holds the GIL, so nothing in this process could stop it."""
