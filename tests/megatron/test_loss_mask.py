@@ -25,7 +25,7 @@ METRICS = ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "entropy", "kl_ref")
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # test_on_policy's config, batch and model
+sys.path.insert(0, str(Path(__file__).parent))  # test_on_policy's config, batch and model (run as a script too)
 from test_on_policy import model  # noqa: E402, F401  (a fixture)
 
 

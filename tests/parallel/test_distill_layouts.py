@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from parallel.test_train_layouts import dumps, overrides, run  # noqa: F401  (run is a fixture)
-from test_train_e2e import TRAIN, read_metrics, tiny  # noqa: F401  (a fixture)
+from support.e2e import TRAIN, read_metrics, tiny  # noqa: F401  (a fixture)
 
 from hybridrl.models.tiny import make_tiny_model
 

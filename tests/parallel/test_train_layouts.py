@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_train_e2e import MULTI_TURN, TRAIN, base_overrides, chatty, read_metrics, tiny  # noqa: F401
+from support.e2e import MULTI_TURN, TRAIN, base_overrides, chatty, read_metrics, tiny  # noqa: F401
 
 STEPS = 2  # step 2 samples with the weights step 1 synced: enough to compare the layouts
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_e2e import TRAIN, base_overrides, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
+from support.e2e import TRAIN, base_overrides, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
 from hybridrl.algorithms.dynamic_sampling import group_signal
 from hybridrl.batch import RolloutBatch, SampleMeta

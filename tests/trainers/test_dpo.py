@@ -22,7 +22,7 @@ from hybridrl.config.dpo_schema import compose_dpo, validate_dpo
 from hybridrl.config.errors import ConfigError
 from hybridrl.data.rows import read_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 BETA = 0.5
 

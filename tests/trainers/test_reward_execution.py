@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from config.test_validate import base, issues  # noqa: F401  (base is a fixture)
+from support.e2e import tiny  # noqa: F401  (a fixture)
 from test_registry import _pip_install, _write_dist
 from test_step_guards import rows, train
-from test_train_e2e import tiny  # noqa: F401  (a fixture)
 
 from hybridrl.config.schema import RewardConfig
 from hybridrl.rewards.execution import config_problems, max_wait_s

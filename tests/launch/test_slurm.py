@@ -21,7 +21,7 @@ import pytest
 from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MULTI, SINGLE = "launch/slurm/train.sbatch", "launch/slurm/train_1node.sbatch"
 
 

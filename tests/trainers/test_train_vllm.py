@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_train_e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics
+from support.e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics
 
 from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model

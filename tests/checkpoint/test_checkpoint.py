@@ -26,7 +26,7 @@ from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.checkpoint.rl import LATEST, checkpoint_problem, latest_complete, step_dirs
 from hybridrl.models.tiny import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

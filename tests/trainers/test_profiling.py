@@ -15,7 +15,7 @@ from hybridrl.config.errors import ConfigError
 from hybridrl.config.validate import validate
 from hybridrl.models.tiny import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
 
 

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_train_e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
+from support.e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed: run `bash launch/install_sglang_cpu.sh` (CI's test command does)",

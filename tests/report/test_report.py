@@ -15,7 +15,7 @@ from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.cli import main
 from hybridrl.models.tiny import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from support.e2e import TRAIN, base_overrides, tiny  # noqa: F401  (tiny is a fixture)
 from test_registry import _pip_install, _write_dist
-from test_train_e2e import TRAIN, base_overrides, tiny  # noqa: F401  (tiny is a fixture)
 
 from hybridrl.guards import (
     NonFiniteError,
@@ -196,7 +196,7 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "m", hidden=32, layers=2, heads=4, kv_heads=2, max_positions=64)
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(Path(__file__).parent / "parallel" / "workers")!r})
+sys.path.insert(0, {str(Path(__file__).parents[1] / "parallel" / "workers")!r})
 from rl_step import fixed_batch
 from transformers import AutoConfig
 from hybridrl.megatron.config import MicroBatching

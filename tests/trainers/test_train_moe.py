@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_train_e2e import TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
+from support.e2e import TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
 
 from hybridrl.models.tiny import make_tiny_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_train_e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
+from support.e2e import MULTI_TURN, TRAIN, chatty, overrides, read_metrics, tiny  # noqa: F401
 
 AOR = "actor_rollout_ref"
 ASYNC = (f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1", "async_training.enable=true")

@@ -26,7 +26,7 @@ from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.lora.checkpoint import LORA_RECORD, base_fingerprint, check_base, read_record, record_config
 from hybridrl.models.tiny import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.actor.optim.lr=1e-2")
 

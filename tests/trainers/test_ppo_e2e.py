@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_train_e2e import TRAIN, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
+from support.e2e import TRAIN, read_metrics, tiny  # noqa: F401  (tiny is a fixture)
 
 from hybridrl.checkpoint.rl import LATEST
 

@@ -1,7 +1,7 @@
 """The checkpoint directory's rules, on plain files (no training): manifest, ``latest``, the commit order
 under a crash at every step of it, retention, other histories moved aside, changed settings on resume,
 RNG state that loads with ``weights_only=True``. The same code under real training runs and SIGKILLs:
-``tests/test_checkpoint.py``."""
+``tests/checkpoint/test_checkpoint.py``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_train_e2e import tiny  # noqa: F401  (a fixture)
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: this file is also run as a rank's script
+from support.e2e import tiny  # noqa: E402, F401  (a fixture)
 
 METRICS = ("pg_loss", "grad_norm", "ppo_kl", "clipfrac", "entropy")
 TOL = 2e-6  # fp32 reassociation (the pass and the update cut different micro-batches)
@@ -51,7 +53,7 @@ def _batch(model_dir: str):
     """The layout tests' fixed batch: 4 prompts × 4 samples of differing lengths, fixed advantages."""
     from transformers import AutoConfig
 
-    sys.path.insert(0, str(Path(__file__).parent / "parallel" / "workers"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel" / "workers"))
     from rl_step import fixed_batch
 
     hf = AutoConfig.from_pretrained(model_dir)
@@ -201,7 +203,7 @@ def test_the_loop_runs_the_pass_only_when_needed(mini: int, epochs: int, kl_in_r
 def test_the_loop_skips_the_pass_and_keeps_its_metrics(torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
     """launch/train.py with one mini-batch per step: no old-log-prob pass (``actor/old_logprob_pass`` 0, no
     ``timing/old_log_prob``), π_old from the update still checked against the engine's log-probs."""
-    from test_train_e2e import TRAIN, base_overrides, read_metrics
+    from support.e2e import TRAIN, base_overrides, read_metrics
 
     out = tiny["tmp"] / "on_policy_run"
     torchrun([TRAIN, *base_overrides(
