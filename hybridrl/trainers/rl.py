@@ -101,8 +101,9 @@ def log_prob_passes(c: Components, batch: RolloutBatch, timer: Timer, *, old_pas
 
 @dataclass(slots=True, kw_only=True)
 class Update:
-    """What a step's updates gave: per optimizer step metrics of the critic and the actor (none while the critic
-    warms up), the MB of the weight sync, and the entropy of an on-policy update (no old-log-prob pass)."""
+    """What a step's updates gave: the critic's metrics (means over its optimizer steps), the actor's per optimizer
+    step (none while the critic warms up), the MB of the weight sync, and the entropy of an on-policy update (no
+    old-log-prob pass)."""
 
     critic: dict[str, float] = field(default_factory=dict)
     actor: list[dict[str, float]] = field(default_factory=list)
