@@ -11,6 +11,9 @@ Faults of tools are observations for the policy (:mod:`hybridrl.tools.runner`). 
 (``Act.error``; the rollout applies ``reward.on_error``); a ``close()`` that raises or times out is a warning. Each of
 them runs within ``environment_timeout_s`` (:mod:`hybridrl.tools.bounded`: one past it gives its worker back, so an
 environment that hangs costs that limit, never the run).
+
+:func:`episode_actors` builds all of it from ``multi_turn.*`` (tools, environment, renderer checked token-exact),
+for the colocated rollout and for the engine ranks of a disaggregated one alike.
 """
 
 from __future__ import annotations
