@@ -42,6 +42,9 @@ def score(response, ground_truth, *, data_source, extra, prompt):
         ctypes.string_at(0)
     if ground_truth == "slow":
         time.sleep(0.3)
+    if ground_truth.startswith("gate:"):  # held until the test creates the file
+        while not os.path.exists(ground_truth[5:]):
+            time.sleep(0.01)
     return float(len(response))
 """
 TIMEOUT_S = 2.0
@@ -118,25 +121,28 @@ class _Slow:
 
     def __call__(self, batch: RolloutBatch) -> RewardOutput:
         time.sleep(0.3)
+        type(self).calls += 1
         return RewardOutput(scores_B=torch.ones(len(batch)))
 
 
 def test_overlap_only_where_the_reward_allows_it(faults: Path, tok: PreTrainedTokenizerBase, tok_dir: Path,
-                                                 make_batch: MakeBatch) -> None:
-    batch = make_batch(["ab", "c"], ["slow", "slow"])  # 0.6 s of scoring
+                                                 make_batch: MakeBatch, tmp_path: Path) -> None:
+    """Forced, not timed: the overlapping reward is held at a gate that opens only after ``submit`` returned (had
+    ``submit`` waited for it, the scoring would time out); the other one has scored when ``submit`` returns."""
+    gate = tmp_path / "open"
+    batch = make_batch(["ab", "c"], [f"gate:{gate}", f"gate:{gate}"])
     r = runner(faults, tok, tok_dir, timeout_s=TIMEOUT_S)
     assert r.overlaps  # FunctionReward.overlaps_compute
-    t0 = time.monotonic()
-    pending = r.submit(batch)
-    assert time.monotonic() - t0 < 0.3  # returned at once; the caller computes meanwhile
+    pending = r.submit(batch)  # returns with the reward still held: the caller computes meanwhile
+    gate.touch()
     assert pending.result().output.scores_B.tolist() == [2.0, 1.0]
 
     assert overlaps_compute(_Slow, "slow") is False  # absent: the safe default
     plain = RewardRunner(InThread(_Slow(), timeout_s=TIMEOUT_S), name="slow", on_error="raise", timeout_s=TIMEOUT_S,
                          overlaps=overlaps_compute(_Slow, "slow"))
-    t0 = time.monotonic()
+    before = _Slow.calls
     pending = plain.submit(batch)
-    assert time.monotonic() - t0 >= 0.3  # scored before submit returned
+    assert _Slow.calls == before + 1  # scored before submit returned
     assert pending.result().output.scores_B.tolist() == [1.0, 1.0]
 
     class Bad(_Slow):
