@@ -38,26 +38,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.hf.arch import eos_token_ids
-from hybridrl.hf.tensors import checkpoint_shapes
-from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket
 from hybridrl.rollout.engines import sglang_compat as compat
 from hybridrl.rollout.engines import sglang_process as process
+from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
 from hybridrl.rollout.engines.sglang_process import SGLangEngineError
-from hybridrl.rollout.engines.weight_names import check_bucket
-from hybridrl.seeds import request_seed
 
-CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+__all__ = ["CONFIG_KEY", "DTYPES", "SGLangEngineError", "SGLangRolloutEngine"]
 LOAD_FORMATS = ("flattened_bucket", "tensors")
 CPU_MAX_TOTAL_TOKENS = 16384
 # server args the engine sets itself; `server_args` may not override them
@@ -66,9 +61,11 @@ _OWNED_SERVER_ARGS = frozenset({"model_path", "device", "tp_size", "skip_tokeniz
                                 "mem_fraction_static"})  # actor_rollout_ref.rollout.gpu_memory_utilization
 
 
-class SGLangRolloutEngine:
-    supports_tensor_parallel: ClassVar[bool] = True
-    supports_abort: ClassVar[bool] = True  # abort(): SGLang's abort of every request, partial outputs kept
+class SGLangRolloutEngine(ServerEngine):
+    label: ClassVar[str] = "SGLang"
+    error: ClassVar[type[RuntimeError]] = SGLangEngineError
+    marks_last_bucket: ClassVar[bool] = True  # the cache flush and the new version come with the last bucket
+    # abort(): SGLang's abort of every request, partial outputs kept
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -95,12 +92,8 @@ class SGLangRolloutEngine:
         server_args: dict[str, Any] = field(default_factory=dict)  # any other SGLang ServerArgs, verbatim
 
         def __post_init__(self) -> None:
-            if self.dtype is not None and self.dtype not in DTYPES:
-                raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(DTYPES)} or null")
-            for name in ("max_total_tokens", "max_running_requests", "cpu_threads"):
-                value = getattr(self, name)
-                if value is not None and value < 1:
-                    raise ValueError(f"{name}={value} must be ≥ 1 or null")
+            check_engine_config(self, at_least_one=("max_total_tokens", "max_running_requests", "cpu_threads"),
+                                passthrough="server_args", owned=_OWNED_SERVER_ARGS)
             if self.update_weights_load_format not in LOAD_FORMATS:
                 raise ValueError(f"update_weights_load_format={self.update_weights_load_format!r}; "
                                  f"valid: {', '.join(LOAD_FORMATS)}")
@@ -110,11 +103,6 @@ class SGLangRolloutEngine:
                 raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0 or null")
             if self.start_timeout_s <= 0:
                 raise ValueError(f"start_timeout_s={self.start_timeout_s} must be > 0")
-            typed = {f.name for f in fields(self)} - {"server_args"}
-            clash = sorted((set(self.server_args) & typed) | (set(self.server_args) & _OWNED_SERVER_ARGS))
-            if clash:
-                raise ValueError(f"server_args may not set {clash}: use the engine's own keys or let the "
-                                 "trainer set them")
 
     @classmethod
     def memory_budget(cls, config: Config, *, device_type: str, gpu_memory_utilization: float) -> EngineMemory | None:
@@ -130,21 +118,12 @@ class SGLangRolloutEngine:
 
     def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", tp_size: int = 1,
                  gpu_memory_utilization: float = 0.5, **ctx: Any) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.model_path = str(model_path)
-        self.tp_size = tp_size
-        self.gpu_memory_utilization = gpu_memory_utilization
+        self.engine: Any = None
+        self.failure: str | None = None  # set when an engine process died
+        super().__init__(config, model_path=model_path, device=device, tp_size=tp_size,
+                         gpu_memory_utilization=gpu_memory_utilization)
         cpu = self.device.type == "cpu"
         self.memory_saver = not cpu if config.enable_memory_saver is None else config.enable_memory_saver
-        self.version = 0
-        self._abort = threading.Event()  # abort() until resume(): requests come back cut short
-        self.engine: Any = None
-        self.procs: list[Any] = []  # psutil.Process of the engine's own processes
-        self._released: set[str] = set()
-        self.failure: str | None = None  # set when an engine process died
-        self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
-        self.stop_ids, self.shapes = _read_checkpoint(self.model_path)
         problem = self.model_problem(self.model_path, device_type=self.device.type)
         if problem:
             raise SGLangEngineError(f"the SGLang engine cannot serve {self.model_path} (actor_rollout_ref.model.path) "
@@ -197,10 +176,6 @@ class SGLangRolloutEngine:
             args["enable_deterministic_inference"] = True
         return args | c.server_args
 
-    def describe(self) -> str:
-        shown = {k: v for k, v in asdict(self.config).items() if v not in (None, {}, False)}
-        return f"{CONFIG_KEY}={shown} (model_path={self.model_path!r}, device={self.device}, tp_size={self.tp_size})"
-
     def _start(self) -> None:
         cpu = self.device.type == "cpu"
         if cpu:
@@ -242,22 +217,17 @@ class SGLangRolloutEngine:
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,
                  max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"sglang engine: {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per "
-                             "prompt (or none)")
-        limits = check_limits(max_new_tokens, prompts, params)
-        expanded = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        expanded, limits, stop = self._requests(prompts, params, seeds, max_new_tokens)
         if not expanded:
             return []
         self._check_alive()
         if self._abort.is_set():  # interrupted before it started: nothing sampled
             return [Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort",
                                weight_version=self.version) for i, _ in expanded]
-        stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
         base = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     max_new_tokens=params.max_new_tokens, stop_token_ids=stop)
         sampling = [base | {"max_new_tokens": limits[i]}
-                    | ({} if seeds is None else {"sampling_seed": request_seed(seeds[i], j)}) for i, j in expanded]
+                    | ({} if seeds is None else {"sampling_seed": self.seed(seeds, i, j)}) for i, j in expanded]
         input_ids = [list(prompts[i]) for i, _ in expanded]
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
                                                      return_logprob=True), what="generate")
@@ -280,41 +250,29 @@ class SGLangRolloutEngine:
         return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
                           finish_reason=finish["type"], weight_version=min(int(s["version"]) for s in spans))
 
-    def abort(self) -> None:
-        """From another thread: the running ``generate`` returns soon, each unfinished sample with its tokens so far
-        (``finish_reason="abort"``), and so does any until :meth:`resume`."""
-        self._abort.set()
+    def _abort_running(self) -> None:
         if self.engine is not None:
             compat.abort_all(self.engine)
 
-    def resume(self) -> None:
-        self._abort.clear()
-
-    # ---- weight swap ----
-    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        """Copy the streamed HF-named tensors into the engine's parameters, in place; no restart, no disk."""
-        self._check_alive()
-        t0, sent, count = time.perf_counter(), 0, 0
-        if "weights" in self._released:
-            self._resume(["weights"])  # load into resident storage
+    # ---- weight swap: one begin/end_weight_update session ----
+    def _begin_update(self) -> None:
         self._wait_until_idle()
         self._ok(self._call(compat.weight_update_session(self.engine, "begin"), what="begin_weight_update"))
-        try:
-            for bucket, last in _with_last(b for b in buckets if b):
-                check_bucket(bucket, self.shapes, engine="sglang", model_path=self.model_path)
-                request = compat.update_weights_from_tensor(
-                    self.engine, self._payloads(bucket), load_format=self._load_format(), flush_cache=last,
-                    weight_version=str(version) if last else None)  # the flush and the version come last
-                self._ok(self._call(request, what="update_weights_from_tensor"))
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                count += 1
-            if count == 0:  # nothing streamed: still stamp the version
-                self._call(compat.set_weight_version(self.engine, str(version)), what="update_weight_version")
-        finally:
-            if self.failure is None:  # a dead engine has no session to end
-                self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
-        self.version = version
-        self.last_update = {"seconds": time.perf_counter() - t0, "megabytes": sent / 2**20, "buckets": count}
+
+    def _send_bucket(self, bucket: WeightBucket, *, last: bool, version: int) -> int:
+        request = compat.update_weights_from_tensor(
+            self.engine, self._payloads(bucket), load_format=self._load_format(), flush_cache=last,
+            weight_version=str(version) if last else None)  # the flush and the version come last
+        self._ok(self._call(request, what="update_weights_from_tensor"))
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _sent_all(self, count: int, version: int) -> None:
+        if count == 0:  # nothing streamed: still stamp the version
+            self._call(compat.set_weight_version(self.engine, str(version)), what="update_weight_version")
+
+    def _end_update(self) -> None:
+        if self.failure is None:  # a dead engine has no session to end
+            self._ok(self._call(compat.weight_update_session(self.engine, "end"), what="end_weight_update"))
 
     def _load_format(self) -> str | None:
         return "flattened_bucket" if self.config.update_weights_load_format == "flattened_bucket" else None
@@ -349,14 +307,8 @@ class SGLangRolloutEngine:
             self._call(compat.memory_occupation(self.engine, "release", tags), what="release_memory_occupation")
             self._released.update(tags)
 
-    def resume_memory(self) -> None:
-        self._resume([t for t in ("weights", "kv_cache") if t in self._released])
-
-    def _resume(self, tags: list[str]) -> None:
-        if tags:  # SGLang resumes the weights first, then the KV cache
-            self._check_alive()
-            self._call(compat.memory_occupation(self.engine, "resume", tags), what="resume_memory_occupation")
-            self._released.difference_update(tags)
+    def _restore_tags(self, tags: list[str]) -> None:
+        self._call(compat.memory_occupation(self.engine, "resume", tags), what="resume_memory_occupation")
 
     # ---- calls into the engine ----
     def _call(self, coroutine: Any, *, what: str) -> Any:
@@ -391,33 +343,3 @@ class SGLangRolloutEngine:
             raise SGLangEngineError(f"SGLang engine process(es) {[p.pid for p in dead]} died (see their log above); "
                                     f"engine config: {self.describe()}")
 
-
-def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """``(item, is_last)`` with one item of look-ahead (the stream is consumed lazily)."""
-    it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for following in it:
-        yield current, False
-        current = following
-    yield current, True
-
-
-def _read_checkpoint(model_path: str) -> tuple[list[int], dict[str, tuple[int, ...]]]:
-    """The rollout model's stop ids and its tensor shapes (HF name -> shape: what an update may send)."""
-    try:
-        stop_ids = eos_token_ids(model_path)
-    except (OSError, ValueError) as e:
-        raise _unreadable("model", model_path, e) from e
-    try:
-        shapes = checkpoint_shapes(model_path)
-    except (OSError, ValueError) as e:
-        raise _unreadable("weights", model_path, e) from e
-    return stop_ids, shapes
-
-
-def _unreadable(what: str, model_path: str, e: Exception) -> SGLangEngineError:
-    return SGLangEngineError(f"the SGLang engine cannot read the {what} at {model_path!r} "
-                             f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}")

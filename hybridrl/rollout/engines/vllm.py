@@ -31,24 +31,19 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items re
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.hf.arch import eos_token_ids
-from hybridrl.hf.tensors import checkpoint_shapes
-from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket
 from hybridrl.rollout.engines import processes
 from hybridrl.rollout.engines import vllm_compat as compat
-from hybridrl.rollout.engines.weight_names import check_bucket
-from hybridrl.seeds import request_seed
+from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
 
-CONFIG_KEY = "actor_rollout_ref.rollout.engine_kwargs"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+__all__ = ["CONFIG_KEY", "DTYPES", "VLLMEngineError", "VLLMRolloutEngine"]
 WORKER_EXTENSION = "hybridrl.rollout.engines.vllm_worker.WeightReceiver"
 # engine args the engine sets itself; `engine_args` may not override them
 _OWNED_ENGINE_ARGS = frozenset({"model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "logprobs_mode",
@@ -60,9 +55,10 @@ class VLLMEngineError(RuntimeError):
     """The vLLM engine failed to start, died, or refused a request."""
 
 
-class VLLMRolloutEngine:
-    supports_tensor_parallel: ClassVar[bool] = True
-    supports_abort: ClassVar[bool] = True  # abort(): the step loop aborts its unfinished requests, keeping their tokens
+class VLLMRolloutEngine(ServerEngine):
+    label: ClassVar[str] = "vLLM"
+    error: ClassVar[type[RuntimeError]] = VLLMEngineError
+    # abort(): the step loop aborts its unfinished requests, keeping their tokens
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -84,12 +80,8 @@ class VLLMRolloutEngine:
         engine_args: dict[str, Any] = field(default_factory=dict)  # any other vLLM EngineArgs, verbatim
 
         def __post_init__(self) -> None:
-            if self.dtype is not None and self.dtype not in DTYPES:
-                raise ValueError(f"dtype={self.dtype!r}; valid: {', '.join(DTYPES)} or null")
-            for name in ("kv_cache_memory_bytes", "max_num_seqs", "max_model_len", "cpu_threads"):
-                value = getattr(self, name)
-                if value is not None and value < 1:
-                    raise ValueError(f"{name}={value} must be ≥ 1 or null")
+            check_engine_config(self, at_least_one=("kv_cache_memory_bytes", "max_num_seqs", "max_model_len",
+                                                    "cpu_threads"), passthrough="engine_args", owned=_OWNED_ENGINE_ARGS)
             if self.sleep_level not in (1, 2):
                 raise ValueError(f"sleep_level={self.sleep_level}; valid: 1 (weights kept in host memory) or 2 "
                                  "(weights dropped; the next weight swap writes them)")
@@ -97,11 +89,6 @@ class VLLMRolloutEngine:
                 raise ValueError(f"rpc_timeout_s={self.rpc_timeout_s} must be > 0 or null")
             if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
                 raise ValueError(f"log_level={self.log_level!r}; valid: debug, info, warning, error, critical")
-            typed = {f.name for f in fields(self)} - {"engine_args"}
-            clash = sorted((set(self.engine_args) & typed) | (set(self.engine_args) & _OWNED_ENGINE_ARGS))
-            if clash:
-                raise ValueError(f"engine_args may not set {clash}: use the engine's own keys or let the "
-                                 "trainer set them")
 
     @classmethod
     def plan_notes(cls, config: Config, *, device_type: str, tp_size: int = 1) -> list[str]:
@@ -129,21 +116,12 @@ class VLLMRolloutEngine:
 
     def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", tp_size: int = 1,
                  gpu_memory_utilization: float = 0.5, **ctx: Any) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.model_path = str(model_path)
-        self.tp_size = tp_size
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.cpu = self.device.type == "cpu"
-        self.version = 0
-        self._abort = threading.Event()  # abort() until resume(): requests come back cut short
-        self._requests = 0  # calls so far (request ids: hybridrl-<call>-<k>)
+        self._calls = 0  # calls so far (request ids: hybridrl-<call>-<k>)
         self.llm: Any = None
-        self.procs: list[Any] = []  # psutil.Process of the engine's own processes
         self.reaper: Any = None
-        self._released: set[str] = set()
-        self.last_update: dict[str, float] = {}  # seconds, megabytes, buckets of the last weight swap
-        self.stop_ids, self.shapes = _read_checkpoint(self.model_path)
+        super().__init__(config, model_path=model_path, device=device, tp_size=tp_size,
+                         gpu_memory_utilization=gpu_memory_utilization)
+        self.cpu = self.device.type == "cpu"
         self.sleep_mode = not self.cpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         if self.cpu:
             if config.enable_sleep_mode:
@@ -183,10 +161,6 @@ class VLLMRolloutEngine:
             if getattr(c, name) is not None:
                 args[name] = getattr(c, name)
         return args | c.engine_args
-
-    def describe(self) -> str:
-        shown = {k: v for k, v in asdict(self.config).items() if v not in (None, {}, False)}
-        return f"{CONFIG_KEY}={shown} (model_path={self.model_path!r}, device={self.device}, tp_size={self.tp_size})"
 
     def _start(self) -> None:
         import psutil
@@ -230,21 +204,17 @@ class VLLMRolloutEngine:
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,
                  max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"vllm engine: {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per "
-                             "prompt (or none)")
-        limits = check_limits(max_new_tokens, prompts, params)
-        expanded = [(i, j) for i in range(len(prompts)) for j in range(params.n) if limits[i] > 0]
+        every, limits, stop = self._requests(prompts, params, seeds, max_new_tokens)
+        expanded = [(i, j) for i, j in every if limits[i] > 0]
         self._check_alive()
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        stop = sorted(set(self.stop_ids) | set(params.stop_token_ids))
         requests = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in expanded]
         sampling = [VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=limits[i], stop_token_ids=stop, logprobs=0, detokenize=False,
-            seed=None if seeds is None else request_seed(seeds[i], j)) for i, j in expanded]
+            seed=self.seed(seeds, i, j)) for i, j in expanded]
         outs = self._run(requests, sampling)
         made = {key: self._generation(key[0], out) for key, out in zip(expanded, outs, strict=True)}
         # a prompt capped at 0 new tokens gets empty samples (vLLM needs max_tokens ≥ 1)
@@ -259,8 +229,8 @@ class VLLMRolloutEngine:
             return []
         if self._abort.is_set():
             return [None] * len(requests)
-        self._requests += 1
-        ids = [f"hybridrl-{self._requests}-{k}" for k in range(len(requests))]
+        self._calls += 1
+        ids = [f"hybridrl-{self._calls}-{k}" for k in range(len(requests))]
         for rid, request, params in zip(ids, requests, sampling, strict=True):
             compat.add_cumulative_request(self.llm, rid, request, params)  # item 10
         engine, latest = self.llm.llm_engine, {}
@@ -274,14 +244,6 @@ class VLLMRolloutEngine:
             if left := [i for i in ids if not getattr(latest.get(i), "finished", False)]:
                 engine.abort_request(left)
         return [latest.get(i) for i in ids]
-
-    def abort(self) -> None:
-        """From another thread: the running ``generate`` returns after its current engine step, each unfinished
-        sample with its tokens so far (``finish_reason="abort"``), and so does any until :meth:`resume`."""
-        self._abort.set()
-
-    def resume(self) -> None:
-        self._abort.clear()
 
     def _generation(self, prompt_index: int, out: Any) -> Generation:
         if out is None or not out.finished:  # abort(): what it had (cumulative outputs)
@@ -303,31 +265,23 @@ class VLLMRolloutEngine:
         return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
                           finish_reason=sample.finish_reason, weight_version=self.version)
 
-    # ---- weight swap ----
-    def update_weights(self, buckets: Iterable[WeightBucket], *, version: int) -> None:
-        """Copy the streamed HF-named tensors into the engine's parameters, in place; no restart, no disk."""
+    # ---- weight swap: one layerwise-reload session of the workers ----
+    def _begin_update(self) -> None:
+        self._rpc("hybridrl_begin_weights")
+
+    def _send_bucket(self, bucket: WeightBucket, *, last: bool, version: int) -> int:
         from safetensors.torch import save
 
-        self._check_alive()
-        t0, sent, count = time.perf_counter(), 0, 0
-        if "weights" in self._released:
-            self._wake(["weights"])  # load into resident storage
-        self._rpc("hybridrl_begin_weights")
-        try:
-            for bucket in buckets:
-                if not bucket:
-                    continue
-                check_bucket(bucket, self.shapes, engine="vllm", model_path=self.model_path)
-                payload = save({n: t.detach().to("cpu").contiguous() for n, t in bucket})
-                self._rpc("hybridrl_load_weights", payload)
-                sent += len(payload)
-                count += 1
-        finally:
-            self._rpc("hybridrl_finish_weights")
+        payload = save({n: t.detach().to("cpu").contiguous() for n, t in bucket})
+        self._rpc("hybridrl_load_weights", payload)
+        return len(payload)
+
+    def _end_update(self) -> None:
+        self._rpc("hybridrl_finish_weights")
+
+    def _after_update(self, version: int) -> None:
         self.llm.reset_prefix_cache()  # item 2: cached KV of the old weights
         self.llm.update_weight_version(str(version))
-        self.version = version
-        self.last_update = {"seconds": time.perf_counter() - t0, "megabytes": sent / 2**20, "buckets": count}
 
     def storage(self) -> dict[str, int]:
         """``{parameter name: data_ptr}`` of the served model's weights (engine TP rank 0)."""
@@ -348,14 +302,8 @@ class VLLMRolloutEngine:
         self.llm.sleep(level=self.config.sleep_level)
         self._released = {"weights", "kv_cache"}
 
-    def resume_memory(self) -> None:
-        self._wake([t for t in ("weights", "kv_cache") if t in self._released])
-
-    def _wake(self, tags: list[str]) -> None:
-        if tags:
-            self._check_alive()
-            self.llm.wake_up(tags=tags)
-            self._released.difference_update(tags)
+    def _restore_tags(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
 
     def _check_alive(self) -> None:
         if self.llm is None:
@@ -373,11 +321,3 @@ def _visible_devices(device: torch.device, tp_size: int) -> str:
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     return ",".join(ids[first:first + tp_size])
 
-
-def _read_checkpoint(model_path: str) -> tuple[list[int], dict[str, tuple[int, ...]]]:
-    """The rollout model's stop ids and its tensor shapes (HF name -> shape: what an update may send)."""
-    try:
-        return eos_token_ids(model_path), checkpoint_shapes(model_path)
-    except (OSError, ValueError) as e:
-        raise VLLMEngineError(f"the vLLM engine cannot read the model at {model_path!r} "
-                              f"(actor_rollout_ref.model.path): {e}. Engine config key: {CONFIG_KEY}") from e
