@@ -188,21 +188,66 @@ def test_one_step_off_policy_trains_each_batch_one_version_late(one_step_off: li
     assert got[0]["rollout/logprob_abs_diff"] <= 1e-4 < got[1]["rollout/logprob_abs_diff"]  # off-policy from step 2
 
 
+HELD_ENGINE = """
+from dataclasses import dataclass
+
+from hybridrl.rollout.engines.hf import HFRolloutEngine
+
+
+class HeldHF(HFRolloutEngine):
+    \"\"\"The hf engine whose ``hold_call``-th generate call stops at its first decoding step until ``abort()``
+    (at most ``hold_s``): that call is certainly running when the next weight update comes.\"\"\"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(HFRolloutEngine.Config):
+        hold_call: int = 2
+        hold_s: float = 300.0
+
+    def __init__(self, config, **ctx):
+        super().__init__(config, **ctx)
+        self.calls, self.held = 0, False
+        self.model.register_forward_pre_hook(self._hold, with_kwargs=True)
+
+    def generate(self, prompts, params, **kw):
+        self.calls += 1
+        return super().generate(prompts, params, **kw)
+
+    def _hold(self, module, args, kwargs):
+        decoding = kwargs["input_ids"].shape[1] == 1  # a sampled token in: the prompt's forward is done
+        if decoding and self.calls == self.config.hold_call and not self.held:
+            self.held = True
+            self._abort.wait(self.config.hold_s)
+"""
+
+
+@pytest.fixture(scope="module")
+def held_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A site dir with the ``held_hf`` rollout engine, installed as a third party's engine would be."""
+    from test_registry import _pip_install, _write_dist
+
+    tmp = tmp_path_factory.mktemp("held_engine")
+    src = _write_dist(tmp / "src", "hybridrl-held-engine", "held_engine", "hybridrl.rollout_engines",
+                      {"held_hf": "held_engine:HeldHF"}, HELD_ENGINE)
+    _pip_install(src, tmp / "site")
+    return tmp / "site"
+
+
 @pytest.mark.distributed
-def test_partial_rollouts_continue_interrupted_samples_within_the_bound(torchrun, tiny: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
-    """S = 2 with ``partial_rollout``: the engine (one sample at a time: ``max_batch_size=1``) is the bottleneck, so
-    every weight update finds a generation running, interrupts it, and it continues on the new weights — samples
-    spanning two versions from step 2 on, still never more than S behind. ~25 s: a 2-rank launch whose engine is
-    slowed on purpose."""
+def test_partial_rollouts_continue_interrupted_samples_within_the_bound(  # type: ignore[no-untyped-def]
+        torchrun, tiny: dict[str, Path], held_engine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S = 2 with ``partial_rollout``: the engine's second generate call (step 2's batch, made while step 1
+    trains) is held at its first decoding step until the update after step 1 interrupts it — forced, not hoped for
+    on an idle machine — and its samples continue on the new weights: samples spanning two versions, still never
+    more than S behind. ~25 s: a 2-rank launch."""
+    monkeypatch.setenv("PYTHONPATH", f"{held_engine}:{REPO}")
     got = run(torchrun, tiny, "partial", 2, f"{AOR}.rollout.placement=disaggregated", f"{AOR}.rollout.num_ranks=1",
               "async_training.enable=true", "async_training.staleness_threshold=2",
               "async_training.partial_rollout=true", "async_training.mask_stale_prefix=true",
               "algorithm.rollout_correction.rollout_is=token", "trainer.total_training_steps=3",
-              "+actor_rollout_ref.rollout.engine_kwargs.max_batch_size=1", "data.max_response_length=16")
+              f"{AOR}.rollout.name=held_hf", "data.max_response_length=16")
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in got)
     assert got[0]["async/partial_samples"] == 0  # trained before any update
-    assert sum(r["async/partial_samples"] for r in got[1:]) > 0 and sum(r["async/stale_prefix_tokens"]
-                                                                        for r in got) > 0
+    assert got[1]["async/partial_samples"] > 0 and got[1]["async/stale_prefix_tokens"] > 0  # the held batch
     assert max(r["async/staleness_max"] for r in got) >= 1
 
 
