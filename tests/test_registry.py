@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from support.plugins import pip_install, write_dist
 
 from hybridrl.registry import (
     GROUPS,
@@ -21,30 +22,7 @@ from hybridrl.registry import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _pip_install(src: Path, target: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--no-compile", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True,
-    )
-
-
-def _write_dist(root: Path, dist: str, module: str, group: str, entries: dict[str, str], body: str) -> Path:
-    (root / module).mkdir(parents=True)
-    (root / module / "__init__.py").write_text(textwrap.dedent(body))
-    eps = "\n".join(f'{k} = "{v}"' for k, v in entries.items())
-    (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
-        [build-system]
-        requires = ["setuptools>=69"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "{dist}"
-        version = "9.9.1"
-        [project.entry-points."{group}"]
-        """) + eps + f'\n[tool.setuptools]\npackages = ["{module}"]\n')
-    return root
+_pip_install, _write_dist = pip_install, write_dist
 
 
 @pytest.fixture(scope="module")

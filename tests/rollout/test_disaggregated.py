@@ -223,13 +223,10 @@ class HeldHF(HFRolloutEngine):
 @pytest.fixture(scope="module")
 def held_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A site dir with the ``held_hf`` rollout engine, installed as a third party's engine would be."""
-    from test_registry import _pip_install, _write_dist
+    from support.plugins import installed_plugin
 
-    tmp = tmp_path_factory.mktemp("held_engine")
-    src = _write_dist(tmp / "src", "hybridrl-held-engine", "held_engine", "hybridrl.rollout_engines",
-                      {"held_hf": "held_engine:HeldHF"}, HELD_ENGINE)
-    _pip_install(src, tmp / "site")
-    return tmp / "site"
+    return installed_plugin(tmp_path_factory.mktemp("held_engine"), "held_engine", "hybridrl.rollout_engines",
+                            {"held_hf": "held_engine:HeldHF"}, HELD_ENGINE)
 
 
 @pytest.mark.distributed

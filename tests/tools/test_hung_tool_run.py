@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_registry import _pip_install, _write_dist
+from support.plugins import installed_plugin
 
 from hybridrl.bootstrap import write_arithmetic_task
 from hybridrl.models.tiny import make_tiny_model
@@ -52,11 +52,8 @@ class Hang:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("hang_tool")
-    src = _write_dist(tmp / "src", "hybridrl-hang-tool", "hang_tool", "hybridrl.tools", {"hang": "hang_tool:Hang"},
-                      HANG_TOOL)
-    _pip_install(src, tmp / "site")
-    return tmp / "site"
+    return installed_plugin(tmp_path_factory.mktemp("hang_tool"), "hang_tool", "hybridrl.tools",
+                            {"hang": "hang_tool:Hang"}, HANG_TOOL)
 
 
 def caller(model_dir: Path, prompts: list[str]) -> Path:

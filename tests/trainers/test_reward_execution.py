@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from config.test_validate import base, issues  # noqa: F401  (base is a fixture)
 from support.e2e import tiny  # noqa: F401  (a fixture)
-from test_registry import _pip_install, _write_dist
+from support.plugins import installed_plugin
 from test_step_guards import rows, train
 
 from hybridrl.config.schema import RewardConfig
@@ -70,11 +70,8 @@ class Fault:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("fault_reward_exec")
-    src = _write_dist(tmp / "src", "hybridrl-fault-reward-exec", "fault_reward_exec", "hybridrl.reward_managers",
-                      {"fault": "fault_reward_exec:Fault"}, FAULT_REWARD)
-    _pip_install(src, tmp / "site")
-    return tmp / "site"
+    return installed_plugin(tmp_path_factory.mktemp("fault_reward_exec"), "fault_reward_exec",
+                            "hybridrl.reward_managers", {"fault": "fault_reward_exec:Fault"}, FAULT_REWARD)
 
 
 def run(tiny: dict[str, Path], site: Path, name: str, plan: list[str], *extra: str,  # noqa: F811

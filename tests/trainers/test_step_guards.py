@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.e2e import TRAIN, base_overrides, tiny  # noqa: F401  (tiny is a fixture)
-from test_registry import _pip_install, _write_dist
+from support.plugins import installed_plugin
 
 from hybridrl.guards import (
     NonFiniteError,
@@ -63,11 +63,8 @@ class Fault:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("fault_reward")
-    src = _write_dist(tmp / "src", "hybridrl-fault-reward", "fault_reward", "hybridrl.reward_managers",
-                      {"fault": "fault_reward:Fault"}, FAULT_REWARD)
-    _pip_install(src, tmp / "site")
-    return tmp / "site"
+    return installed_plugin(tmp_path_factory.mktemp("fault_reward"), "fault_reward", "hybridrl.reward_managers",
+                            {"fault": "fault_reward:Fault"}, FAULT_REWARD)
 
 
 def train(tiny: dict[str, Path], site: Path, out: Path, *extra: str, nproc: int = 1,  # noqa: F811
