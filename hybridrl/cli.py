@@ -4,11 +4,7 @@ so ``hybridrl plugins`` or ``hybridrl validate`` never pay for importing torch o
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import difflib
-import functools
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +21,6 @@ def _validate(args: argparse.Namespace) -> int:
 
     if not args.get:
         return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
-    from hybridrl.config.compose import compose_config
     from hybridrl.config.overrides import schema_keys
     from hybridrl.config.schema import RLConfig
 
@@ -37,15 +32,7 @@ def _validate(args: argparse.Namespace) -> int:
                   + (f"; did you mean {' or '.join(close)}?" if close else " (see hybridrl/config/schema.py)"),
                   file=sys.stderr)
             return 2
-    with contextlib.redirect_stdout(sys.stderr):  # the plan goes to the log; stdout holds only the values
-        code = dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
-    if code == 0:
-        cfg = compose_config(args.overrides)
-        for key in args.get:
-            value = functools.reduce(getattr, key.split("."), cfg)
-            print(value if isinstance(value, str) else json.dumps(dataclasses.asdict(value) if
-                                                                  dataclasses.is_dataclass(value) else value))
-    return code
+    return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config, get=args.get)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Keys whose values follow from others (verl's rules), resolved in place before the plan is made.
+"""Keys whose values follow from others (verl's rules), filled in before validation: :func:`derive` returns a
+copy of the config with them resolved, the config it was given is left as it is.
 
 How long a run is: ``trainer.total_training_steps``, or ``trainer.total_epochs`` over the training rows.
 verl's rule: ``total_training_steps = len(train_dataloader) · total_epochs``, overridden by
@@ -17,10 +18,23 @@ as verl's Megatron workers set it — unless ``megatron.override_transformer_con
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
+from hybridrl.config.plugin_kwargs import resolve_plugin_kwargs
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.sources import is_hf
+
+
+def derive(cfg: RLConfig) -> tuple[RLConfig, str | None, str | None]:
+    """``cfg`` with what follows from other keys filled in — the run's length from ``trainer.total_epochs``, verl's
+    gradient-checkpointing flag as Megatron's recompute settings, each plugin block as its chosen plugin's kwargs —
+    as a new config (``cfg`` is not changed). Returns ``(config, problem, note)`` of :func:`resolve_total_steps`."""
+    out = copy.deepcopy(cfg)
+    problem, note = resolve_total_steps(out)
+    apply_gradient_checkpointing(out)
+    resolve_plugin_kwargs(out)
+    return out, problem, note
 
 
 def count_rows(files: list[str]) -> int | None:

@@ -65,6 +65,7 @@ class EnginePlacement:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
+    config: RLConfig = field(repr=False, compare=False)  # validate()'s derived copy: what the run uses
     world_size: int
     ranks_per_node: int
     device_type: str  # cpu | cuda
@@ -78,6 +79,7 @@ class Plan:
     placement: str = "colocated"  # actor_rollout_ref.rollout.placement
     num_engine_ranks: int = 0  # disaggregated: the last ranks of the world, which run the engines only
     teacher_model: HFArch | None = None  # the distillation teacher's architecture (actor_rollout_ref.teacher)
+    waits_for_build: bool = False  # validate(before_bootstrap=True): a file the run builds first was not checked
 
     @property
     def trainer_world_size(self) -> int:
@@ -121,7 +123,7 @@ class Plan:
                 engine_note = (f"an engine rank holds its engine only, estimated: weights "
                                f"{memory.engine_weights / GB:.1f} GB + KV {memory.engine_kv / GB:.1f} GB")
                 memory = replace(memory, engine_weights=0.0, engine_kv=0.0, engine_kept=0.0, pooled=False)
-        plan = cls(world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
+        plan = cls(config=cfg, world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
                    rollout_tp=rtp, engines=engines, batch=batch, model=model, memory=memory,
                    placement="disaggregated" if engine_ranks else "colocated", num_engine_ranks=engine_ranks,
                    teacher_model=teacher_model if "teacher" in roles else None)

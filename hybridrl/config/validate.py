@@ -16,8 +16,10 @@ optimizer, memory), ``check_rollout`` (sampling, algorithm, plugins, async, mult
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from hybridrl import bootstrap
 from hybridrl.algorithms.dynamic_sampling import config_problems as dynamic_sampling_problems
 from hybridrl.config import teacher
 from hybridrl.config.check_models import (
@@ -47,10 +49,9 @@ from hybridrl.config.check_run import (
     check_trainer,
     device_type,
 )
-from hybridrl.config.derived import apply_gradient_checkpointing, resolve_total_steps
+from hybridrl.config.derived import derive
 from hybridrl.config.errors import ConfigError, Issues
 from hybridrl.config.plan import AOR, Plan, RoleLayout
-from hybridrl.config.plugin_kwargs import resolve_plugin_kwargs
 from hybridrl.config.schema import DEVICES, RLConfig
 from hybridrl.config.sft_schema import SFTConfig, target_problems
 from hybridrl.data.rows import TRUNCATIONS
@@ -63,18 +64,19 @@ from hybridrl.rewards.overlong import config_problems as overlong_problems
 
 def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
              model_config: Path | None = None, ranks_per_node: int | None = None) -> Plan:
-    """Check ``cfg`` for a run on ``world_size`` ranks; return its plan or raise ConfigError.
+    """Check ``cfg`` for a run on ``world_size`` ranks; return its plan or raise ConfigError. ``cfg`` is not
+    changed: the checks read :func:`~hybridrl.config.derived.derive`'s copy, which the plan carries
+    (``plan.config``: what the run uses).
 
     ``before_bootstrap``: a model or data file that the config builds when missing
-    (``build_if_missing``, inside the hybridrl cache) may not exist yet; the checks that need it wait.
+    (``build_if_missing``, inside the hybridrl cache) may not exist yet; the checks that need it wait
+    (``plan.waits_for_build``: run ``validate`` once more after the build).
     ``model_config``: plan a run on another machine: take the architecture from this config.json
     instead of the model directory, and skip every check of local files (weights, tokenizer, data).
     """
     issues = Issues()
+    cfg, steps_problem, steps_note = derive(cfg)  # total_epochs → total_training_steps (verl's rule), …
     t, aor = cfg.trainer, cfg.actor_rollout_ref
-    steps_problem, steps_note = resolve_total_steps(cfg)  # total_epochs → total_training_steps (verl's rule)
-    apply_gradient_checkpointing(cfg)
-    resolve_plugin_kwargs(cfg)  # each plugin block as its chosen plugin's kwargs
     if steps_problem is not None:
         issues.add("trainer.total_epochs", t.total_epochs, steps_problem)
     world = world_size if world_size is not None else t.nnodes * t.n_gpus_per_node
@@ -153,7 +155,17 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         check_fused_kernels(cfg, plan, issues)
     if issues:
         raise ConfigError(list(issues))
-    return plan
+    return replace(plan, waits_for_build=before_bootstrap and not planning and _will_build(cfg))
+
+
+def _will_build(cfg: RLConfig) -> bool:
+    """Whether the run builds a model or data file first (``build_if_missing``): the checks of it waited."""
+    aor, d = cfg.actor_rollout_ref, cfg.data
+    models = [(aor.model.build_if_missing, aor.model.path), (aor.teacher.model.build_if_missing,
+                                                             aor.teacher.model.path)]
+    return (any(p is not None and bootstrap.will_build(kind, p, model=True) for kind, p in models)
+            or any(bootstrap.will_build(d.build_if_missing, f, model=False) for f in [*d.train_files[:1],
+                                                                                        *d.val_files[:1]]))
 
 
 def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:

@@ -88,16 +88,17 @@ def run_rl_cli(argv: list[str]) -> int:
 def run_rl(cfg: RLConfig) -> dict[str, float]:
     preemption.watch_launcher()  # from the start: a warm start's build is minutes of work a dead launcher must end too
     world, per_node = world_from_env()
-    validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
+    plan = validate(cfg, world_size=world, ranks_per_node=per_node, before_bootstrap=True)  # fail fast, build nothing
     ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)
     ensure_model(cfg.actor_rollout_ref.model.build_if_missing, cfg.actor_rollout_ref.model.path)
     if (teacher := cfg.actor_rollout_ref.teacher.model).path is not None:  # on-policy distillation's
         ensure_model(teacher.build_if_missing, teacher.path, key="actor_rollout_ref.teacher.model")
-    plan = validate(cfg, world_size=world, ranks_per_node=per_node)
+    if plan.waits_for_build:  # the checks of what was just built, and the steps counted from built data
+        plan = validate(cfg, world_size=world, ranks_per_node=per_node)
     say("config OK\n" + plan.render())
     preempt = preemption.install(cfg.trainer.preempt_grace_s)  # a SIGTERM from now on: stop after the step, saved
     try:
-        return _run_rl(cfg, plan)
+        return _run_rl(plan.config, plan)
     finally:
         preempt.finished()
 

@@ -429,3 +429,35 @@ def test_the_moe_tiny_recipe_validates_before_its_warm_start_exists(capsys: pyte
     code, out, err = cli(capsys, "recipe=grpo_moe_tiny")
     assert code == 0, err
     assert "the run builds it first (build_if_missing=sft:sft_moe_tiny)" in out + err, out
+
+
+def test_validation_leaves_the_config_as_it_was_and_plans_the_derived_one(base: list[str], tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass that changes nothing it is given: the settings that follow from others (the run's length from
+    total_epochs, verl's gradient-checkpointing flag, each plugin block as the chosen plugin's kwargs) are in the
+    plan's copy, which is what the run uses; a run whose files all exist is checked once, one that builds a file
+    first once more after the build (``plan.waits_for_build``)."""
+    cfg = compose_config([*base, "trainer.total_training_steps=null", "trainer.total_epochs=3",
+                          "data.train_batch_size=1", f"{AOR}.actor.ppo_mini_batch_size=1",
+                          f"{AOR}.actor.ppo_micro_batch_size_per_gpu=1",
+                          f"{AOR}.model.enable_gradient_checkpointing=true", "reward.name=arithmetic",
+                          "+reward.kwargs.math.format_reward=0.1"])
+    before = repr(cfg)
+    plan = validate(cfg)
+    assert repr(cfg) == before
+    assert plan.config is not cfg and plan.config.trainer.total_training_steps == 3  # 1 row, batches of 1
+    assert plan.config.actor_rollout_ref.actor.megatron.override_transformer_config["recompute_method"] == "uniform"
+    assert "math" not in plan.config.reward.kwargs and "math" in cfg.reward.kwargs
+    assert not validate(cfg, before_bootstrap=True).waits_for_build
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path))
+    unbuilt = compose_config(["recipe=grpo_tiny"])  # model and data built on first use, in the (empty) cache
+    assert validate(unbuilt, before_bootstrap=True).waits_for_build
+
+
+def test_validate_get_answers_with_the_runs_derived_values(base: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["validate", *base, "trainer.total_training_steps=null", "trainer.total_epochs=5",
+                 "data.train_batch_size=1", f"{AOR}.actor.ppo_mini_batch_size=1",
+                 f"{AOR}.actor.ppo_micro_batch_size_per_gpu=1", "--get", "trainer.total_training_steps"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == "5\n" and "config OK" in err

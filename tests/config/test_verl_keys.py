@@ -58,7 +58,8 @@ def test_verl_example_scripts_validate_for_their_gpus(script: Path, data_dir: Pa
     plan = validate(cfg, model_config=QWEN7B, world_size=t.nnodes * t.n_gpus_per_node)
     assert plan.memory is not None and plan.memory.peak <= 80e9
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in cfg.data.train_files)
-    assert t.total_training_steps == rows // cfg.data.train_batch_size * t.total_epochs  # verl's rule
+    assert plan.config.trainer.total_training_steps == rows // cfg.data.train_batch_size * t.total_epochs  # verl's
+    assert t.total_training_steps is None  # the config validated is left as it was
     assert any(n.startswith("total steps ") for n in plan.notes)
 
 
@@ -77,8 +78,8 @@ def test_verl_meanings_land_on_hybridrl_keys(data_dir: Path, tmp_path: Path) -> 
                            f"{AOR}.rollout.name=vllm", "trainer.critic_warmup=0"])
     assert sync.trainer.resume == "never"
     assert sync.actor_rollout_ref.rollout.engine_kwargs == {"enforce_eager": True}
-    validate(sync, model_config=QWEN7B)
-    assert sync.actor_rollout_ref.actor.megatron.override_transformer_config["recompute_granularity"] == "full"
+    derived = validate(sync, model_config=QWEN7B).config.actor_rollout_ref.actor.megatron
+    assert derived.override_transformer_config["recompute_granularity"] == "full"
     hf = compose_config(["recipe=grpo_tiny", f"{AOR}.rollout.enforce_eager=True"])
     assert hf.actor_rollout_ref.rollout.engine_kwargs == {}  # hf has no CUDA graphs: a notice, no effect
 
@@ -159,11 +160,10 @@ def test_total_epochs_as_verl_resolves_it(tmp_path: Path) -> None:
     rows.write_text("".join('{"prompt": "1+1", "ground_truth": "2"}\n' for _ in range(400)))
     base = ["recipe=grpo_tiny", f"data.train_files=[{rows}]", "data.train_batch_size=32"]
     cfg = compose_config([*base, "trainer.total_epochs=3", "trainer.total_training_steps=null"])
-    validate(cfg, before_bootstrap=True)
-    assert cfg.trainer.total_training_steps == 12 * 3  # ⌊400 / 32⌋ per epoch, the last partial batch dropped
+    plan = validate(cfg, before_bootstrap=True)
+    assert plan.config.trainer.total_training_steps == 12 * 3  # ⌊400 / 32⌋ per epoch, the last partial batch dropped
     cfg = compose_config([*base, "trainer.total_epochs=3", "trainer.total_training_steps=5"])
-    validate(cfg, before_bootstrap=True)
-    assert cfg.trainer.total_training_steps == 5  # set: it wins
+    assert validate(cfg, before_bootstrap=True).config.trainer.total_training_steps == 5  # set: it wins
     with pytest.raises(ConfigError, match="trainer.total_epochs=0"):
         validate(compose_config([*base, "trainer.total_epochs=0", "trainer.total_training_steps=null"]),
                  before_bootstrap=True)
