@@ -240,6 +240,9 @@ class TrainerConfig:
     total_epochs: int = 30
     # the first critic_warmup steps train the critic only: the actor updates from step critic_warmup on (verl's)
     critic_warmup: int = 0
+    # verl's: within each mini-batch, the samples go to the DP ranks so that each gets about the same number of
+    # tokens (which samples form a mini-batch never depends on the DP size); false: in order, equal sample counts
+    balance_batch: bool = True
     seed: int = 1
     output_dir: str = "outputs/run"
     # entries of hybridrl.tracking.LOGGERS (wandb, tensorboard, mlflow: pip install 'hybridrl[<name>]')
