@@ -26,6 +26,7 @@ from hybridrl.algorithms.actor_objective import ActorObjective
 from hybridrl.batch import RolloutBatch
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import ActorRolloutRefConfig, CriticConfig
+from hybridrl.distributed import dp_batches
 from hybridrl.guards import require_finite
 from hybridrl.interfaces import WeightBucket
 from hybridrl.lora.config import LoRAConfig
@@ -36,9 +37,12 @@ from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, refere
 
 class ActorRolloutRef:
     def __init__(self, config: ActorRolloutRefConfig, *, plan: Plan, objective: ActorObjective,
-                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1) -> None:
-        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head)."""
+                 pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1,
+                 balance_batch: bool = True) -> None:
+        """``critic``: its config, when the plan has one (``seed`` draws its fresh value head);
+        ``balance_batch``: ``trainer.balance_batch`` (:mod:`hybridrl.distributed.dp_batches`)."""
         self.config, self.plan, self.objective = config, plan, objective
+        self.balance_batch = balance_batch
         a, model_dir = config.actor, config.model.path
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
@@ -122,13 +126,19 @@ class ActorRolloutRef:
         batch.values = self.critic.compute_values(batch, batching=self.plan.batch.critic.update)
 
     def update_actor(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
-        """PPO epochs over mini-batches of this DP rank's samples; one metrics dict per optimizer step."""
+        """PPO epochs over the step's mini-batches, this DP rank training its share of each (the same mini-batches
+        at any DP size: :mod:`hybridrl.distributed.dp_batches`); one metrics dict per optimizer step."""
         a, b = self.config.actor, self.plan.batch
         self.actor_offload.reload()
-        return _epochs(batch.to(self.actor.device), lambda mini: self.actor.train_step(
+        return dp_batches.epochs(batch.to(self.actor.device), lambda mini: self.actor.train_step(
             mini, self.objective, batching=b.update, loss_agg_mode=a.loss_agg_mode,
-            temperature=self.logprob_temperature), epochs=b.ppo_epochs,
-            mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=a.shuffle, seed=seed)
+            temperature=self.logprob_temperature), dp=self._dp(), epochs=b.ppo_epochs,
+            mini_batch=b.mini_batch_samples_per_dp_rank, order=_orderer(a.shuffle), seed=seed)
+
+    def _dp(self) -> dp_batches.DPGroup:
+        return dp_batches.DPGroup(rank=parallel_state.get_data_parallel_rank(),
+                                  size=parallel_state.get_data_parallel_world_size(),
+                                  group=parallel_state.get_data_parallel_group(), balance=self.balance_batch)
 
     @property
     def update_is_on_policy(self) -> bool:
@@ -145,15 +155,21 @@ class ActorRolloutRef:
             b = self.plan.batch
             raise ValueError(f"update_actor_on_policy: the update is not provably on-policy (actor.ppo_epochs="
                              f"{b.ppo_epochs}, {b.mini_batches_per_epoch} mini-batches per epoch; both must be 1)")
-        a, b = self.config.actor, self.plan.batch
+        a, b, dp = self.config.actor, self.plan.batch, self._dp()
         self.actor_offload.reload()
-        order = _order(len(batch), shuffle=a.shuffle, gen=torch.Generator().manual_seed(seed))  # as _epochs
+        local = batch.to(self.actor.device)
+        whole = dp.gather(local)  # one mini-batch: the whole step, split over DP as update_actor splits it
+        order = _order(len(whole), shuffle=a.shuffle, gen=torch.Generator().manual_seed(seed))
+        parts = dp.parts(whole, order)
+        mine = order[parts[dp.rank]]
         metrics, logp_BT, entropy_BT = self.actor.train_step_on_policy(
-            batch.to(self.actor.device).index(order.to(self.actor.device)), self.objective, batching=b.update,
+            whole.index(mine.to(self.actor.device)), self.objective, batching=b.update,
             loss_agg_mode=a.loss_agg_mode, temperature=self.logprob_temperature)
-        back = torch.argsort(order)
-        batch.old_logprobs = logp_BT[back]
-        return [metrics], entropy_BT[back]
+        if dp.size > 1:
+            metrics["dp_token_imbalance"] = dp_batches.imbalance(whole, order, parts)
+        where, width = dp.local_range(local), batch.response_ids.shape[1]
+        batch.old_logprobs = dp.scatter_back(logp_BT, mine.tolist(), total=len(whole), local=where)[:, :width]
+        return [metrics], dp.scatter_back(entropy_BT, mine.tolist(), total=len(whole), local=where)[:, :width]
 
     def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and
@@ -161,22 +177,13 @@ class ActorRolloutRef:
         critic, c, b = self.critic, self.critic_config, self.plan.batch.critic
         assert critic is not None and self.critic_offload is not None and c is not None and b is not None
         self.critic_offload.reload()
-        return _epochs(batch.to(critic.device), lambda mini: critic.train_step(
-            mini, batching=b.update, cliprange=c.cliprange_value, loss_agg_mode=c.loss_agg_mode),
-            epochs=b.ppo_epochs, mini_batch=b.mini_batch_samples_per_dp_rank, shuffle=c.shuffle, seed=seed)
+        return dp_batches.epochs(batch.to(critic.device), lambda mini: critic.train_step(
+            mini, batching=b.update, cliprange=c.cliprange_value, loss_agg_mode=c.loss_agg_mode), dp=self._dp(),
+            epochs=b.ppo_epochs, mini_batch=b.mini_batch_samples_per_dp_rank, order=_orderer(c.shuffle), seed=seed)
 
 
-def _epochs(batch: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]], *, epochs: int, mini_batch: int,
-            shuffle: bool, seed: int) -> list[dict[str, float]]:
-    """``step`` on each mini-batch of ``mini_batch`` samples of ``batch`` (on the device once, for all epochs),
-    in order or shuffled anew each epoch; one metrics dict per optimizer step."""
-    gen = torch.Generator().manual_seed(seed)
-    steps = []
-    for _ in range(epochs):
-        order = _order(len(batch), shuffle=shuffle, gen=gen)
-        for mini in batch.index(order.to(batch.prompt_ids.device)).split(mini_batch):
-            steps.append(step(mini))
-    return steps
+def _orderer(shuffle: bool) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda n, gen: _order(n, shuffle=shuffle, gen=gen)
 
 
 def _order(n: int, *, shuffle: bool, gen: torch.Generator) -> torch.Tensor:

@@ -105,7 +105,7 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
-                             critic=cfg.critic, seed=cfg.trainer.seed)
+                             critic=cfg.critic, seed=cfg.trainer.seed, balance_batch=cfg.trainer.balance_batch)
     workers = EngineWorkers(build_engines(cfg, plan, pad_token_id=loader.pad_token_id), trainer=hybrid,
                             bucket_megabytes=aor.rollout.update_weights_bucket_megabytes)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path,

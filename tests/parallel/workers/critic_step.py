@@ -3,10 +3,11 @@
     python -m torch.distributed.run --nproc-per-node N critic_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
 Layouts as ``rl_step.py``'s (``tp<a>pp<b>cp<c>[vpp<d>][-dyn]``; DP is what remains of the world), with its FIXED
-batch and its DP sharding / global mini-batch order, so every layout takes the same optimizer steps. For each
+batch and its DP sharding, so every layout takes the same optimizer steps. For each
 layout and each optimizer (Adam, SGD) the worker builds :class:`MegatronCritic` as ``ActorRolloutRef`` does, fills
 ``values`` (``compute_values``), draws returns near them, and runs the critic's PPO epochs
-(``hybridrl.hybrid._epochs``, as ``update_critic``). Rank 0 saves ``OUT_DIR/<layout>dp<DP>-<optimizer>.pt`` with
+(``hybridrl.distributed.dp_batches.epochs``, as ``update_critic``). Rank 0 saves
+``OUT_DIR/<layout>dp<DP>-<optimizer>.pt`` with
 every sample's values, each optimizer step's metrics and the full (TP-gathered, HF-named) trunk and head weights
 after the step; every rank checks that its TP peers hold the same (replicated) value head.
 """
@@ -20,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from rl_step import DYN_BUDGET, MICRO, MINI_PROMPTS, N, T, fixed_batch, global_order, parse_layout
+from rl_step import DYN_BUDGET, MICRO, MINI_PROMPTS, N, T, fixed_batch, parse_layout
 
 from hybridrl.config.schema import MegatronConfig, OptimConfig
-from hybridrl.hybrid import _epochs
+from hybridrl.distributed import dp_batches
 from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.convert import hf_from_full
 from hybridrl.megatron.critic import MegatronCritic
@@ -65,7 +66,7 @@ def run_layout(model_dir: str, out_dir: Path, name: str, optimizer: str, pad_tok
     full = fixed_batch(vocab, pad_token_id)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     B = len(full)
-    mine = global_order(2) if dp == 1 else list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
+    mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
     batch = full.index(mine)
     megatron = MegatronConfig(tensor_model_parallel_size=layout.tensor_model_parallel_size,
                               pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
@@ -79,8 +80,10 @@ def run_layout(model_dir: str, out_dir: Path, name: str, optimizer: str, pad_tok
                                                                        max_tokens=DYN_BUDGET if dynamic else None))
     noise = torch.randn(B, T, generator=torch.Generator().manual_seed(99))[mine]
     batch.returns = (batch.values + noise) * batch.response_mask
-    steps = _epochs(batch, lambda mini: critic.train_step(mini, batching=batching, cliprange=CLIPRANGE),
-                    epochs=1, mini_batch=MINI_PROMPTS * N // dp, shuffle=False, seed=7)
+    group = dp_batches.DPGroup(rank=dp_rank, size=dp, group=parallel_state.get_data_parallel_group())
+    steps = dp_batches.epochs(batch, lambda mini: critic.train_step(mini, batching=batching, cliprange=CLIPRANGE),
+                              dp=group, epochs=1, mini_batch=MINI_PROMPTS * N // dp,
+                              order=lambda n, _: torch.arange(n), seed=7)
     weights = full_weights(critic)
     gathered: list = [None] * dp
     dist.all_gather_object(gathered, (mine, batch.values), group=parallel_state.get_data_parallel_group())

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from rl_step import N, config, fixed_batch, global_order, parse_layout
+from rl_step import N, config, fixed_batch, parse_layout
 
 from hybridrl.batch import RolloutBatch, SampleMeta
 from hybridrl.config.plan import Plan
@@ -200,7 +200,7 @@ def run(model_dir: str, out_dir: Path, name: str, full: RolloutBatch) -> None:
         seed_everything(1)
         dp, dp_rank, B = (parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank(),
                           len(full))
-        mine = global_order(2) if dp == 1 else list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
+        mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
         cfg = config(model_dir, layout, "token-mean", distributed_optimizer=distributed_optimizer)
         aor = cfg.actor_rollout_ref
         aor.actor.megatron.dtype = dtype or "float32"

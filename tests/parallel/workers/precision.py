@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from rl_step import config, fixed_batch, global_order, modes, parse_layout
+from rl_step import config, fixed_batch, modes, parse_layout
 
 from hybridrl.checkpoint.rl import load_checkpoint, save_checkpoint
 from hybridrl.config.plan import Plan
@@ -109,7 +109,7 @@ def dp_share(full_batch: Any) -> tuple[list[int], Any]:
     """This DP rank's samples, as ``rl_step.py`` shards them."""
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     B = len(full_batch)
-    mine = global_order(2) if dp == 1 else list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
+    mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
     return mine, full_batch.index(mine)
 
 

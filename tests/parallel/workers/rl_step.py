@@ -19,9 +19,9 @@ old/ref log-probs and entropy of every sample (in the fixed batch's order), the 
 optimizer step and the HF-named weights after the step.
 
 DP sharding is the trainer's: DP rank r gets the r-th contiguous block of prompts with all their
-samples. Its k-th mini-batch is then its own k-th block, so the *global* k-th mini-batch is the
-union of the ranks' k-th blocks: :func:`global_order` lists the samples in that order, and a
-single-rank layout is given the batch in that order, so every layout takes the same optimizer steps.
+samples, and the update forms its mini-batches from the whole step as one rank does
+(:mod:`hybridrl.distributed.dp_batches`, ``balance_batch`` on), so a single-rank layout, given the batch in
+its own order, takes the same optimizer steps as every other layout.
 """
 
 from __future__ import annotations
@@ -133,15 +133,6 @@ def fixed_batch(vocab: int, pad_token_id: int) -> RolloutBatch:
         advantages=adv_B[:, None] * response_mask)
 
 
-def global_order(dp: int) -> list[int]:
-    """Sample indices in the order of the global mini-batches (each the union of the DP ranks' blocks)."""
-    B = PROMPTS * N
-    per_rank = B // dp
-    per_rank_mini = MINI_PROMPTS * N // dp
-    return [r * per_rank + k * per_rank_mini + j
-            for k in range(per_rank // per_rank_mini) for r in range(dp) for j in range(per_rank_mini)]
-
-
 def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: RolloutBatch) -> None:
     start = time.perf_counter()
     layout, distributed_optimizer = parse_layout(name)
@@ -149,10 +140,7 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     seed_everything(1)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     B = len(full)
-    if dp == 1:  # one DP rank takes the global mini-batches of the DP=2 runs, in order
-        mine = global_order(2)
-    else:  # the trainer's sharding: a contiguous block of prompts, with all their samples
-        mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))
+    mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))  # the trainer's: a block of prompts
     batch = full.index(mine)
     cfg = config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer,
                  dynamic_bsz="-dyn" in name, prefix_grouper="-pg" in name, lm_head=name.endswith("-lmh"))
