@@ -106,21 +106,15 @@ def engine_class(name: str) -> object | None:
 
 def check_expert_parallel_batches(cfg: RLConfig, issues: Issues) -> None:
     """At EP > 1 the EP ranks exchange tokens in every MoE layer of every micro-batch, so they need the same number
-    of micro-batches, each of one shape (the runner pads to the longest over the EP group): token-budget
-    micro-batches (a count per rank) and shared-prompt rows (a shape per rank) are refused."""
+    of micro-batches, each of one shape: the runner pads fixed and token-budget micro-batches to that (the longest
+    over the EP group; :mod:`hybridrl.megatron.dynamic_batch` agrees on the count); shared-prompt rows (a shape per
+    rank) are refused."""
     aor = cfg.actor_rollout_ref
     ep = aor.actor.megatron.expert_model_parallel_size
-    if ep <= 1:
-        return
-    keys = [(f"{AOR}.actor.use_dynamic_bsz", aor.actor.use_dynamic_bsz),  # the log-prob passes' null follows it
-            (f"{AOR}.rollout.log_prob_use_dynamic_bsz", aor.rollout.log_prob_use_dynamic_bsz),
-            (f"{AOR}.ref.log_prob_use_dynamic_bsz", aor.ref.log_prob_use_dynamic_bsz),
-            ("critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz), (f"{AOR}.actor.use_prefix_grouper",
-                                                                     aor.actor.use_prefix_grouper)]
-    for key, value in keys:
-        if value:
-            issues.add(key, value, f"not supported with {AOR}.actor.megatron.expert_model_parallel_size={ep} (the "
-                       "expert-parallel ranks need the same micro-batches, one shape each); set it to false")
+    if ep > 1 and aor.actor.use_prefix_grouper:
+        issues.add(f"{AOR}.actor.use_prefix_grouper", True, f"not supported with {AOR}.actor.megatron."
+                   f"expert_model_parallel_size={ep} (the expert-parallel ranks need micro-batches of one shape); "
+                   "set it to false")
 
 
 def check_router_replay(cfg: RLConfig, model: HFArch | None, issues: Issues) -> None:

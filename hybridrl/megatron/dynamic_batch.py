@@ -11,7 +11,10 @@ micro-batch fixes its padded length and shorter ones join while the cost stays w
 sorted lengths this greedy gives the fewest micro-batches of any partition into contiguous runs, and
 it groups similar lengths, which is what minimises padding.
 
-Not combined with the interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``).
+Not combined with the interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``). At EP > 1 the
+expert-parallel ranks must run the same number of micro-batches (they exchange tokens in every MoE layer):
+:func:`split_to_count` splits a rank's partition up to the count the busiest rank needs, as verl's
+``same_micro_num_in_dp`` does; a rank with fewer samples than that runs empty (fully masked) micro-batches.
 Gradients do not depend on the grouping: the loss of every micro-batch is normalised by the
 mini-batch-global normaliser, so the accumulated gradient is the mini-batch gradient whatever the
 partition (up to the order of floating-point sums). Same idea as verl's ``use_dynamic_bsz`` /
@@ -58,6 +61,20 @@ def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple:
             parts.append([i])
             width = padded_len(lengths[i], multiple)
     return [sorted(p) for p in parts]
+
+
+def split_to_count(parts: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """``parts`` split up to ``count`` micro-batches (none exceeds its budget more than before): the one with the most
+    rows is halved, again and again; when every part holds one row, empty parts ([]) make up the rest."""
+    out = [list(p) for p in parts]
+    while len(out) < count:
+        k = max(range(len(out)), key=lambda i: (len(out[i]), -i)) if out else -1
+        if k < 0 or len(out[k]) < 2:
+            out += [[] for _ in range(count - len(out))]
+            break
+        half = len(out[k]) // 2
+        out[k:k + 1] = [out[k][:half], out[k][half:]]
+    return out
 
 
 def partition_cost(lengths: Sequence[int], parts: Sequence[Sequence[int]], multiple: int = 1) -> int:

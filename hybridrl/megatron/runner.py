@@ -39,6 +39,7 @@ multiplies each loss by ``optimizer.scale_loss``; a step whose gradients overflo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig, interleaved_micro_batches_problem
 from hybridrl.megatron.context_parallel import shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
-from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, token_budget_partition
+from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, split_to_count, token_budget_partition
 from hybridrl.megatron.hidden_states import returning_hidden_states
 from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
@@ -228,19 +229,43 @@ class MegatronRunner:
                 raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
                                  f"{VPP_DYNAMIC_UNSUPPORTED}")
             lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
-            parts = [torch.tensor(p, device=batch.prompt_ids.device)
-                     for p in token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)]
+            groups = token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)
+            if self.parallel.expert_model_parallel_size > 1:  # one count over the EP ranks (dynamic_batch)
+                groups = split_to_count(groups, self._most_over_experts([len(groups)])[0])
+            parts = [torch.tensor(p, dtype=torch.long, device=batch.prompt_ids.device) for p in groups]
+            return self._budget_micro_batches(batch, parts, multiple)
         seq_len = self._common_over_experts(padded_seq_len(batch, multiple=multiple))
         out = []
         for index in parts:
             part = batch.index(index)
-            if max_tokens is None and len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0
-                part = RolloutBatch.cat([part, part.index([0] * (micro_batch_size - len(part)))])
-                index = torch.cat([index, index.new_full((micro_batch_size - len(index),), -1)])
-            rows = pack_rows(part, seq_len=seq_len if max_tokens is None else padded_seq_len(part, multiple=multiple),
-                             pad_token_id=self.pad_token_id)
+            if len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0
+                part, index = _filled(batch, part, index, micro_batch_size - len(part))
+            rows = pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id)
             out.append(_Micro(batch=part, rows=rows, index=index))
         return out
+
+    def _budget_micro_batches(self, batch: RolloutBatch, parts: list[torch.Tensor], multiple: int) -> list[_Micro]:
+        """Token-budget micro-batches, each padded to its own longest row; at EP > 1 micro-batch k has one shape on
+        every EP rank (the most rows and the longest row over them: Megatron's all-gather dispatcher needs equal
+        shapes), the extra rows fillers whose loss mask is 0."""
+        shapes = [(len(p), padded_seq_len(batch.index(p), multiple=multiple) if len(p) else 2) for p in parts]
+        if self.parallel.expert_model_parallel_size > 1:
+            most = self._most_over_experts([x for shape in shapes for x in shape])
+            shapes = list(zip(most[0::2], most[1::2], strict=True))
+        out = []
+        for index, (rows_needed, seq_len) in zip(parts, shapes, strict=True):
+            part = batch.index(index)
+            if len(part) < rows_needed:
+                part, index = _filled(batch, part, index, rows_needed - len(part))
+            out.append(_Micro(batch=part, rows=pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id),
+                              index=index))
+        return out
+
+    def _most_over_experts(self, values: list[int]) -> list[int]:
+        """Each of ``values``' maximum over the expert-parallel group."""
+        most = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return most.tolist()
 
     def _common_over_experts(self, seq_len: int) -> int:
         """``seq_len``, or the longest over the expert-parallel group at EP > 1: the EP ranks exchange their tokens
@@ -248,9 +273,7 @@ class MegatronRunner:
         number of micro-batches), so their micro-batches must have one shape."""
         if self.parallel.expert_model_parallel_size == 1:
             return seq_len
-        longest = torch.tensor([seq_len], dtype=torch.long, device=self.device)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
-        return int(longest)
+        return self._most_over_experts([seq_len])[0]
 
     def _shared_prompt_micro_batches(self, batch: RolloutBatch, batching: MicroBatching, multiple: int) -> list[_Micro]:
         """:mod:`prefix_grouper`'s layout: fixed-size micro-batches (as the plain layout's) grouped inside, or
@@ -386,3 +409,13 @@ def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[t
     """The head's loss × micro-batches × DP: undoes the schedule's and DDP's averaging (module docstring)."""
     loss, metrics = head(mb, output)
     return loss * scale, metrics
+
+
+def _filled(batch: RolloutBatch, part: RolloutBatch, index: torch.Tensor,
+            count: int) -> tuple[RolloutBatch, torch.Tensor]:
+    """``part`` with ``count`` filler rows (copies of ``batch``'s row 0, index -1, loss mask 0: nothing trained on,
+    their outputs dropped) after its own."""
+    filler = batch.index([0] * count)
+    filler = dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
+    return (RolloutBatch.cat([part, filler]) if len(part) else filler,
+            torch.cat([index, index.new_full((count,), -1)]))

@@ -70,6 +70,31 @@ def test_an_expert_parallel_run_equals_the_replicated_one_and_resumes_across_ep(
 
 
 @pytest.mark.distributed
+def test_token_budget_micro_batches_at_ep2_train_what_one_rank_trains(torchrun, tiny: dict[str, Path]) -> None:  # noqa: F811
+    """EP=2 with ``use_dynamic_bsz`` (verl's MoE scripts all use it): responses end early and unevenly (``chatty``),
+    so the two ranks' token budgets make different micro-batch counts and shapes; the runner splits to one count
+    and pads micro-batch k to one shape over the EP ranks (fillers masked out), and the run equals one rank's
+    with the same budget to 1e-5 (the log-prob passes and the update). ~45 s: a 2-rank and a 1-rank launch."""
+    random = make_tiny_model(tiny["tmp"] / "moe_dyn_random", arch="qwen3_moe", hidden=64, layers=2, heads=4,
+                             kv_heads=2, max_positions=128,
+                             moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    moe = {**tiny, "model": chatty(random, tiny["tmp"] / "moe_dyn_model")}
+    args = [*KEYWORD, "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.total_training_steps=2",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"]
+    runs = []
+    for ep, nproc in ((2, 2), (1, 1)):
+        out = tiny["tmp"] / f"moe_dyn_ep{ep}"
+        ep_arg = f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}"
+        torchrun([TRAIN, *overrides(moe, out, *args, ep_arg)], nproc=nproc, timeout=600)
+        runs.append(_learned(out))
+    assert [r["step"] for r in runs[0]] == [1, 2] and runs[1][0]["actor/grad_norm"] > 0.01
+    for a, b in zip(*runs, strict=True):
+        assert b.keys() <= a.keys()
+        for k in b:
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["R3", "R2"])
 def test_a_router_replay_run_resumes_bitwise(torchrun, tiny: dict[str, Path], mode: str) -> None:  # noqa: F811
     """2 ranks at EP=2, ``actor.router_replay.mode`` R3 or R2, 2 mini-batches a step (the old-log-prob pass runs):
