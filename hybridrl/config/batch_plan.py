@@ -137,10 +137,9 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
             add(f"{key}.ppo_micro_batch_size_per_gpu", micro, interleaved_micro_batches_problem(lay.pp, lay.vpp)
                 + f"; {mini * n} samples over DP={lay.dp} in micro-batches of {micro} make {n_micro}; "
                 f"valid: {valid or 'none at this DP and PP'}")
+    # prompts are generated in near-equal shares per DP rank (sizes differing by one where DP does not divide
+    # data.train_batch_size); the update splits each mini-batch's samples over DP (distributed/dp_batches), as verl
     dp = roles["actor"].dp
-    if d.train_batch_size >= 1 and d.train_batch_size % dp:
-        add("data.train_batch_size", d.train_batch_size,
-            f"prompts are sharded over the actor's DP={dp} ranks; must be a multiple of {dp}")
     update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
                            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                            shared_prompts=a.use_prefix_grouper)

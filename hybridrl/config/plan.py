@@ -183,7 +183,8 @@ class Plan:
                  if b.micro_batches_per_optimizer_step else f"micro-batches of {b.update} (use_dynamic_bsz)")
         lines += [
             f"batch   {b.prompts_per_step} prompts → {b.samples_per_step} samples per step; "
-            f"{b.prompts_per_step // b.dp} prompts per DP rank; each engine generates "
+            f"{'-'.join(str(n) for n in sorted({len(b.dp_prompts(r)) for r in range(b.dp)}))} prompts per DP rank; "
+            f"each engine generates "
             f"{sorted({len(self.engine_prompts(e.index, b.prompts_per_generation)) for e in self.engines})} prompts"
             + (f" per round of {b.prompts_per_generation}, rounds until {b.prompts_per_step} groups with signal "
                "(algorithm.filter_groups)" if b.filter_groups else ""),

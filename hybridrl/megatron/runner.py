@@ -224,6 +224,9 @@ class MegatronRunner:
             return self._shared_prompt_micro_batches(batch, batching, multiple)
         if max_tokens is None:
             parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
+            if self.parallel.expert_model_parallel_size > 1:  # one count over the EP ranks: shares may differ by one
+                empty = torch.zeros(0, dtype=torch.long, device=batch.prompt_ids.device)
+                parts += [empty] * (self._most_over_experts([len(parts)])[0] - len(parts))
         else:
             if self.parallel.num_model_chunks > 1:  # config validation says so first, naming the keys
                 raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
@@ -413,9 +416,12 @@ def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[t
 
 def _filled(batch: RolloutBatch, part: RolloutBatch, index: torch.Tensor,
             count: int) -> tuple[RolloutBatch, torch.Tensor]:
-    """``part`` with ``count`` filler rows (copies of ``batch``'s row 0, index -1, loss mask 0: nothing trained on,
-    their outputs dropped) after its own."""
+    """``part`` with ``count`` filler rows after its own: ``batch``'s row 0 cut to its last prompt token, no response
+    (one token: it fits any micro-batch's shape), loss mask 0 — nothing trained on, its outputs dropped (index -1)."""
     filler = batch.index([0] * count)
-    filler = dataclasses.replace(filler, loss_mask=torch.zeros_like(filler.loss_mask))
+    prompt_mask = torch.zeros_like(filler.prompt_mask)
+    prompt_mask[:, -1] = 1
+    empty = torch.zeros_like(filler.response_mask)
+    filler = dataclasses.replace(filler, prompt_mask=prompt_mask, response_mask=empty, loss_mask=empty.clone())
     return (RolloutBatch.cat([part, filler]) if len(part) else filler,
             torch.cat([index, index.new_full((count,), -1)]))

@@ -112,3 +112,22 @@ def test_grpo_tiny_at_dp2_trains_what_one_rank_trains(torchrun, run: dict[str, P
         assert compared <= r.keys(), compared - r.keys()
         for k in compared:
             assert math.isclose(r[k], ref[k], rel_tol=1e-5, abs_tol=1e-5), (r["step"], k, r[k], ref[k])
+
+
+@pytest.mark.distributed
+def test_a_batch_dp_does_not_divide_trains_what_one_rank_trains(torchrun, run: dict[str, Path]) -> None:
+    """3 prompts on DP = 2 (verl splits samples, not prompts, over DP: one-step-off's 512 prompts on 3 trainer ranks):
+    the ranks generate 2 and 1 prompts, the update splits the 12 samples 6 and 6 — every step metric equals one
+    rank's to 1e-5. ~40 s: a 1-rank and a 2-rank launch."""
+    odd = ("data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    got = []
+    for nproc in (1, 2):
+        out = run["tmp"] / f"odd{nproc}"
+        torchrun([TRAIN, *overrides(run, out, *odd)], nproc=nproc, timeout=300)
+        got.append((read_metrics(out), dumps(out)))
+    (one, one_dumps), (two, two_dumps) = got
+    assert two_dumps == one_dumps and [len(s) for s in one_dumps] == [12, 12]
+    for r, ref in zip(two, one, strict=True):
+        for k in (k for k in ref if not k.startswith(MACHINE)):
+            assert math.isclose(r[k], ref[k], rel_tol=1e-5, abs_tol=1e-5), (r["step"], k, r[k], ref[k])
