@@ -93,7 +93,8 @@ class BatchPlan:
         return shares(self.prompts_per_step if num_prompts is None else num_prompts, self.dp)[dp_rank]
 
 
-def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigIssue]) -> BatchPlan:
+def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigIssue], *,
+               device_type: str = "cpu") -> BatchPlan:
     d, aor = cfg.data, cfg.actor_rollout_ref
     a, n = aor.actor, max(aor.rollout.n, 1)
 
@@ -161,7 +162,7 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
                                  mini_batches_per_epoch=max(d.train_batch_size // mini, 1),
                                  mini_batch_samples_per_dp_rank=mini * n // dp, update=critic_update,
                                  total_steps=max(cfg.trainer.total_training_steps or 1, 1))
-    _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add)
+    _token_budget_problems(cfg, roles["actor"], {"actor": update, **passes}, add, device_type=device_type)
     _prefix_grouper_problems(cfg, roles["actor"], add)
     _fused_lm_head_problems(cfg, add)
     filter_groups = cfg.algorithm.filter_groups.enable
@@ -207,7 +208,8 @@ def _fused_lm_head_problems(cfg: RLConfig, add) -> None:  # type: ignore[no-unty
                        f"the sequence gathered); set one to false")
 
 
-def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, MicroBatching], add) -> None:  # type: ignore[no-untyped-def]
+def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, MicroBatching], add,  # type: ignore[no-untyped-def]
+                           *, device_type: str) -> None:
     """Token budgets must hold the longest sample (prompt + response), or its micro-batch has no room."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     keys = {"actor": f"{AOR}.actor.ppo_max_token_len_per_gpu",
@@ -215,7 +217,7 @@ def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, M
             "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu", "critic": "critic.ppo_max_token_len_per_gpu",
             "teacher": f"{AOR}.teacher.log_prob_max_token_len_per_gpu"}
     dynamic = [role for role, p in passes.items() if p.max_tokens]
-    if actor.vpp is not None and dynamic:
+    if actor.vpp is not None and dynamic and device_type == "cpu":
         add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", actor.vpp,
             f"token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(dynamic)}) with the interleaved "
             f"pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")

@@ -115,7 +115,7 @@ class Plan:
             EnginePlacement(index=e, ranks=tuple(first + r for r in ranks),
                             devices=tuple(_device(device_type, first + r, per_node) for r in ranks))
             for e, ranks in enumerate(shares(span, span // rtp)) if span % rtp == 0)
-        batch = batch_plan(cfg, roles, issues)
+        batch = batch_plan(cfg, roles, issues, device_type=device_type)
         memory, engine_note = None, ""
         if model is not None:
             memory = _memory(cfg, roles, batch, model, rtp, len(engines), device_type, teacher_model)

@@ -11,7 +11,9 @@ micro-batch fixes its padded length and shorter ones join while the cost stays w
 sorted lengths this greedy gives the fewest micro-batches of any partition into contiguous runs, and
 it groups similar lengths, which is what minimises padding.
 
-Not combined with the interleaved pipeline schedule yet (see ``VPP_DYNAMIC_UNSUPPORTED``). At EP > 1 the
+With the interleaved pipeline schedule (VPP) the count is rounded up to a multiple of PP (the schedule's
+micro-batch groups), on NCCL only: on gloo Megatron's variable-shape exchange fails there
+(``VPP_DYNAMIC_UNSUPPORTED``). At EP > 1 the
 expert-parallel ranks must run the same number of micro-batches (they exchange tokens in every MoE layer):
 :func:`split_to_count` splits a rank's partition up to the count the busiest rank needs, as verl's
 ``same_micro_num_in_dp`` does; a rank with fewer samples than that runs empty (fully masked) micro-batches.
@@ -29,9 +31,9 @@ from collections.abc import Sequence
 # Measured on gloo at PP=2 × VPP=2: the interleaved schedule's combined send/receive exchanges the
 # shapes of the forward and backward tensors in one batch, and with both neighbours the same rank they
 # are paired the wrong way round (gloo: "Received data size doesn't match expected size").
-VPP_DYNAMIC_UNSUPPORTED = ("not supported yet (Megatron's variable-shape exchange under the interleaved schedule "
-                           "mispairs the two directions on gloo); use fixed micro-batches or "
-                           "virtual_pipeline_model_parallel_size=null")
+VPP_DYNAMIC_UNSUPPORTED = ("not supported on CPU (gloo): Megatron's variable-shape exchange under the interleaved "
+                           "schedule mispairs the two directions there (on GPU, NCCL, it runs); use fixed "
+                           "micro-batches or virtual_pipeline_model_parallel_size=null on CPU")
 
 
 def padded_len(length: int, multiple: int) -> int:

@@ -228,13 +228,19 @@ class MegatronRunner:
                 empty = torch.zeros(0, dtype=torch.long, device=batch.prompt_ids.device)
                 parts += [empty] * (self._most_over_experts([len(parts)])[0] - len(parts))
         else:
-            if self.parallel.num_model_chunks > 1:  # config validation says so first, naming the keys
+            interleaved = self.parallel.num_model_chunks > 1
+            if interleaved and dist.get_backend() == "gloo":  # config validation says so first, naming the keys
                 raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
                                  f"{VPP_DYNAMIC_UNSUPPORTED}")
             lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
             groups = token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)
+            count = len(groups)
             if self.parallel.expert_model_parallel_size > 1:  # one count over the EP ranks (dynamic_batch)
-                groups = split_to_count(groups, self._most_over_experts([len(groups)])[0])
+                count = self._most_over_experts([count])[0]
+            if interleaved:  # the interleaved schedule runs its micro-batches in groups of PP
+                pp = self.parallel.pipeline_model_parallel_size
+                count = -(-count // pp) * pp
+            groups = split_to_count(groups, count)
             parts = [torch.tensor(p, dtype=torch.long, device=batch.prompt_ids.device) for p in groups]
             return self._budget_micro_batches(batch, parts, multiple)
         seq_len = self._common_over_experts(padded_seq_len(batch, multiple=multiple))

@@ -416,9 +416,17 @@ def test_router_replay_is_refused_where_it_cannot_run_naming_the_key(base: list[
                        f"{AOR}.rollout.name=sglang", f"{AOR}.actor.use_prefix_grouper=true")
     assert code == 2 and f"{AOR}.rollout.name='sglang'" in err and "--enable-return-routed-experts" in err, err
     assert f"{AOR}.actor.use_prefix_grouper=True" in err and "recompute_granularity='full'" in err, err
-    # expert parallelism: the EP ranks exchange tokens every micro-batch, so token-budget micro-batches are refused
+    # expert parallelism: the EP ranks agree on one micro-batch count and shape, so token-budget micro-batches run
     code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, f"{AOR}.actor.use_dynamic_bsz=true")
-    assert code == 2 and f"{AOR}.actor.use_dynamic_bsz=True: not supported with {AOR}.actor.megatron." in err, err
+    assert code == 0, err
+    # with the interleaved schedule too, on GPU (NCCL); on CPU (gloo) Megatron's shape exchange fails there
+    vpp = (f"{AOR}.actor.use_dynamic_bsz=true", f"{AOR}.actor.megatron.pipeline_model_parallel_size=2",
+           f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size=2",
+           f"{AOR}.actor.megatron.expert_model_parallel_size=4")
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, *vpp)
+    assert code == 0, err
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, "trainer.device=cpu", *vpp)
+    assert code == 2 and "not supported on CPU (gloo)" in err, err
 
 
 def test_the_moe_tiny_recipe_validates_before_its_warm_start_exists(capsys: pytest.CaptureFixture[str],

@@ -10,7 +10,7 @@ import pytest
 from hybridrl.config.compose import compose_config
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.validate import validate
-from hybridrl.megatron.dynamic_batch import partition_cost, token_budget_partition
+from hybridrl.megatron.dynamic_batch import partition_cost, split_to_count, token_budget_partition
 
 A = "actor_rollout_ref"
 
@@ -74,8 +74,8 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypat
     assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in plan
 
 
-def test_config_rejects_dynamic_bsz_with_the_interleaved_schedule(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_rejects_dynamic_bsz_with_the_interleaved_schedule_on_cpu(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     vpp = [f"{A}.{role}.megatron.{k}=2" for role in ("actor", "ref")
            for k in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
     with pytest.raises(ConfigError) as e:
@@ -84,3 +84,13 @@ def test_config_rejects_dynamic_bsz_with_the_interleaved_schedule(tmp_path: Path
     msg = str(e.value)
     assert f"{A}.actor.megatron.virtual_pipeline_model_parallel_size=2" in msg
     assert "on for: actor, ref)" in msg and "use fixed micro-batches" in msg
+
+
+def test_a_partition_splits_up_to_the_count_the_expert_ranks_agree_on() -> None:
+    """EP > 1 (and VPP's groups of PP): a rank with fewer token-budget micro-batches halves its largest until it has
+    the agreed count, then adds empty ones (filled with masked rows by the runner); nothing is lost or repeated."""
+    assert split_to_count([[0, 1, 2, 3], [4]], 4) == [[0], [1], [2, 3], [4]]
+    assert split_to_count([[0], [1]], 4) == [[0], [1], [], []]
+    assert split_to_count([[0, 1, 2]], 1) == [[0, 1, 2]]
+    parts = split_to_count([[5, 7, 9], [1, 2], [3]], 6)
+    assert len(parts) == 6 and sorted(i for p in parts for i in p) == [1, 2, 3, 5, 7, 9]
