@@ -33,8 +33,8 @@ def test_an_expert_parallel_run_equals_the_replicated_one_and_resumes_across_ep(
     experts; the plain optimizer): the same metrics to 1e-6 over 3 learning steps, and the engine's log-probs agree
     with the actor's at every step (the experts reach the engine). Then each run's step-2 checkpoint resumes at the
     *other* EP with its own optimizer (experts and their Adam state reshard: moe_compat item 2 keeps one optimizer
-    layout at every EP): step 3 equals the uninterrupted runs' to 1e-6. One rank trains what EP=2 trains, to 1e-5 (the
-    same mini-batches at any DP size). ~100 s: four 2-rank launches and a 1-rank one."""
+    layout at every EP): step 3 equals the uninterrupted runs' to 1e-6 (that one rank trains what EP=2 trains: the
+    next test). ~80 s: four 2-rank launches."""
     moe = {**tiny, "model": make_tiny_model(tiny["tmp"] / "moe_model", arch="qwen3_moe", hidden=64, layers=2,
                                             heads=4, kv_heads=2, max_positions=128,
                                             moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))}
@@ -52,12 +52,6 @@ def test_an_expert_parallel_run_equals_the_replicated_one_and_resumes_across_ep(
     for a, b in zip(runs[2], runs[1], strict=True):
         assert a["rollout/logprob_abs_diff"] <= 1e-5
         _same(a, b)
-    one = tiny["tmp"] / "moe_1rank"  # and one rank trains the same mini-batches (hybridrl.distributed.dp_batches)
-    torchrun([TRAIN, *overrides(moe, one, *common, f"{ep_key}=1", optimizer[1])], nproc=1, timeout=600)
-    for a, b in zip(runs[2], _learned(one), strict=True):
-        assert b.keys() <= a.keys()
-        for k in b:
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-5), (a["step"], k, a[k], b[k])
     for saved, now in ((2, 1), (1, 2)):
         resumed = tiny["tmp"] / f"moe_ep{saved}_at_ep{now}"
         shutil.copytree(tiny["tmp"] / f"moe_ep{saved}", resumed)
