@@ -11,10 +11,15 @@ Each API key is a *session* (:meth:`ChatEndpoint.open_session`; a random key per
 <key>`` picks it, an unknown key is a 401. A session is one conversation, so it has at most one request waiting; a
 second one meanwhile is a 400. Closing a session (or the endpoint) answers its waiting request with a 410.
 
-What is supported: ``messages`` whose ``content`` is text (a string, or a list of ``{"type": "text"}`` parts, joined).
-Ignored: ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` and the rest of the sampling
-fields — the owner decides the reply. Refused with a 400 that says so: ``stream: true`` (the reply comes whole),
-``n > 1``, and ``tools`` / ``tool_choice`` / ``functions`` / ``function_call`` (a tool call is text in the reply).
+What is supported: ``messages`` whose ``content`` is text (a string, or a list of ``{"type": "text"}`` parts, joined),
+and function calling: ``tools`` (OpenAI function schemas, checked for shape here; whether they are the ones the
+policy was shown is the owner's to check), ``tool_choice`` ``"auto"`` or ``"none"`` and ``parallel_tool_calls: true``
+(:meth:`ChatRequest.reply` with ``tool_calls`` answers with ``message.tool_calls`` and ``finish_reason``
+"tool_calls"). Ignored: ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` and the rest of the
+sampling fields — the owner decides the reply. Refused with a 400 that says so: ``stream: true`` (the reply comes
+whole), ``n > 1``, a ``tool_choice`` that forces a call (``"required"``, a named function: the policy samples
+freely, nothing can force its text), ``parallel_tool_calls: false`` (the policy may write several calls in a turn)
+and the legacy ``functions`` / ``function_call`` (use ``tools``).
 Errors are OpenAI's shape, ``{"error": {"message", "type", "code"}}``, sent with ``x-should-retry: false``: each
 one here is deterministic, so the ``openai`` client's automatic retries would only repeat it.
 
@@ -37,7 +42,7 @@ from typing import Any
 Message = dict[str, Any]
 MODEL = "policy"
 MAX_BODY_BYTES = 64 << 20
-_TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")
+_LEGACY_FIELDS = ("functions", "function_call")
 
 
 class RequestError(ValueError):
@@ -58,12 +63,24 @@ class ChatRequest:
         self._lock = threading.Lock()
         self._answer: tuple[int, dict[str, Any]] | None = None
 
-    def reply(self, content: str) -> None:
-        """Answer with the assistant message ``content`` (finish_reason "stop")."""
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The request's ``tools`` (function schemas), [] when it has none."""
+        return list(self.body.get("tools") or [])
+
+    @property
+    def calls_allowed(self) -> bool:
+        """The reply may carry ``tool_calls``: the request offers tools and ``tool_choice`` is not "none"."""
+        return bool(self.tools) and self.body.get("tool_choice") != "none"
+
+    def reply(self, message: Message) -> None:
+        """Answer with the assistant ``message`` (``role``, ``content`` and optional ``tool_calls``); finish_reason
+        "tool_calls" when it has calls, else "stop"."""
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
         self._set(200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
                         "created": int(time.time()), "model": MODEL,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                     "finish_reason": "stop", "logprobs": None}]})
+                        "choices": [{"index": 0, "message": dict(message), "finish_reason": finish,
+                                     "logprobs": None}]})
 
     def fail(self, error: RequestError) -> None:
         self._set(error.status, _error_body(error))
@@ -217,14 +234,32 @@ def _parse(headers: Any, read_body: Callable[[int], bytes]) -> tuple[list[Messag
     if body.get("n") not in (None, 1):
         raise RequestError(400, f"n={body.get('n')!r} is not supported: one reply per request (n=1)",
                            code="unsupported_parameter")
-    if used := [f for f in _TOOL_FIELDS if body.get(f)]:
-        raise RequestError(400, f"{', '.join(used)} not supported: the policy writes tool calls as text in its reply "
-                                "(Hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), which the "
-                                "rollout's own tools (multi_turn.tools) run", code="unsupported_parameter")
+    if used := [f for f in _LEGACY_FIELDS if body.get(f) is not None]:
+        raise RequestError(400, f"{', '.join(used)} (deprecated by OpenAI) not supported: offer the functions as "
+                                "tools=[{'type': 'function', 'function': {...}}]", code="unsupported_parameter")
+    _check_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages is a non-empty list of chat messages", code="invalid_messages")
     return [normalize(m) for m in messages], body
+
+
+def _check_tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise RequestError(400, f"tools is a list of {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                                f"...}}}}; got {_short(tools)}", code="invalid_tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(400, f"tool_choice={_short(choice)} not supported: the policy samples its turn freely and "
+                                "nothing can force it to call a tool; use 'auto' (its calls come back as tool_calls) "
+                                "or 'none' (its turn comes back as text)", code="unsupported_parameter")
+    if body.get("parallel_tool_calls") is False:
+        raise RequestError(400, "parallel_tool_calls=false not supported: the policy may write several calls in a "
+                                "turn and each is trained on as sampled; leave it unset or true and answer every "
+                                "tool call", code="unsupported_parameter")
 
 
 def _error_body(error: RequestError) -> dict[str, Any]:

@@ -37,11 +37,17 @@ engine's own ids and log-probs of each policy turn (``loss_mask`` 1) and the cha
 messages (``loss_mask`` 0) (:mod:`hybridrl.rollout.turns`), so an episode driven from outside trains exactly as a
 built-in environment's does. For the same reason the agent may not put words in the policy's mouth: a request whose
 history differs from what the endpoint returned (a rewritten or dropped turn, a system prompt of its own), or whose
-new messages include an ``assistant`` one, is answered with a 400 and fails the episode. The policy's own tool
-calls (``multi_turn.tools``, Hermes ``<tool_call>`` text) are run by the rollout and never reach the agent: it sees
-each turn that goes to the environment, i.e. the turns without calls. What the endpoint supports (no streaming,
-``n=1``, no ``tools`` field; the sampling fields are ignored: the rollout's sampling settings rule) is in
-:mod:`.chat_endpoint`.
+new messages include an ``assistant`` one, is answered with a 400 and fails the episode.
+
+Function calling: the agent's own tools (its requests' ``tools=``) are ``Config.tools``, which the chat template
+renders into every prompt (:func:`hybridrl.rollout.episodes.tool_schemas`) before the agent asks; a request that
+offers other tools is refused, naming the key. A turn that calls one of them goes to the agent whole: its Hermes
+``<tool_call>`` blocks come back as ``message.tool_calls`` (ids ``call_…``, JSON-string arguments, ``finish_reason``
+"tool_calls", the rest of the text as ``content``), and the agent's ``{"role": "tool", "tool_call_id", "content"}``
+messages are the step's messages, rendered by the template (``loss_mask`` 0) like any other. A turn with a call that
+cannot be read, or any turn of a request with ``tool_choice="none"`` or no ``tools``, comes back as text. A turn
+whose calls all name ``multi_turn.tools`` is run by the rollout and never reaches the agent. What else the endpoint
+supports is in :mod:`.chat_endpoint`.
 
 Faults, each failing the episode (the step raises; the rollout applies ``reward.on_error``) and killing the agent:
 a history that is not the conversation, an assistant message, a non-zero exit (the error names the code and ends
@@ -60,6 +66,8 @@ import json
 import math
 import os
 import queue
+import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -72,9 +80,12 @@ from typing import IO, Any
 from hybridrl.batch import SampleMeta
 from hybridrl.environments.chat_endpoint import ChatEndpoint, ChatRequest, Message, RequestError, normalize
 from hybridrl.interfaces import EnvStep
+from hybridrl.tools.calls import CallError, ToolCall, parse_calls
+from hybridrl.tools.config import KEY
 
 _RESERVED = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "HYBRIDRL_TASK", "HYBRIDRL_SEED")
 TAIL_BYTES = 64 << 10  # of the agent's stdout and of its stderr
+_CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 
 
 class AgentError(RuntimeError):
@@ -91,6 +102,9 @@ class OpenAIAgent:
         command: list[str]
         env: dict[str, str] = field(default_factory=dict)  # extra environment variables of the agent
         timeout_s: float = 300.0  # the agent's whole life (from open); past it it is killed and the episode fails
+        # the tools the agent offers (its requests' ``tools=``: OpenAI function schemas, e.g. a JSON file's list);
+        # the chat template renders them into every prompt, as a serving engine renders a request's tools
+        tools: list[dict[str, Any]] = field(default_factory=list)
 
         def __post_init__(self) -> None:
             if not isinstance(self.command, list | tuple) or not self.command or not all(
@@ -103,11 +117,18 @@ class OpenAIAgent:
                 raise ValueError(f"env sets {reserved}, which openai_agent sets itself for each episode")
             if not self.timeout_s > 0:
                 raise ValueError(f"timeout_s={self.timeout_s} must be > 0 (seconds)")
+            if not isinstance(self.tools, list | tuple) or not all(
+                    isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                    and isinstance(t["function"].get("name"), str) for t in self.tools):
+                raise ValueError(f"tools={_short(self.tools)} must be a list of OpenAI function schemas "
+                                 "{'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+            self.tools = [json.loads(json.dumps(t)) for t in self.tools]  # plain JSON (a recipe's config nodes)
 
     def __init__(self, config: OpenAIAgent.Config | None = None, **ctx: Any) -> None:
         self.config = config if config is not None else self.Config()  # type: ignore[call-arg]  # names command
         self._endpoint: ChatEndpoint | None = None
         self._episodes: weakref.WeakSet[AgentEpisode] = weakref.WeakSet()
+        self.tools = self.config.tools  # rendered into the prompts (hybridrl.rollout.episodes.tool_schemas)
 
     def open(self, meta: SampleMeta, *, seed: int) -> AgentEpisode:
         if meta.messages is None:
@@ -188,9 +209,10 @@ class AgentEpisode:
                 raise AgentError(f"the agent {self._ended(event)} before its first request{self.agent.stderr_tail()}")
             self._waiting = event
             self._accept(event)
-        self._waiting.reply(content)
+        reply = _reply(content, calls=self._waiting.calls_allowed)
+        self._waiting.reply(reply)
         self._waiting = None
-        self.history.append({"role": "assistant", "content": content})
+        self.history.append(normalize(reply))
         event = self._next()
         if isinstance(event, _Exited):
             if event.code != 0:
@@ -219,8 +241,9 @@ class AgentEpisode:
         sent, h, first = request.messages, self.history, self._first
         self._first = False
         problem = ""
-        if sent[:len(h)] != h:
-            i = next((i for i, (a, b) in enumerate(zip(sent, h, strict=False)) if a != b), min(len(sent), len(h)))
+        if len(sent) < len(h) or not all(map(_same, sent, h)):
+            i = next((i for i, (a, b) in enumerate(zip(sent, h, strict=False)) if not _same(a, b)),
+                     min(len(sent), len(h)))
             what = "the task's messages (HYBRIDRL_TASK)" if first else "the conversation so far"
             problem = (f"its messages do not start with {what}: message {i} is "
                        f"{_short(sent[i]) if i < len(sent) else 'missing'}, the conversation has "
@@ -237,6 +260,10 @@ class AgentEpisode:
                        "policy's, sampled by the rollout")
         elif not problem and (bad := [m for m in new if not isinstance(m["content"], str)]):
             problem = f"a new message has no text content: {_short(bad[0])}"
+        elif not problem and request.tools and _canonical(request.tools) != _canonical(self.config.tools):
+            problem = (f"its tools {_short(_names(request.tools))} are not the ones the policy's prompt shows: "
+                       f"{KEY}.environment_kwargs.tools={_short(_names(self.config.tools))} (the chat template renders "
+                       "them into the prompt before the agent asks; set that key to the agent's tools=, as JSON)")
         if problem:
             request.fail(RequestError(400, f"hybridrl: {problem}", code="history_mismatch"))
             raise AgentError(f"the agent's request broke the episode: {problem}")
@@ -324,6 +351,35 @@ def _reward(stdout: str) -> float | None:
     if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
         raise AgentError(f"the agent's last stdout line {lines[-1][:200]!r} gives a reward that is not a finite number")
     return float(r)
+
+
+def _reply(text: str, *, calls: bool) -> Message:
+    """The policy's turn as an assistant message: with ``calls``, its Hermes tool calls as OpenAI ``tool_calls``
+    (JSON-string arguments) and the rest of the text as ``content`` (None if empty); a turn with a call that cannot
+    be read is text as a whole, as is every turn without ``calls``."""
+    parsed = parse_calls(text) if calls else []
+    if not parsed or any(isinstance(c, CallError) for c in parsed):
+        return {"role": "assistant", "content": text}
+    rest = _CALL_BLOCKS.sub("", text).strip()
+    return {"role": "assistant", "content": rest or None,
+            "tool_calls": [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                           for c in parsed if isinstance(c, ToolCall)]}
+
+
+def _same(sent: Message, had: Message) -> bool:
+    """``sent`` is the message ``had`` as an agent may echo it: no content and empty content alike."""
+    def plain(m: Message) -> Message:
+        return {**m, "content": m.get("content") or ""}
+    return plain(sent) == plain(had)
+
+
+def _canonical(tools: list[dict[str, Any]]) -> str:
+    return json.dumps(tools, sort_keys=True)
+
+
+def _names(tools: list[dict[str, Any]]) -> list[str]:
+    return [str(t.get("function", {}).get("name")) for t in tools]
 
 
 def _short(message: Any) -> str:

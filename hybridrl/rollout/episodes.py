@@ -28,7 +28,7 @@ from hybridrl.interfaces import Environment, EnvStep, Episode
 from hybridrl.registry import Registry
 from hybridrl.rollout.turns import Message, TurnRenderer
 from hybridrl.tools.bounded import Bounded, StuckCallsError
-from hybridrl.tools.calls import parse_calls
+from hybridrl.tools.calls import CallError, ToolCall, parse_calls
 from hybridrl.tools.config import KEY
 from hybridrl.tools.runner import ToolRunner, tokenizer_cut
 from hybridrl.tracking import say
@@ -80,6 +80,8 @@ class EpisodeActors:
         for s, _, cut, n, _, _ in turns:
             if cut or n >= self.max_turns:
                 acts[s] = Act(done=True)
+            elif self.environment is not None and self._for_environment(calls[s]):
+                env_turns.append(s)
             elif calls[s]:
                 tool_turns.append(s)
             elif self.environment is not None:
@@ -106,6 +108,16 @@ class EpisodeActors:
             owned.messages += [assistant, *new]
         self._close(*(s for s, act in acts.items() if act.done))
         return acts
+
+    def _for_environment(self, calls: Sequence[ToolCall | CallError]) -> bool:
+        """A turn goes to the environment when it calls none of the rollout's tools, or calls a tool the environment
+        offers (the whole turn then: the environment answers each of its calls)."""
+        if not calls:
+            return True
+        env_tools = {t["function"]["name"] for t in environment_tools(self.environment)}
+        if not env_tools:
+            return False  # the rollout's tools answer (an unknown tool is an error observation)
+        return not all(isinstance(c, ToolCall) and c.name in self.tools.tools for c in calls)
 
     def _env_steps(self, turns: list[tuple[int, str, SampleMeta, int]]) -> list[EnvStep | Act]:
         """Each turn's environment step, or the error Act of a failed one."""
@@ -182,8 +194,32 @@ def _is_env_step(value: Any) -> bool:
 
 
 def tool_schemas(cfg: RLConfig) -> list[dict[str, Any]]:
-    """The schemas of ``multi_turn.tools`` (the chat template renders them into the prompt), [] when off."""
-    return [t.schema for t in build_tools(cfg)] if cfg.actor_rollout_ref.rollout.multi_turn.enable else []
+    """The schemas of ``multi_turn.tools`` and of the environment's tools (the chat template renders them into the
+    prompt), [] when off."""
+    if not cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        return []
+    return _schemas(build_tools(cfg), build_environment(cfg))
+
+
+def environment_tools(environment: Environment | None) -> list[dict[str, Any]]:
+    """The function schemas of the tools an environment offers the policy (its optional ``tools`` attribute: an
+    agent that runs its own tools), which the chat template renders into the prompt; its episodes answer the calls."""
+    return list(getattr(environment, "tools", None) or [])
+
+
+def build_environment(cfg: RLConfig) -> Environment | None:
+    """``multi_turn.environment`` with its ``environment_kwargs``; None when there is none."""
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    return None if m.environment is None else Registry("environments").build(
+        m.environment, m.environment_kwargs, key=f"{KEY}.environment_kwargs")
+
+
+def _schemas(tools: Sequence[Any], environment: Environment | None) -> list[dict[str, Any]]:
+    own, offered = [t.schema for t in tools], environment_tools(environment)
+    if both := sorted({t["function"]["name"] for t in own} & {t["function"]["name"] for t in offered}):
+        raise ValueError(f"tools {both} are both in {KEY}.tools and offered by the environment "
+                         f"({KEY}.environment_kwargs.tools): a call must have one owner")
+    return own + offered
 
 
 def build_tools(cfg: RLConfig) -> list[Any]:
@@ -196,12 +232,10 @@ def build_tools(cfg: RLConfig) -> list[Any]:
 def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> EpisodeActors:
     """The multi-turn rollout's tools, environment and turn renderer; refuses a template that is not token-exact."""
     m = cfg.actor_rollout_ref.rollout.multi_turn
-    built = build_tools(cfg)
-    renderer = TurnRenderer(tokenizer, tools=[t.schema for t in built])
+    built, env = build_tools(cfg), build_environment(cfg)
+    renderer = TurnRenderer(tokenizer, tools=_schemas(built, env))
     renderer.check()
     runner = ToolRunner({t.schema["function"]["name"]: t for t in built}, timeout_s=m.tool_timeout_s,
                         max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer))
-    env = None if m.environment is None else Registry("environments").build(
-        m.environment, m.environment_kwargs, key=f"{KEY}.environment_kwargs")
     return EpisodeActors(renderer, runner, format=m.format, environment=env,
                          environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns)

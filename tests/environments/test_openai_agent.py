@@ -16,6 +16,7 @@ This file is also the rollout's worker (``python -m torch.distributed.run … te
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -36,12 +37,14 @@ from hybridrl.interfaces import EnvStep, Generation, SamplingParams
 AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
 MARK = sys.argv[2] if __name__ == "__main__" else uuid.uuid4().hex  # the worker is given the test's
 TASK: list[Any] = [{"role": "user", "content": "What is 2+3?"}]
-TURNS = ["5", "Yes: 5.", "Still 5."]  # the scripted policy's turns, in every episode
+TURNS = ["5", "Yes: 5.", "Still 5."]  # the scripted policy's turns, in every episode but calls_tools's
+CALCULATOR = json.loads((AGENTS / "calculator_tools.json").read_text())  # the tools calls_tools.py offers
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
 
 
-def agent(name: str, **kw: Any) -> OpenAIAgent.Config:
-    return OpenAIAgent.Config(command=["python", str(AGENTS / f"{name}.py")], env={"HYBRIDRL_TEST_AGENT_MARK": MARK},
-                              **kw)
+def agent(name: str, *, env: dict[str, str] | None = None, **kw: Any) -> OpenAIAgent.Config:
+    return OpenAIAgent.Config(command=["python", str(AGENTS / f"{name}.py")],
+                              env={"HYBRIDRL_TEST_AGENT_MARK": MARK, **(env or {})}, **kw)
 
 
 def marked() -> list[int]:
@@ -100,7 +103,7 @@ def test_the_endpoint_speaks_openai() -> None:
 
         def answer(request: ChatRequest) -> None:
             delivered.append(request)
-            request.reply("5")
+            request.reply({"role": "assistant", "content": "5"})
 
         key = endpoint.open_session(answer)
         client = openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0)
@@ -110,7 +113,10 @@ def test_the_endpoint_speaks_openai() -> None:
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("5", "stop")
         assert delivered[0].messages == TASK  # text parts joined
         for kwargs, says in (({"stream": True}, "stream=true is not supported"), ({"n": 2}, "n=2 is not supported"),
-                             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "<tool_call>")):
+                             ({"tools": [{"type": "function"}]}, "tools is a list of"),
+                             ({"tools": CALCULATOR, "tool_choice": "required"}, "tool_choice='required' not supp"),
+                             ({"tools": CALCULATOR, "parallel_tool_calls": False}, "parallel_tool_calls=false not"),
+                             ({"functions": [{"name": "f"}]}, "functions (deprecated by OpenAI) not supported")):
             with pytest.raises(openai.BadRequestError, match=re.escape(says)) as err:
                 client.chat.completions.create(model="policy", messages=TASK, **kwargs)
             assert err.value.body["type"] == "invalid_request_error"  # type: ignore[index]
@@ -182,13 +188,70 @@ def test_close_kills_a_waiting_agent_and_its_request_gets_an_error() -> None:
         env.close()
 
 
+# ---- function calling ------------------------------------------------------------------------------------
+
+
+def seen_by(episode: Any) -> list[dict[str, Any]]:
+    """What calls_tools.py printed of each reply it got (its next-to-last stdout line)."""
+    return json.loads(episode.agent.stdout.text().strip().splitlines()[-2])  # type: ignore[no-any-return]
+
+
+def test_the_policys_calls_reach_the_agent_as_tool_calls_and_its_results_come_back_as_tool_messages() -> None:
+    env = OpenAIAgent(agent("calls_tools", tools=CALCULATOR))
+    try:
+        assert env.tools == CALCULATOR  # rendered into the prompts (hybridrl.rollout.episodes.tool_schemas)
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        two = CALL + "\n" + CALL.replace("12*7", "(2+3)*1")
+        first = episode.step({"role": "assistant", "content": "Let me compute.\n" + two})
+        last = episode.step({"role": "assistant", "content": "84 and 5."})
+        (calls_reply, text_reply) = seen_by(episode)
+        assert calls_reply["finish"] == "tool_calls" and calls_reply["content"] == "Let me compute."
+        (id1, name1, args1), (id2, name2, args2) = calls_reply["calls"]
+        assert (name1, json.loads(args1), name2, json.loads(args2)) == (
+            "calculator", {"expression": "12*7"}, "calculator", {"expression": "(2+3)*1"})
+        assert id1.startswith("call_") and id1 != id2
+        assert first == EnvStep(messages=[{"role": "tool", "content": "84", "tool_call_id": id1},
+                                          {"role": "tool", "content": "5", "tool_call_id": id2}], done=False)
+        assert text_reply == {"finish": "stop", "content": "84 and 5.", "calls": []}
+        assert last.done and last.reward == 1.0
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(("turn", "choice"), [
+    pytest.param(CALL.replace('"name": "calculator"', "name: calculator"), None, id="unreadable"),
+    pytest.param(CALL.removesuffix("</tool_call>"), None, id="unclosed"),
+    pytest.param(CALL, "none", id="tool_choice_none"),
+])
+def test_a_call_that_cannot_be_read_or_is_not_wanted_comes_back_as_text(turn: str, choice: str | None) -> None:
+    choosing = {"HYBRIDRL_TEST_TOOL_CHOICE": choice} if choice else {}
+    env = OpenAIAgent(agent("calls_tools", tools=CALCULATOR, env=choosing))
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        assert episode.step({"role": "assistant", "content": turn}).done
+        assert seen_by(episode) == [{"finish": "stop", "content": turn, "calls": []}]
+    finally:
+        env.close()
+
+
+def test_an_agent_whose_tools_are_not_the_prompts_fails_naming_the_key() -> None:
+    env = OpenAIAgent(agent("calls_tools"))  # no tools= configured: the prompt shows none
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        with pytest.raises(AgentError, match=re.escape("multi_turn.environment_kwargs.tools=[]")):
+            episode.step({"role": "assistant", "content": CALL})
+    finally:
+        env.close()
+
+
 def test_config_errors_name_the_field() -> None:
     from hybridrl.registry import PluginConfigError, make_plugin_config
 
     for kwargs, field in (({"command": []}, "command="), ({"command": ["python", ""]}, "command="),
                           ({"command": ["a"], "timeout_s": 0.0}, "timeout_s=0.0"),
                           ({"command": ["a"], "env": {"OPENAI_API_KEY": "x"}}, "env sets ['OPENAI_API_KEY']"),
-                          ({"command": ["a"], "env": {"X": 1}}, "env=")):
+                          ({"command": ["a"], "env": {"X": 1}}, "env="),
+                          ({"command": ["a"], "tools": [{"name": "f"}]}, "tools=[{'name': 'f'}] must be")):
         with pytest.raises(ValueError, match=re.escape(field)):
             OpenAIAgent.Config(**kwargs)
     key = "actor_rollout_ref.rollout.multi_turn.environment_kwargs"
@@ -198,7 +261,19 @@ def test_config_errors_name_the_field() -> None:
 
 # ---- in a multi-turn rollout ---------------------------------------------------------------------------
 
-CASES = {"ask_twice": 2, "patient": 3, "crashes": 1}  # case -> the policy turns of its episode (max turns: 3)
+CASES = {"ask_twice": 2, "patient": 3, "crashes": 1, "calls_tools": 2}  # case -> its policy turns (max: 3)
+SCRIPTS = {"calls_tools": ["Let me compute.\n" + CALL, "84."]}  # its turns; the other cases': TURNS
+# ChatML with the tools in a system block, as Qwen's template renders them
+TOOLS_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}"
+                  "{{- '\\n' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
+
+
+def tools_tokenizer() -> Any:
+    from hybridrl.models.char_tokenizer import CHAT_TEMPLATE, make_char_tokenizer
+
+    tok = make_char_tokenizer(model_max_length=4096)
+    tok.chat_template = TOOLS_TEMPLATE + CHAT_TEMPLATE
+    return tok
 
 
 class ScriptedPolicy:
@@ -215,7 +290,8 @@ class ScriptedPolicy:
             text = self.tok.decode(ids)
             case = re.search(r"case:(\w+)", text).group(1)  # type: ignore[union-attr]
             k = text.count("<|im_start|>assistant\n") - 1
-            tokens = [*self.tok(TURNS[k], add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
+            turn = SCRIPTS.get(case, TURNS)[k]
+            tokens = [*self.tok(turn, add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
             logprobs = [-0.1 * (k + 1) - 0.001 * j for j in range(len(tokens))]
             self.made.append((case, k, tokens, logprobs))
             out.append(Generation(prompt_index=i, token_ids=tokens, logprobs=logprobs, finish_reason="stop",
@@ -252,7 +328,6 @@ def main() -> None:
     from hybridrl.data.rows import write_rows
     from hybridrl.megatron.parallel import ParallelConfig, init_parallel
     from hybridrl.metrics import Timer
-    from hybridrl.models.char_tokenizer import make_char_tokenizer
     from hybridrl.rewards.execution import RewardConfig, RewardRunner
     from hybridrl.rollout.colocated import ColocatedEngines
     from hybridrl.rollout.episodes import EpisodeActors
@@ -262,10 +337,11 @@ def main() -> None:
 
     init_parallel(ParallelConfig())
     out = Path(sys.argv[1])
-    tok = make_char_tokenizer(model_max_length=4096)
+    tok = tools_tokenizer()
     rows = [{"prompt": f"case:{c} What is 2+3?", "ground_truth": "5"} for c in CASES]
     data = write_rows(rows, out / f"cases-{dist.get_rank()}.jsonl")
-    dataset = PromptDataset([data], config=PromptDatasetConfig(max_prompt_length=64), tokenizer=tok)
+    dataset = PromptDataset([data], config=PromptDatasetConfig(max_prompt_length=1024, tools=CALCULATOR),
+                            tokenizer=tok)
     prompts = collate_prompts(dataset.items, list(range(len(rows))), pad_token_id=tok.pad_token_id)
     cfg = RLConfig()
     cfg.actor_rollout_ref.model.path = "unused"
@@ -276,8 +352,10 @@ def main() -> None:
     assert not problems, problems
     policy: Any = ScriptedPolicy(tok)
     engines = ColocatedEngines(plan, build_engine=lambda **_: policy, pad_token_id=tok.pad_token_id)
-    renderer = TurnRenderer(tok)
-    env: Any = OpenAIAgent(agent("by_case", timeout_s=60.0))  # mypy takes a nested Config for an instance variable
+    renderer = TurnRenderer(tok, tools=CALCULATOR)  # the agent's tools, as hybridrl.rollout.episodes renders them
+    renderer.check()
+    # Any: mypy takes a nested Config for an instance variable
+    env: Any = OpenAIAgent(agent("by_case", timeout_s=60.0, tools=CALCULATOR))
     actors = EpisodeActors(renderer, ToolRunner({}, timeout_s=1.0, max_tokens=16, cut=tokenizer_cut(tok)),
                            format="hermes", environment=env, environment_timeout_s=20.0, max_assistant_turns=3)
     reward = RewardRunner.build(RewardConfig(name="environment", on_error="zero"), tokenizer=tok,
@@ -300,7 +378,8 @@ def main() -> None:
                 "logprobs": [b.rollout_logprobs[i][m].tolist() for i, m in enumerate(real)],
                 "prompts": [b.prompt_ids[i][b.prompt_mask[i].bool()].tolist() for i in range(len(b))],
                 "messages": [m.messages for m in b.meta], "env_error": [m.env_error for m in b.meta],
-                "finish": [m.finish_reason for m in b.meta], "turns": step.metrics["multi_turn/turns_mean"]},
+                "finish": [m.finish_reason for m in b.meta], "turns": step.metrics["multi_turn/turns_mean"],
+                "tool_calls": step.metrics["multi_turn/tool_calls"]},
                out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
@@ -309,12 +388,11 @@ def main() -> None:
 def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: Path) -> None:
     import torch
 
-    from hybridrl.models.char_tokenizer import make_char_tokenizer
     from hybridrl.rollout.turns import TurnRenderer
 
     torchrun([__file__, str(tmp_path), MARK], nproc=1, timeout=120)
     r = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    tok = make_char_tokenizer(model_max_length=4096)
+    tok = tools_tokenizer()
     assert sorted(r["cases"]) == sorted(CASES) and r["left"] == []
     for i, case in enumerate(r["cases"]):
         ids, mask, logprobs = r["ids"][i], r["mask"][i], r["logprobs"][i]
@@ -327,23 +405,36 @@ def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: 
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m), case
         # the sample is the template's render of the conversation: the agent's messages between the policy's turns
         conversation = [*r["messages"][i]]
+        between = {"role": "tool", "content": "84"} if case == "calls_tools" else {"role": "user",
+                                                                                   "content": "Are you sure?"}
         for k in range(CASES[case]):
             if k:
-                conversation.append({"role": "user", "content": "Are you sure?"})
-            conversation.append({"role": "assistant", "content": TURNS[k]})
-        rendered = tok.apply_chat_template(conversation, tokenize=False)
+                conversation.append(between)
+            conversation.append({"role": "assistant", "content": SCRIPTS.get(case, TURNS)[k]})
+        rendered = tok.apply_chat_template(conversation, tools=CALCULATOR, tokenize=False)  # the tools in the prompt
         assert str(tok.decode(r["prompts"][i] + ids)) + "\n" == rendered, case
     by = {c: i for i, c in enumerate(r["cases"])}
     # ask_twice's response, spelled out: policy turn 1 + the template's ids of the agent's message + policy turn 2
     t1, t2 = (t for _, t in sorted((k, t) for c, k, t, _ in r["made"] if c == "ask_twice"))
-    between = TurnRenderer(tok).appended_ids([*r["messages"][by["ask_twice"]], {"role": "assistant", "content": "5"}],
-                                             [{"role": "user", "content": "Are you sure?"}], sampled_ids=t1)
+    between = TurnRenderer(tok, tools=CALCULATOR).appended_ids(
+        [*r["messages"][by["ask_twice"]], {"role": "assistant", "content": "5"}],
+        [{"role": "user", "content": "Are you sure?"}], sampled_ids=t1)
     assert r["ids"][by["ask_twice"]] == t1 + between + t2
     assert r["mask"][by["ask_twice"]] == [1] * len(t1) + [0] * len(between) + [1] * len(t2)
     assert r["scores"][by["ask_twice"]] == 1.0 and r["env_error"][by["ask_twice"]] is None
     assert r["env_error"][by["patient"]] is None and r["finish"][by["patient"]] == "stop"  # max turns ended it
     assert "exited with code 3" in r["env_error"][by["crashes"]] and r["scores"][by["crashes"]] == 0.0
     assert r["errors"] == 1
+    # function calling: the policy's call went to the agent, which ran its calculator; "84" came back as a tool
+    # message (the template's ids, loss_mask 0), the rollout's own tools ran nothing
+    i = by["calls_tools"]
+    t1, t2 = (t for _, t in sorted((k, t) for c, k, t, _ in r["made"] if c == "calls_tools"))
+    result = TurnRenderer(tok, tools=CALCULATOR).appended_ids(
+        [*r["messages"][i], {"role": "assistant", "content": SCRIPTS["calls_tools"][0]}],
+        [{"role": "tool", "content": "84"}], sampled_ids=t1)
+    assert r["ids"][i] == t1 + result + t2 and r["mask"][i] == [1] * len(t1) + [0] * len(result) + [1] * len(t2)
+    assert "<|im_start|>tool\n84<|im_end|>" in tok.decode(result)
+    assert r["scores"][i] == 1.0 and r["env_error"][i] is None and r["tool_calls"] == 0
     assert r["wall"] < 15.0, r["wall"]  # three agents started and run at once: ~ one start
     print(f"rollout step with three agents: {r['wall']:.2f} s")
 
