@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.algorithms.policy_losses import DualClipLoss, GSPOLoss, PPOClipLoss
+from hybridrl.algorithms.policy_losses import CISPOLoss, DualClipLoss, GSPOLoss, PPOClipLoss
 
 ATOL = 1e-5
 
@@ -93,6 +93,19 @@ def test_gspo_sequence_ratio_and_clipping() -> None:
     torch.testing.assert_close(
         logp_BT.grad, torch.tensor([[0.0, 0.0, 0.0], [-0.150806] * 3]), atol=ATOL, rtol=0
     )
+
+
+def test_gspo_and_cispo_take_verls_actor_keys_as_verl_does() -> None:
+    """verl's actor keys reach whichever loss is chosen: clip_ratio fills a null side, clip_ratio_c (the vanilla loss's
+    dual clip) is accepted and unused by GSPO and CISPO, as in verl."""
+    inputs = dict(logprobs_BT=torch.tensor([[0.2, 0.0], [-0.3, 0.0]]), old_logprobs_BT=torch.zeros(2, 2),
+                  advantages_BT=torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), response_mask_BT=torch.ones(2, 2),
+                  loss_agg_mode="seq-mean-token-mean")
+    plain, _ = GSPOLoss(GSPOLoss.Config(clip_ratio_low=0.05, clip_ratio_high=0.05))(**inputs)
+    verl, _ = GSPOLoss(GSPOLoss.Config(clip_ratio=0.05, clip_ratio_low=None, clip_ratio_high=None,
+                                       clip_ratio_c=10.0))(**inputs)
+    torch.testing.assert_close(verl, plain)
+    assert CISPOLoss.Config(clip_ratio_c=10.0).bounds() == CISPOLoss.Config().bounds()
 
 
 def test_gspo_gradient_is_the_sequence_ratio_gradient() -> None:

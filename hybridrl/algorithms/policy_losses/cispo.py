@@ -13,7 +13,8 @@ weight: every token keeps its gradient, at most (1 + eps_high) times its on-poli
 Deviations and choices:
 - The paper sets no lower bound on the weight (eps_low "large"): the default ``clip_ratio_low=1``
   clips below at 0, i.e. not at all; the paper gives no eps_high, the default 0.28 is verl's
-  ``clip_ratio_high``. Keys as ``ppo_clip``: ``clip_ratio`` is the default of both sides.
+  ``clip_ratio_high``. Keys as ``ppo_clip``: ``clip_ratio`` is the default of both sides; verl's ``clip_ratio_c``
+  is accepted and unused, as in verl's CISPO.
 - The paper normalises by the batch's token count (``token-mean``); here the ``loss_agg_mode``
   passed in applies.
 - The loss *value* is -w A log pi (the paper's objective), not a surrogate that equals 0 on-policy:
@@ -50,6 +51,8 @@ class CISPOLoss:
         None uses clip_ratio."""
         clip_ratio_high: float | None = 0.28
         """The weight is clipped above at 1 + clip_ratio_high; None uses clip_ratio."""
+        clip_ratio_c: float = 3.0
+        """verl's actor key, accepted and unused: CISPO has no dual clip (as verl's CISPO)."""
 
         def __post_init__(self) -> None:
             require(self.clip_ratio >= 0, "clip_ratio", self.clip_ratio, "a float >= 0")

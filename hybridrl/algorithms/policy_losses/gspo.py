@@ -16,6 +16,9 @@ Deviations and choices:
   ``seq-mean-token-mean``.
 - The sequence log-ratio is clamped to [-20, 20] (value only; the gradient path is unaffected).
 - ``clipfrac`` is a masked token mean (every token of a clipped sequence counts), as verl.
+- verl's actor keys apply as in verl's GSPO: ``clip_ratio`` is the side a null ``clip_ratio_low`` /
+  ``clip_ratio_high`` takes, and ``clip_ratio_c`` (the dual clip of verl's vanilla loss) is accepted and unused, so
+  a script written for the vanilla loss runs with ``loss_mode=gspo``.
 """
 
 from __future__ import annotations
@@ -37,16 +40,23 @@ class GSPOLoss:
 
     @dataclass(slots=True, kw_only=True)
     class Config:
-        clip_ratio_low: float = 3e-4
-        """The sequence ratio is clipped below at 1 - clip_ratio_low."""
-        clip_ratio_high: float = 4e-4
-        """The sequence ratio is clipped above at 1 + clip_ratio_high."""
+        clip_ratio_low: float | None = 3e-4
+        """The sequence ratio is clipped below at 1 - clip_ratio_low; None uses clip_ratio."""
+        clip_ratio_high: float | None = 4e-4
+        """The sequence ratio is clipped above at 1 + clip_ratio_high; None uses clip_ratio."""
+        clip_ratio: float = 0.2
+        """verl's actor key: the clip range of a side set to None."""
+        clip_ratio_c: float = 3.0
+        """verl's actor key, accepted and unused: GSPO has no dual clip (as verl's GSPO)."""
 
         def __post_init__(self) -> None:
-            clip_range(0.0, self.clip_ratio_low, self.clip_ratio_high)
+            clip_range(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high)
 
     def __init__(self, config: GSPOLoss.Config | None = None) -> None:
         self.config = config if config is not None else self.Config()
+        self.clip_low, self.clip_high = clip_range(
+            self.config.clip_ratio, self.config.clip_ratio_low, self.config.clip_ratio_high
+        )
 
     def __call__(
         self,
@@ -63,7 +73,7 @@ class GSPOLoss:
         seq_log_ratio_B = seq_log_ratio_B.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         log_s_BT = logprobs_BT - logprobs_BT.detach() + seq_log_ratio_B[:, None]
         loss_BT, clipped_BT = clipped_surrogate(
-            log_s_BT.exp(), advantages_BT.detach(), self.config.clip_ratio_low, self.config.clip_ratio_high
+            log_s_BT.exp(), advantages_BT.detach(), self.clip_low, self.clip_high
         )
         loss = aggregate(loss_BT, response_mask_BT, loss_agg_mode, global_normalizer=global_normalizer)
         return loss, {
