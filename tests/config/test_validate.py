@@ -166,10 +166,15 @@ def test_micro_batch_times_dp_must_divide_mini_batch(base: list[str]) -> None:
     assert "DP=4" in msg and "valid: [1, 2, 4]" in msg
 
 
-def test_prompts_shard_over_dp(base: list[str]) -> None:
-    found = issues(base, "data.train_batch_size=6", f"{AOR}.actor.ppo_mini_batch_size=3",
-                   f"{AOR}.actor.ppo_micro_batch_size_per_gpu=3", world=4)
-    assert any(m.startswith("data.train_batch_size=6") and "DP=4" in m for m in found), found
+def test_prompts_need_not_divide_over_dp_but_each_mini_batch_s_samples_must(base: list[str]) -> None:
+    """As verl: 6 prompts on DP=4 generate in shares of 1-2; the update splits samples (a mini-batch of 3 prompts ×
+    4 = 12 samples: 3 per rank), which must fill whole micro-batches on every rank."""
+    ok = ["data.train_batch_size=6", f"{AOR}.actor.ppo_mini_batch_size=3",
+          f"{AOR}.actor.ppo_micro_batch_size_per_gpu=3"]
+    assert issues(base, *ok, world=4) == []
+    assert "1-2 prompts per DP rank" in validate(compose_config([*base, *ok]), world_size=4).render()
+    msg = only(base, *ok[:2], f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2", world=4)
+    assert msg.startswith(f"{AOR}.actor.ppo_micro_batch_size_per_gpu=2") and "DP=4" in msg, msg
 
 
 def test_group_estimator_needs_n_at_least_2(base: list[str]) -> None:
