@@ -412,8 +412,8 @@ def test_a_hung_engine_rank_ends_the_run_named_within_the_timeout(tiny: dict[str
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "RANK" in p.environ()}
+        ranks = {int(env["RANK"]): p for p, env in _environs(psutil.Process(proc.pid).children(recursive=True))
+                 if "RANK" in env}
         engine = ranks[1]
         engine.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
@@ -427,3 +427,16 @@ def test_a_hung_engine_rank_ends_the_run_named_within_the_timeout(tiny: dict[str
     assert "BridgeError" in output and named and "trainer.dist_timeout_s" in output, output[-3000:]
     assert waited < 8 + 60, waited  # the bridge's timeout, then torchrun's shutdown
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+
+
+def _environs(procs: list) -> list[tuple[object, dict[str, str]]]:  # type: ignore[type-arg]
+    """Each process with its environment; one that ended meanwhile (a short-lived helper of a rank) is left out."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            out.append((p, p.environ()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
