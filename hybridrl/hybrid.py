@@ -158,18 +158,19 @@ class ActorRolloutRef:
         a, b, dp = self.config.actor, self.plan.batch, self._dp()
         self.actor_offload.reload()
         local = batch.to(self.actor.device)
-        whole = dp.gather(local)  # one mini-batch: the whole step, split over DP as update_actor splits it
-        order = _order(len(whole), shuffle=a.shuffle, gen=torch.Generator().manual_seed(seed))
-        parts = dp.parts(whole, order)
-        mine = order[parts[dp.rank]]
+        tokens, starts = dp.tokens(local)  # one mini-batch: the whole step, split over DP as update_actor splits it
+        order = _order(len(tokens), shuffle=a.shuffle, gen=torch.Generator().manual_seed(seed)).tolist()
+        parts = dp.parts([tokens[g] for g in order])
+        held, where = dp.fetch(local, starts, [sorted(order[i] for i in parts[r]) for r in range(dp.size)])
+        mine = [order[i] for i in parts[dp.rank]]
         metrics, logp_BT, entropy_BT = self.actor.train_step_on_policy(
-            whole.index(mine.to(self.actor.device)), self.objective, batching=b.update,
-            loss_agg_mode=a.loss_agg_mode, temperature=self.logprob_temperature)
+            held.index(torch.tensor([where[g] for g in mine], device=self.actor.device)), self.objective,
+            batching=b.update, loss_agg_mode=a.loss_agg_mode, temperature=self.logprob_temperature)
         if dp.size > 1:
-            metrics["dp_token_imbalance"] = dp_batches.imbalance(whole, order, parts)
-        where, width = dp.local_range(local), batch.response_ids.shape[1]
-        batch.old_logprobs = dp.scatter_back(logp_BT, mine.tolist(), total=len(whole), local=where)[:, :width]
-        return [metrics], dp.scatter_back(entropy_BT, mine.tolist(), total=len(whole), local=where)[:, :width]
+            metrics["dp_token_imbalance"] = dp_batches.imbalance([tokens[g] for g in order], parts)
+        own, width = range(starts[dp.rank], starts[dp.rank] + len(local)), batch.response_ids.shape[1]
+        batch.old_logprobs = dp.scatter_back(logp_BT, mine, total=len(tokens), local=own)[:, :width]
+        return [metrics], dp.scatter_back(entropy_BT, mine, total=len(tokens), local=own)[:, :width]
 
     def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and

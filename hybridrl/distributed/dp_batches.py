@@ -1,17 +1,19 @@
 """Mini-batches that do not depend on the data-parallel size, and verl's ``trainer.balance_batch``.
 
 Each DP rank generates, scores and computes the log-probs of its own contiguous share of a step's prompts. The
-update's mini-batches are formed from the whole step, as one rank would form them: the shares are gathered over
-the DP group (in rank order, which is the step's sample order), each epoch's order is drawn from the update's seed,
-and mini-batch k is samples [k·M, (k+1)·M) of that order (M = the mini-batch's samples over all DP ranks). Each
-mini-batch is then split over the DP ranks, each getting M / DP samples:
+update's mini-batches are formed from the whole step, as one rank would form them: every rank learns every
+sample's length (the shares in rank order are the step's sample order), each epoch's order is drawn from the update's
+seed, and mini-batch k is samples [k·M, (k+1)·M) of that order (M = the mini-batch's samples over all DP ranks).
+Each mini-batch is then split over the DP ranks, each getting M / DP samples:
 
 - ``balance_batch=true``: so that the ranks' token counts (prompt + response tokens of their samples) are as even as
   equal sample counts allow — greedy longest-first: the samples by descending length, each to the rank with the
   fewest tokens so far among those not yet full (ties: the lower rank, the earlier sample);
 - ``false``: in order, rank r the r-th contiguous slice.
 
-Within a rank's share the samples keep their mini-batch order. The loss is already normalised over the whole
+Within a rank's share the samples keep their mini-batch order. Every rank computes the same split from the
+lengths, then each sample travels once, from the rank that generated it to the rank that trains it (pairwise
+sends: no rank ever holds the whole step). The loss is already normalised over the whole
 mini-batch (``MegatronRunner._train_step``) and the gradients are summed over DP, so an update at DP = N is one
 rank's update up to floating-point summation order: the same seed trains the same model when a run scales out.
 
@@ -24,8 +26,10 @@ of even on typical length spreads; simpler to reason about, and deterministic).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +62,7 @@ def in_order_parts(n: int, parts: int) -> list[list[int]]:
 
 def sample_tokens(batch: RolloutBatch) -> list[int]:
     """Each sample's prompt + response tokens: what a rank's forward and backward cost (verl's attention-mask sum)."""
-    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).long().tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,22 +74,63 @@ class DPGroup:
     group: dist.ProcessGroup | None = None
     balance: bool = True
 
-    def gather(self, local: RolloutBatch) -> RolloutBatch:
-        """The whole step: every DP rank's share, in rank order (this rank's own when DP = 1)."""
+    def tokens(self, local: RolloutBatch) -> tuple[list[int], list[int]]:
+        """Every sample's tokens over the whole step (the ranks' shares in rank order: the step's order), and where
+        each rank's share starts in it."""
+        mine = sample_tokens(local)
         if self.size == 1:
-            return local
-        shares: list[RolloutBatch | None] = [None] * self.size
-        dist.all_gather_object(shares, local.to("cpu"), group=self.group)
-        return RolloutBatch.cat([s for s in shares if s is not None]).to(local.prompt_ids.device)
+            return mine, [0]
+        shares: list[list[int] | None] = [None] * self.size
+        dist.all_gather_object(shares, mine, group=self.group)
+        starts = [0]
+        for share in shares[:-1]:
+            starts.append(starts[-1] + len(share or []))
+        return [t for share in shares for t in share or []], starts
 
-    def parts(self, whole: RolloutBatch, positions: torch.Tensor) -> list[list[int]]:
-        """Every rank's share of the mini-batch made of ``whole``'s samples at ``positions``: indices into
-        ``positions``."""
+    def parts(self, tokens: list[int]) -> list[list[int]]:
+        """Every rank's share of a mini-batch whose samples have ``tokens``: indices into it."""
         if self.size == 1:
-            return [list(range(len(positions)))]
-        if not self.balance:
-            return in_order_parts(len(positions), self.size)
-        return balanced_parts(sample_tokens(whole.index(positions)), self.size)
+            return [list(range(len(tokens)))]
+        return balanced_parts(tokens, self.size) if self.balance else in_order_parts(len(tokens), self.size)
+
+    def fetch(self, local: RolloutBatch, starts: list[int],
+              need: list[list[int]]) -> tuple[RolloutBatch, dict[int, int]]:
+        """The samples at the whole step's positions ``need[self.rank]``, each sent by the rank that generated it
+        (only what moves crosses the wire: every rank holds its own samples and the ones it trains), and where
+        each position is in the batch returned."""
+        if self.size == 1:
+            return local, {g: g for g in need[0]}
+        device, cpu = local.prompt_ids.device, local.to("cpu")
+        mine = range(starts[self.rank], starts[self.rank] + len(local))
+
+        def rows(positions: list[int]) -> tuple[list[int], RolloutBatch | None]:
+            own = [g for g in positions if g in mine]
+            return own, cpu.index([g - mine.start for g in own]) if own else None
+
+        pieces = [rows(need[self.rank])]
+        for d in range(1, self.size):
+            to, frm = (self.rank + d) % self.size, (self.rank - d) % self.size
+            pieces.append(self._swap(rows(need[to]), to=to, frm=frm))
+        got = [(positions, b) for positions, b in pieces if b is not None]
+        positions = [g for own, _ in got for g in own]
+        held = RolloutBatch.cat([b for _, b in got])
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        return held.index(order).to(device), {positions[i]: k for k, i in enumerate(order)}
+
+    def _swap(self, payload: object, *, to: int, frm: int) -> Any:
+        """Send ``payload`` to group rank ``to`` while receiving one from ``frm`` (both at once: no deadlock)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8).to(device)
+        peer_to, peer_frm = (dist.get_global_rank(self.group, r) if self.group is not None else r for r in (to, frm))
+        size_in = torch.zeros(1, dtype=torch.long, device=device)
+        for req in (dist.isend(torch.tensor([data.numel()], device=device), peer_to, group=self.group),
+                    dist.irecv(size_in, peer_frm, group=self.group)):
+            req.wait()
+        buffer = torch.empty(int(size_in), dtype=torch.uint8, device=device)
+        for req in (dist.isend(data, peer_to, group=self.group), dist.irecv(buffer, peer_frm, group=self.group)):
+            req.wait()
+        return pickle.loads(buffer.cpu().numpy().tobytes())
 
     def scatter_back(self, mine: torch.Tensor, positions: list[int], *, total: int, local: range) -> torch.Tensor:
         """Rows of a per-sample result (``mine``: one row per position of this rank's share) put back on the
@@ -104,19 +149,9 @@ class DPGroup:
             out[rows, :values.shape[1]] = values
         return out[local.start:local.stop].to(mine.device)
 
-    def local_range(self, local: RolloutBatch) -> range:
-        """Where this rank's samples sit in the whole step."""
-        if self.size == 1:
-            return range(len(local))
-        counts: list[int | None] = [None] * self.size
-        dist.all_gather_object(counts, len(local), group=self.group)
-        start = sum(c or 0 for c in counts[:self.rank])
-        return range(start, start + len(local))
 
-
-def imbalance(whole: RolloutBatch, positions: torch.Tensor, parts: list[list[int]]) -> float:
-    """The busiest rank's tokens over the mean rank's, for one mini-batch (1.0: even)."""
-    tokens = sample_tokens(whole.index(positions))
+def imbalance(tokens: list[int], parts: list[list[int]]) -> float:
+    """The busiest rank's tokens over the mean rank's, for one mini-batch of samples with ``tokens`` (1.0: even)."""
     sums = [sum(tokens[i] for i in p) for p in parts]
     return max(sums) / max(sum(sums) / len(sums), 1e-9)
 
@@ -127,16 +162,22 @@ def epochs(local: RolloutBatch, step: Callable[[RolloutBatch], dict[str, float]]
     """``step`` on this rank's share of each mini-batch, ``epochs`` times over the whole step's samples in the
     order ``order(n, generator)`` draws anew each epoch; one metrics dict per optimizer step (with
     ``dp_token_imbalance`` when DP > 1). ``mini_batch``: one rank's samples per mini-batch."""
-    whole = dp.gather(local)
+    tokens, starts = dp.tokens(local)
     gen = torch.Generator().manual_seed(seed)
-    steps = []
+    plan = []  # every optimizer step's mini-batch (positions in the whole step) and its split over the ranks
     for _ in range(epochs):
-        for positions in _mini_batches(order(len(whole), gen), mini_batch * dp.size):
-            parts = dp.parts(whole, positions)
-            metrics = step(whole.index(positions[parts[dp.rank]].to(whole.prompt_ids.device)))
-            if dp.size > 1:
-                metrics["dp_token_imbalance"] = imbalance(whole, positions, parts)
-            steps.append(metrics)
+        for positions in _mini_batches(order(len(tokens), gen), mini_batch * dp.size):
+            at = positions.tolist()
+            plan.append((at, dp.parts([tokens[g] for g in at])))
+    held, where = dp.fetch(local, starts, [sorted({at[i] for at, parts in plan for i in parts[r]})
+                                           for r in range(dp.size)])
+    steps = []
+    for at, parts in plan:
+        index = torch.tensor([where[at[i]] for i in parts[dp.rank]], dtype=torch.long, device=held.prompt_ids.device)
+        metrics = step(held.index(index))
+        if dp.size > 1:
+            metrics["dp_token_imbalance"] = imbalance([tokens[g] for g in at], parts)
+        steps.append(metrics)
     return steps
 
 

@@ -76,9 +76,14 @@ WORKER = textwrap.dedent("""
                        mini_batch=2, order=lambda n, g: torch.arange(n), seed=0)
         out[str(balance)] = {"seen": seen, "imbalance": [s["dp_token_imbalance"] for s in steps]}
     dp = DPGroup(rank=rank, size=2)
+    tokens, starts = dp.tokens(local)
+    out["tokens"], out["starts"] = tokens, starts
+    held, where = dp.fetch(local, starts, [[1, 6], [0, 2, 5]])  # rank 0 wants 1 (its own) and 6; rank 1 0, 2, 5
+    out["held"] = held.prompt_ids[:, 0].tolist()
+    out["where"] = {str(k): v for k, v in where.items()}
     positions = [7 - rank, 3 - rank]  # this rank computed rows for the whole step's samples 7, 3 (or 6, 2)
     mine = torch.tensor([[10.0 * p, p] for p in positions])
-    back = dp.scatter_back(mine, positions, total=8, local=dp.local_range(local))
+    back = dp.scatter_back(mine, positions, total=8, local=range(starts[rank], starts[rank] + 4))
     out["back"] = back.tolist()
     with open(f"{sys.argv[1]}/{rank}.json", "w") as f:
         json.dump(out, f)
@@ -87,8 +92,9 @@ WORKER = textwrap.dedent("""
 
 
 def test_two_ranks_split_each_mini_batch_and_get_their_rows_back(torchrun, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """2 gloo ranks: the whole step is gathered in rank order; each mini-batch of 4 (2 a rank) is split by tokens
-    (balance) or in order; rows computed for any sample come back to the rank that generated it. ~10 s."""
+    """2 gloo ranks: every sample's length is known everywhere, in rank order; each mini-batch of 4 (2 a rank) is
+    split by tokens (balance) or in order; a rank holds only the samples it asked for, sent by their owners; rows
+    computed for any sample come back to the rank that generated it. ~10 s."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     torchrun([str(script), str(tmp_path), str(Path(__file__).parent)], nproc=2, timeout=120)
@@ -100,5 +106,9 @@ def test_two_ranks_split_each_mini_batch_and_get_their_rows_back(torchrun, tmp_p
         assert sorted(r0["True"]["seen"][k] + r1["True"]["seen"][k]) == list(range(4 * k, 4 * k + 4))
     assert r0["True"]["seen"] == [[0, 3], [4, 7]] and r1["True"]["seen"] == [[1, 2], [5, 6]]
     assert r0["True"]["imbalance"] == [1.0, 1.0] and min(r0["False"]["imbalance"]) > 1.0
+    assert r0["tokens"] == r1["tokens"] == [4, 5, 6, 7, 12, 13, 14, 15] and r0["starts"] == [0, 4]
+    # each rank holds what it asked for, in the step's order, and nothing else: 6 came from rank 1, 0 and 2 from rank 0
+    assert r0["held"] == [1, 6] and r0["where"] == {"1": 0, "6": 1}
+    assert r1["held"] == [0, 2, 5] and r1["where"] == {"0": 0, "2": 1, "5": 2}
     # rank 0's samples are 0-3: rows 3 (from rank 0) and 2 (from rank 1); rank 1's are 4-7
     assert r0["back"][2:] == [[20.0, 2.0], [30.0, 3.0]] and r1["back"][2:] == [[60.0, 6.0], [70.0, 7.0]]
