@@ -9,7 +9,7 @@ before anything heavy is built, so they must not require instantiation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -284,6 +284,23 @@ class EnvStep:
     done: bool  # the episode is over (no further assistant turn)
     reward: float | None = None  # this step's reward (None: none)
     info: dict[str, Any] = field(default_factory=dict)
+    # the policy's turn is kept up to its first ``keep_tokens`` sampled ids (an agent's ``max_tokens`` or ``stop``;
+    # only from ``Episode.step_turn``, which sees the ids); the rest leaves the sample as if never sampled, and the
+    # template ends the turn. None: the whole turn
+    keep_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyTurn:
+    """The policy's latest turn with its tokens, for an episode that defines ``step_turn``."""
+
+    text: str  # its content: the sampled ids decoded, without the ending EOS
+    token_ids: list[int]  # as sampled (cut to the episode's budget), the ending EOS included
+    logprobs: list[float]  # the engine's log-prob of each
+    context_tokens: int  # the ids it was generated from (prompt + the response before it)
+    params: SamplingParams  # what sampled it (the run's: actor_rollout_ref.rollout.*, or val_kwargs in validation)
+    eos_token_id: int | None
+    decode: Callable[[Sequence[int]], str]  # the policy's tokenizer: ids → text (special tokens kept)
 
 
 @runtime_checkable
@@ -306,7 +323,8 @@ class Tool(Protocol):
 @runtime_checkable
 class Episode(Protocol):
     """One environment episode: :meth:`step` answers each assistant turn (``{"role": "assistant", "content": str}``);
-    it may be a coroutine function. ``close()`` is optional."""
+    it may be a coroutine function. ``close()`` is optional; so is ``step_turn(turn: PolicyTurn) -> EnvStep``, which
+    the rollout calls instead of ``step`` where it is defined (an episode that needs the turn's tokens)."""
 
     def step(self, message: dict[str, Any]) -> EnvStep: ...
 

@@ -4,7 +4,10 @@
 
 - ``POST /v1/chat/completions``: the request is parsed and checked (below), handed to the owner of its API key as a
   :class:`ChatRequest`, and the HTTP request waits until the owner answers it (:meth:`ChatRequest.reply` with the
-  assistant's text, or :meth:`ChatRequest.fail`); the answer is a ``chat.completion`` object.
+  assistant's message, or :meth:`ChatRequest.fail`); the answer is a ``chat.completion`` object, or with
+  ``stream: true`` the same as server-sent ``chat.completion.chunk`` events (the role, the content, each tool call's
+  id and name then its arguments, the finish reason; with ``stream_options.include_usage`` a last chunk with the
+  usage; then ``[DONE]``), sent at once when the owner answers.
 - ``GET /v1/models``: one model, ``policy``.
 
 Each API key is a *session* (:meth:`ChatEndpoint.open_session`; a random key per session): ``Authorization: Bearer
@@ -15,11 +18,12 @@ What is supported: ``messages`` whose ``content`` is text (a string, or a list o
 and function calling: ``tools`` (OpenAI function schemas, checked for shape here; whether they are the ones the
 policy was shown is the owner's to check), ``tool_choice`` ``"auto"`` or ``"none"`` and ``parallel_tool_calls: true``
 (:meth:`ChatRequest.reply` with ``tool_calls`` answers with ``message.tool_calls`` and ``finish_reason``
-"tool_calls"). Ignored: ``model``, ``temperature``, ``top_p``, ``max_tokens``, ``seed``, ``stop`` and the rest of the
-sampling fields — the owner decides the reply. Refused with a 400 that says so: ``stream: true`` (the reply comes
-whole), ``n > 1``, a ``tool_choice`` that forces a call (``"required"``, a named function: the policy samples
-freely, nothing can force its text), ``parallel_tool_calls: false`` (the policy may write several calls in a turn)
-and the legacy ``functions`` / ``function_call`` (use ``tools``).
+"tool_calls"). The fields that shape a reply are checked for type here and honoured by the owner: ``max_tokens``,
+``max_completion_tokens``, ``stop``, ``logprobs``, ``temperature``, ``top_p``, ``seed`` (the owner refuses values
+it cannot honour). ``model``, ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and change
+nothing. Refused with a 400 that says so (:data:`REFUSED`): ``n > 1``, ``top_logprobs > 0``, a ``tool_choice`` that
+forces a call, ``parallel_tool_calls: false``, penalties, ``logit_bias``, a ``response_format`` other than text, the
+legacy ``functions`` / ``function_call``, and any other field (none is ignored silently).
 Errors are OpenAI's shape, ``{"error": {"message", "type", "code"}}``, sent with ``x-should-retry: false``: each
 one here is deterministic, so the ``openai`` client's automatic retries would only repeat it.
 
@@ -42,7 +46,28 @@ from typing import Any
 Message = dict[str, Any]
 MODEL = "policy"
 MAX_BODY_BYTES = 64 << 20
-_LEGACY_FIELDS = ("functions", "function_call")
+# field → why a request that sets it (to other than its neutral value) is refused
+REFUSED: dict[str, str] = {
+    "n": "one reply per request; the run samples actor_rollout_ref.rollout.n episodes per prompt, each its own agent",
+    "top_logprobs": "the rollout engines return only the sampled token's log-prob (logprobs=true gives those)",
+    "tool_choice": "'required' or a named function: the policy samples its turn freely and nothing can force a call; "
+                   "use 'auto' (its calls come back as tool_calls) or 'none' (its turn comes back as text)",
+    "parallel_tool_calls": "the policy may write several calls in a turn and each is trained on as sampled; leave "
+                           "it unset or true and answer every call",
+    "frequency_penalty": "a penalty changes the sampling distribution the trainer's importance ratio assumes",
+    "presence_penalty": "a penalty changes the sampling distribution the trainer's importance ratio assumes",
+    "logit_bias": "a bias changes the sampling distribution the trainer's importance ratio assumes",
+    "response_format": "a structured format would constrain what the policy samples; only {'type': 'text'}",
+    "functions": "deprecated by OpenAI: offer the functions as tools=[{'type': 'function', 'function': {...}}]",
+    "function_call": "deprecated by OpenAI: use tools= and tool_choice=",
+}
+# the fields a request may set: shaped by the owner's reply, or changing nothing
+FIELDS = frozenset({"model", "messages", "user", "metadata", "store", "service_tier", "stream", "stream_options",
+                    "tools", "tool_choice", "parallel_tool_calls", "max_tokens", "max_completion_tokens", "stop",
+                    "logprobs", "top_logprobs", "temperature", "top_p", "seed", "n", "frequency_penalty",
+                    "presence_penalty", "logit_bias", "response_format", "functions", "function_call"})
+_NEUTRAL: dict[str, Any] = {"n": 1, "top_logprobs": 0, "parallel_tool_calls": True, "frequency_penalty": 0,
+                            "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}}
 
 
 class RequestError(ValueError):
@@ -73,14 +98,19 @@ class ChatRequest:
         """The reply may carry ``tool_calls``: the request offers tools and ``tool_choice`` is not "none"."""
         return bool(self.tools) and self.body.get("tool_choice") != "none"
 
-    def reply(self, message: Message) -> None:
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def reply(self, message: Message, *, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+              usage: dict[str, int] | None = None) -> None:
         """Answer with the assistant ``message`` (``role``, ``content`` and optional ``tool_calls``); finish_reason
-        "tool_calls" when it has calls, else "stop"."""
-        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        (default: "tool_calls" when it has calls, else "stop"), the choice's ``logprobs`` and the ``usage``."""
+        finish = finish_reason or ("tool_calls" if message.get("tool_calls") else "stop")
         self._set(200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
                         "created": int(time.time()), "model": MODEL,
                         "choices": [{"index": 0, "message": dict(message), "finish_reason": finish,
-                                     "logprobs": None}]})
+                                     "logprobs": logprobs}], "usage": usage})
 
     def fail(self, error: RequestError) -> None:
         self._set(error.status, _error_body(error))
@@ -102,8 +132,8 @@ class ChatRequest:
 
 
 class _Session:
-    def __init__(self, deliver: Callable[[ChatRequest], None]) -> None:
-        self.deliver = deliver
+    def __init__(self, deliver: Callable[[ChatRequest], None], refused: Callable[[RequestError], None]) -> None:
+        self.deliver, self.refused = deliver, refused
         self.waiting: ChatRequest | None = None
 
 
@@ -121,13 +151,15 @@ class ChatEndpoint:
         self._thread.start()
         self._closed = False
 
-    def open_session(self, deliver: Callable[[ChatRequest], None]) -> str:
-        """A new API key; each request bearing it goes to ``deliver`` (called in the request's server thread)."""
+    def open_session(self, deliver: Callable[[ChatRequest], None],
+                     refused: Callable[[RequestError], None] = lambda error: None) -> str:
+        """A new API key; each request bearing it goes to ``deliver`` (called in the request's server thread), each
+        one the endpoint refuses itself (a 400 here, never delivered) to ``refused``."""
         key = f"sk-hybridrl-{secrets.token_urlsafe(24)}"
         with self._lock:
             if self._closed:
                 raise RuntimeError("the chat endpoint is shut down")
-            self._sessions[key] = _Session(deliver)
+            self._sessions[key] = _Session(deliver, refused)
         return key
 
     def close_session(self, key: str) -> None:
@@ -171,7 +203,11 @@ class ChatEndpoint:
                                                      "owned_by": "hybridrl"}]}
         if method != "POST":
             raise RequestError(405, f"{method} /v1/chat/completions: use POST", code="method_not_allowed")
-        request = ChatRequest(*_parse(headers, read_body))
+        try:
+            request = ChatRequest(*_parse(headers, read_body))
+        except RequestError as e:
+            session.refused(e)
+            raise
         with self._lock:
             if session.waiting is not None:
                 raise RequestError(400, "this episode already has a request waiting for its reply: an episode is "
@@ -182,7 +218,11 @@ class ChatEndpoint:
             session.waiting = request
         try:
             session.deliver(request)
-            return request._wait()
+            status, answer = request._wait()
+            if status == 200 and request.stream:
+                return status, _SSE(_chunks(answer, usage=bool((request.body.get("stream_options") or {}).get(
+                    "include_usage"))))
+            return status, answer
         finally:
             with self._lock:
                 session.waiting = None
@@ -228,20 +268,37 @@ def _parse(headers: Any, read_body: Callable[[int], bytes]) -> tuple[list[Messag
         raise RequestError(400, f"the request body is not JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the request body is a JSON object", code="invalid_json")
-    if body.get("stream"):
-        raise RequestError(400, "stream=true is not supported: ask without streaming (the reply comes whole)",
-                           code="unsupported_parameter")
-    if body.get("n") not in (None, 1):
-        raise RequestError(400, f"n={body.get('n')!r} is not supported: one reply per request (n=1)",
-                           code="unsupported_parameter")
-    if used := [f for f in _LEGACY_FIELDS if body.get(f) is not None]:
-        raise RequestError(400, f"{', '.join(used)} (deprecated by OpenAI) not supported: offer the functions as "
-                                "tools=[{'type': 'function', 'function': {...}}]", code="unsupported_parameter")
+    _check_fields(body)
     _check_tools(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages is a non-empty list of chat messages", code="invalid_messages")
     return [normalize(m) for m in messages], body
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    if unknown := sorted(set(body) - FIELDS):
+        raise RequestError(400, f"{', '.join(unknown)} not supported by this endpoint (it serves the rollout's policy; "
+                                f"a field it cannot honour is refused, never ignored)", code="unsupported_parameter")
+    for name, why in REFUSED.items():
+        value = body.get(name)
+        if value is not None and value != _NEUTRAL.get(name) and name not in ("tool_choice",):
+            raise RequestError(400, f"{name}={json.dumps(value)[:200]} not supported: {why}",
+                               code="unsupported_parameter")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RequestError(400, f"{name}={_short(value)}: an integer ≥ 1", code="invalid_value")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list) and all(
+            isinstance(x, str) and x for x in stop)):
+        raise RequestError(400, f"stop={_short(stop)}: a non-empty string or a list of them", code="invalid_value")
+    for name in ("temperature", "top_p", "seed"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise RequestError(400, f"{name}={_short(value)}: a number", code="invalid_value")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise RequestError(400, "stream_options is only for stream=true", code="invalid_value")
 
 
 def _check_tools(body: dict[str, Any]) -> None:
@@ -253,13 +310,35 @@ def _check_tools(body: dict[str, Any]) -> None:
                                 f"...}}}}; got {_short(tools)}", code="invalid_tools")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise RequestError(400, f"tool_choice={_short(choice)} not supported: the policy samples its turn freely and "
-                                "nothing can force it to call a tool; use 'auto' (its calls come back as tool_calls) "
-                                "or 'none' (its turn comes back as text)", code="unsupported_parameter")
-    if body.get("parallel_tool_calls") is False:
-        raise RequestError(400, "parallel_tool_calls=false not supported: the policy may write several calls in a "
-                                "turn and each is trained on as sampled; leave it unset or true and answer every "
-                                "tool call", code="unsupported_parameter")
+        raise RequestError(400, f"tool_choice={_short(choice)} not supported: {REFUSED['tool_choice']}",
+                           code="unsupported_parameter")
+
+
+class _SSE(bytes):
+    """A streamed answer: server-sent events, sent whole."""
+
+
+def _chunks(completion: dict[str, Any], *, usage: bool) -> bytes:
+    """``completion`` as the ``chat.completion.chunk`` events a streaming OpenAI server sends."""
+    (choice,) = completion["choices"]
+    message, logprobs = choice["message"], choice["logprobs"]
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def delta(d: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}],
+                **({"usage": None} if usage else {})}
+
+    events = [delta({"role": "assistant", "content": ""})]
+    if message.get("content"):
+        events.append(delta({"content": message["content"]}, lp=logprobs))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        events.append(delta({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                             "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+        events.append(delta({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]}))
+    events.append(delta({}, finish=choice["finish_reason"]))
+    if usage:
+        events.append({**head, "choices": [], "usage": completion.get("usage")})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
 def _error_body(error: RequestError) -> dict[str, Any]:
@@ -287,10 +366,11 @@ def _handler(endpoint: ChatEndpoint) -> type[BaseHTTPRequestHandler]:
                 status, body = endpoint._serve(method, self.path, self.headers, self.rfile.read)
             except RequestError as e:
                 status, body = e.status, _error_body(e)
-            data = json.dumps(body).encode()
+            streamed = isinstance(body, _SSE)
+            data = bytes(body) if streamed else json.dumps(body).encode()
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/event-stream" if streamed else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 if status != 200:  # and the body may be unread: no keep-alive after an error
                     self.send_header("x-should-retry", "false")

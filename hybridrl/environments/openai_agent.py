@@ -37,7 +37,15 @@ engine's own ids and log-probs of each policy turn (``loss_mask`` 1) and the cha
 messages (``loss_mask`` 0) (:mod:`hybridrl.rollout.turns`), so an episode driven from outside trains exactly as a
 built-in environment's does. For the same reason the agent may not put words in the policy's mouth: a request whose
 history differs from what the endpoint returned (a rewritten or dropped turn, a system prompt of its own), or whose
-new messages include an ``assistant`` one, is answered with a 400 and fails the episode.
+new messages include an ``assistant`` one, is answered with a 400.
+
+Every 400 leaves the episode as it was: the agent may send another request (an agent that exits over one fails
+the episode, and the error names the refusal). The request's fields are honoured from the turn's tokens
+(``step_turn``, :class:`~hybridrl.interfaces.PolicyTurn`, which the rollout calls): ``max_tokens`` /
+``max_completion_tokens`` and ``stop`` cut the turn (``EnvStep.keep_tokens``: the sample keeps the sampled ids up
+to the cut), ``logprobs`` gives the engine's, ``usage`` counts the context and the kept ids; ``temperature``,
+``top_p`` and ``seed`` other than the run's are refused, naming the config key (the trainer's importance ratio
+assumes the run's sampling). ``step`` (the turn's text alone, outside a rollout) refuses those fields.
 
 Function calling: the agent's own tools (its requests' ``tools=``) are ``Config.tools``, which the chat template
 renders into every prompt (:func:`hybridrl.rollout.episodes.tool_schemas`) before the agent asks; a request that
@@ -50,10 +58,10 @@ whose calls all name ``multi_turn.tools`` is run by the rollout and never reache
 supports is in :mod:`.chat_endpoint`.
 
 Faults, each failing the episode (the step raises; the rollout applies ``reward.on_error``) and killing the agent:
-a history that is not the conversation, an assistant message, a non-zero exit (the error names the code and ends
-with the stderr tail), an exit before the first request, and ``Config.timeout_s`` (the agent's whole life, from
-``open``) running out. The rollout's ``multi_turn.environment_timeout_s`` bounds each ``step`` as well, and a step
-lasts from the reply to the agent's next request: an agent that works long between requests needs it raised.
+a non-zero exit (the error names the code, the last refusal if any, and ends with the stderr tail), an exit before
+the first request is answered, and ``Config.timeout_s`` (the agent's whole life, from ``open``) running out. The
+rollout's ``multi_turn.environment_timeout_s`` bounds each ``step`` as well, and a step lasts from the reply to the
+agent's next request: an agent that works long between requests needs it raised.
 ``close()`` — the rollout's, whenever the episode ends, also early on the response budget or
 ``max_assistant_turns`` — kills the agent's process group and answers its waiting request with a 410. An agent that
 leaves its session (``setsid``) escapes the kill; one whose trainer is SIGKILLed (no exit hook runs) lives on until
@@ -79,13 +87,15 @@ from typing import IO, Any
 
 from hybridrl.batch import SampleMeta
 from hybridrl.environments.chat_endpoint import ChatEndpoint, ChatRequest, Message, RequestError, normalize
-from hybridrl.interfaces import EnvStep
+from hybridrl.interfaces import EnvStep, PolicyTurn
 from hybridrl.tools.calls import CallError, ToolCall, parse_calls
 from hybridrl.tools.config import KEY
 
 _RESERVED = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "HYBRIDRL_TASK", "HYBRIDRL_SEED")
 TAIL_BYTES = 64 << 10  # of the agent's stdout and of its stderr
 _CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.S)
+_SAMPLING = ("temperature", "top_p", "seed")  # checked against the run's
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "stop", "logprobs")  # honoured from the turn's tokens
 
 
 class AgentError(RuntimeError):
@@ -165,11 +175,13 @@ class AgentEpisode:
         self.config, self.endpoint = config, endpoint
         self.history = list(task)  # the conversation as the agent has it: what its next request must start with
         self._first = True
+        self.seed = seed
+        self._refused = ""  # why the agent's latest request was refused, until one is answered
         self._waiting: ChatRequest | None = None  # the agent's request the next step answers
         self._events: queue.Queue[Any] = queue.Queue()  # ChatRequest, _Exited, _CLOSED
         self._closed = False
         self._lock = threading.Lock()
-        self.key = endpoint.open_session(self._events.put)
+        self.key = endpoint.open_session(self._events.put, self._on_refused)
         argv = [sys.executable if config.command[0] == "python" else config.command[0], *config.command[1:]]
         no_proxy = ",".join(p for p in (os.environ.get("NO_PROXY", os.environ.get("no_proxy", "")),
                                         "127.0.0.1", "localhost") if p)
@@ -185,8 +197,16 @@ class AgentEpisode:
         weakref.finalize(self, self.agent.kill)  # at exit, or an episode dropped without close()
 
     def step(self, message: dict[str, Any]) -> EnvStep:
+        """Answer with the turn as text alone (outside a rollout): a request that needs its tokens is refused."""
+        return self._guarded(str(message["content"]))
+
+    def step_turn(self, turn: PolicyTurn) -> EnvStep:
+        """Answer with the turn and its tokens (the rollout's call): max_tokens, stop, logprobs, usage."""
+        return self._guarded(turn)
+
+    def _guarded(self, turn: PolicyTurn | str) -> EnvStep:
         try:
-            return self._step(str(message["content"]))
+            return self._step(turn)
         except BaseException:
             self.close()
             raise
@@ -202,27 +222,47 @@ class AgentEpisode:
         self._events.put(_CLOSED)
         self.agent.join()
 
-    def _step(self, content: str) -> EnvStep:
+    def _step(self, turn: PolicyTurn | str) -> EnvStep:
         if self._waiting is None:  # the first step: the agent's first request
-            event = self._next()
+            event = self._request(turn)
             if isinstance(event, _Exited):
-                raise AgentError(f"the agent {self._ended(event)} before its first request{self.agent.stderr_tail()}")
-            self._waiting = event
-            self._accept(event)
-        reply = _reply(content, calls=self._waiting.calls_allowed)
-        self._waiting.reply(reply)
+                when = (f"after its first request was refused with a 400 ({self._refused})" if self._refused
+                        else "before its first request")
+                raise AgentError(f"the agent {self._ended(event)} {when}{self.agent.stderr_tail()}")
+            self._waiting = event[0]
+        message, keep, fields = _answer(self._waiting, turn)
+        self._waiting.reply(message, **fields)
         self._waiting = None
-        self.history.append(normalize(reply))
-        event = self._next()
+        self.history.append(normalize(message))
+        event = self._request(turn)
         if isinstance(event, _Exited):
             if event.code != 0:
-                raise AgentError(f"the agent {self._ended(event)}{self.agent.stderr_tail()}")
+                refused = f" after its request was refused with a 400 ({self._refused})" if self._refused else ""
+                raise AgentError(f"the agent {self._ended(event)}{refused}{self.agent.stderr_tail()}")
             return EnvStep(messages=[], done=True, reward=_reward(self.agent.stdout.text()),
-                           info={"returncode": 0})
-        self._waiting = event
-        new = self._accept(event)
+                           info={"returncode": 0}, keep_tokens=keep)
+        self._waiting, new = event
         self.history += new
-        return EnvStep(messages=[dict(m) for m in new], done=False)
+        return EnvStep(messages=[dict(m) for m in new], done=False, keep_tokens=keep)
+
+    def _request(self, turn: PolicyTurn | str) -> tuple[ChatRequest, list[Message]] | _Exited:
+        """The agent's next request that may be answered, with its new messages, or its exit; a request that may
+        not is answered with a 400 and the agent may send another (the episode goes on)."""
+        while True:
+            event = self._next()
+            if isinstance(event, _Exited):
+                return event
+            accepted = self._accept(event, turn)
+            if not isinstance(accepted, str):
+                self._refused = ""
+                return event, accepted
+            event.fail(RequestError(400, f"hybridrl: {accepted}", code="unsupported_request"))
+            self._refused = accepted
+
+    def _on_refused(self, error: RequestError) -> None:
+        """The endpoint refused a request of this episode's agent itself (its fields): remembered for the error
+        message should the agent exit over it."""
+        self._refused = str(error)
 
     def _next(self) -> ChatRequest | _Exited:
         """The agent's next request or its exit, within its time limit."""
@@ -235,38 +275,35 @@ class AgentEpisode:
             raise AgentError("the episode was closed")
         return event  # type: ignore[no-any-return]
 
-    def _accept(self, request: ChatRequest) -> list[Message]:
-        """The new messages of ``request`` after the conversation so far; a 400 and AgentError if there are none
-        that may be."""
+    def _accept(self, request: ChatRequest, turn: PolicyTurn | str) -> list[Message] | str:
+        """The new messages of ``request`` after the conversation so far, or why it may not be answered."""
         sent, h, first = request.messages, self.history, self._first
-        self._first = False
-        problem = ""
         if len(sent) < len(h) or not all(map(_same, sent, h)):
             i = next((i for i, (a, b) in enumerate(zip(sent, h, strict=False)) if not _same(a, b)),
                      min(len(sent), len(h)))
             what = "the task's messages (HYBRIDRL_TASK)" if first else "the conversation so far"
-            problem = (f"its messages do not start with {what}: message {i} is "
-                       f"{_short(sent[i]) if i < len(sent) else 'missing'}, the conversation has "
-                       f"{_short(h[i]) if i < len(h) else 'no message there'}; an agent may only add messages after "
-                       "the replies it got, never rewrite them (the sample trains on the policy's own tokens)")
+            return (f"its messages do not start with {what}: message {i} is "
+                    f"{_short(sent[i]) if i < len(sent) else 'missing'}, the conversation has "
+                    f"{_short(h[i]) if i < len(h) else 'no message there'}; an agent may only add messages after "
+                    "the replies it got, never rewrite them (the sample trains on the policy's own tokens)")
         new = sent[len(h):]
-        if not problem and first and new:
-            problem = (f"the first request must send exactly the task's messages (HYBRIDRL_TASK), from which the "
-                       f"policy's first turn was generated; it adds {len(new)} more")
-        elif not problem and not first and not new:
-            problem = "it sends no new message after the policy's reply (add the next user or tool message)"
-        elif not problem and (bad := [m for m in new if m["role"] == "assistant"]):
-            problem = (f"it sends an assistant message of its own ({_short(bad[0])}): every assistant turn is the "
-                       "policy's, sampled by the rollout")
-        elif not problem and (bad := [m for m in new if not isinstance(m["content"], str)]):
-            problem = f"a new message has no text content: {_short(bad[0])}"
-        elif not problem and request.tools and _canonical(request.tools) != _canonical(self.config.tools):
-            problem = (f"its tools {_short(_names(request.tools))} are not the ones the policy's prompt shows: "
-                       f"{KEY}.environment_kwargs.tools={_short(_names(self.config.tools))} (the chat template renders "
-                       "them into the prompt before the agent asks; set that key to the agent's tools=, as JSON)")
-        if problem:
-            request.fail(RequestError(400, f"hybridrl: {problem}", code="history_mismatch"))
-            raise AgentError(f"the agent's request broke the episode: {problem}")
+        if first and new:
+            return (f"the first request must send exactly the task's messages (HYBRIDRL_TASK), from which the "
+                    f"policy's first turn was generated; it adds {len(new)} more")
+        if not first and not new:
+            return "it sends no new message after the policy's reply (add the next user or tool message)"
+        if bad := [m for m in new if m["role"] == "assistant"]:
+            return (f"it sends an assistant message of its own ({_short(bad[0])}): every assistant turn is the "
+                    "policy's, sampled by the rollout")
+        if bad := [m for m in new if not isinstance(m["content"], str)]:
+            return f"a new message has no text content: {_short(bad[0])}"
+        if request.tools and _canonical(request.tools) != _canonical(self.config.tools):
+            return (f"its tools {_short(_names(request.tools))} are not the ones the policy's prompt shows: "
+                    f"{KEY}.environment_kwargs.tools={_short(_names(self.config.tools))} (the chat template renders "
+                    "them into the prompt before the agent asks; set that key to the agent's tools=, as JSON)")
+        if problem := _sampling_problem(request.body, turn, seed=self.seed):
+            return problem
+        self._first = False
         return new
 
     def _ended(self, event: _Exited) -> str:
@@ -351,6 +388,62 @@ def _reward(stdout: str) -> float | None:
     if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
         raise AgentError(f"the agent's last stdout line {lines[-1][:200]!r} gives a reward that is not a finite number")
     return float(r)
+
+
+def _sampling_problem(body: dict[str, Any], turn: PolicyTurn | str, *, seed: int) -> str:
+    """Why the sampling fields of a request cannot be honoured ("" when they can): the policy's turn was sampled
+    with the run's settings, which the trainer's importance ratio assumes."""
+    if isinstance(turn, str):
+        if used := [f for f in (*_SAMPLING, *_TOKEN_FIELDS) if body.get(f) not in (None, False)]:
+            return (f"{', '.join(used)} need the policy's tokens and sampling settings, which an episode stepped "
+                    "outside a rollout (step(), not step_turn()) does not have")
+        return ""
+    run = {"temperature": turn.params.temperature, "top_p": turn.params.top_p}
+    for name, value in run.items():
+        asked = body.get(name)
+        if asked is not None and not math.isclose(asked, value, abs_tol=1e-6):
+            return (f"{name}={asked:g} differs from the run's {value:g}, which sampled the policy's turns and which "
+                    f"the trainer's importance ratio assumes: it is set by actor_rollout_ref.rollout.{name} "
+                    f"(val_kwargs.{name} in validation); leave {name} unset or send {value:g}")
+    if body.get("seed") is not None and body["seed"] != seed:
+        return (f"seed={body['seed']} differs from this episode's seed {seed} (HYBRIDRL_SEED, derived from "
+                "trainer.seed: the run seeds each episode's turns itself); leave seed unset or send HYBRIDRL_SEED")
+    return ""
+
+
+def _answer(request: ChatRequest, turn: PolicyTurn | str) -> tuple[Message, int | None, dict[str, Any]]:
+    """The reply to ``request`` from the policy's ``turn``: (message, how many of the turn's ids the sample keeps
+    (None: all), the reply's finish_reason, logprobs and usage). ``stop`` cuts the turn after the token that
+    completes a stop string (the reply's content ends before it), ``max_tokens`` / ``max_completion_tokens`` after
+    that many sampled ids (finish_reason "length"); the sample keeps the ids up to the cut, as sampled."""
+    if isinstance(turn, str):
+        return _reply(turn, calls=request.calls_allowed), None, {}
+    body, ids = request.body, turn.token_ids
+    ended = bool(ids) and ids[-1] == turn.eos_token_id
+    content = ids[:-1] if ended else ids
+    keep, text, finish = None, turn.text, "stop" if ended else "length"
+    stops = [body["stop"]] if isinstance(body.get("stop"), str) else list(body.get("stop") or [])
+    if any(x in text for x in stops):  # the first id whose text completes a stop string
+        k = next(k for k in range(1, len(content) + 1) if any(x in turn.decode(content[:k]) for x in stops))
+        prefix = turn.decode(content[:k])
+        keep, text, finish = k, prefix[:min(prefix.index(x) for x in stops if x in prefix)], "stop"
+    limits = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if v is not None]
+    if limits and min(limits) < (len(ids) if keep is None else keep):
+        keep, finish = min(limits), "length"
+        text = turn.decode(ids[:keep])
+    kept = ids if keep is None else ids[:keep]
+    message = _reply(text, calls=request.calls_allowed)
+    if finish == "stop" and message.get("tool_calls"):
+        finish = "tool_calls"
+    shown = kept[:-1] if kept and kept[-1] == turn.eos_token_id else kept
+    logprobs = None
+    if body.get("logprobs"):
+        tokens = [turn.decode([i]) for i in shown]
+        logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(tokens, turn.logprobs, strict=False)], "refusal": None}
+    usage = {"prompt_tokens": turn.context_tokens, "completion_tokens": len(kept),
+             "total_tokens": turn.context_tokens + len(kept)}
+    return message, keep, {"finish_reason": finish, "logprobs": logprobs, "usage": usage}
 
 
 def _reply(text: str, *, calls: bool) -> Message:

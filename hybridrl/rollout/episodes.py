@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridrl.batch import SampleMeta
-from hybridrl.interfaces import Environment, EnvStep, Episode
+from hybridrl.interfaces import Environment, EnvStep, Episode, PolicyTurn, SamplingParams
 from hybridrl.registry import Registry
 from hybridrl.rollout.turns import Message, TurnRenderer
 from hybridrl.tools.bounded import Bounded, StuckCallsError
@@ -47,6 +47,22 @@ class Act:
     done: bool = False
     reward: float | None = None  # the environment's reward for this turn
     error: str | None = None  # the environment failed: the episode ends
+    keep: int | None = None  # the turn is kept up to its first `keep` sampled ids (EnvStep.keep_tokens)
+
+
+@dataclass(slots=True, kw_only=True)
+class OwnedTurn:
+    """An owned live episode's latest turn, as the rollout hands it to :meth:`EpisodeActors.act`."""
+
+    sample: int
+    ids: list[int]  # as sampled, cut to the episode's budget
+    logprobs: list[float]
+    cut: bool  # by the budget: the episode ends
+    turns: int  # the policy's turns so far, this one included
+    meta: SampleMeta
+    seed: int  # the episode's
+    context_tokens: int  # the ids the turn was generated from
+    params: SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)
@@ -70,15 +86,15 @@ class EpisodeActors:
         assert meta.messages is not None, "the dataset keeps each prompt's messages under a chat template"
         self.owned[sample] = _Owned(messages=[dict(m) for m in meta.messages])
 
-    def act(self, turns: Sequence[tuple[int, list[int], bool, int, SampleMeta, int]]) -> dict[int, Act]:
-        """``turns``: ``(sample, sampled ids, cut by the budget, turns so far, meta, episode seed)`` of each owned live
-        episode; its :class:`Act` each."""
+    def act(self, turns: Sequence[OwnedTurn]) -> dict[int, Act]:
+        """The :class:`Act` of each owned live episode's latest turn."""
         acts: dict[int, Act] = {}
-        text = {s: self.renderer.turn_text(ids) for s, ids, *_ in turns}
-        calls = {s: parse_calls(text[s], format=self.format) for s, *_ in turns}
+        text = {t.sample: self.renderer.turn_text(t.ids) for t in turns}
+        calls = {s: parse_calls(text[s], format=self.format) for s in text}
         tool_turns, env_turns = [], []
-        for s, _, cut, n, _, _ in turns:
-            if cut or n >= self.max_turns:
+        for t in turns:
+            s = t.sample
+            if t.cut or t.turns >= self.max_turns:
                 acts[s] = Act(done=True)
             elif self.environment is not None and self._for_environment(calls[s]):
                 env_turns.append(s)
@@ -92,14 +108,18 @@ class EpisodeActors:
         observations = iter(self.tools.run([c for s in tool_turns for c in calls[s]]))
         for s in tool_turns:
             replies[s] = [{"role": "tool", "content": next(observations).text} for _ in calls[s]]
-        by_sample = {s: (meta, seed) for s, _, _, _, meta, seed in turns}
-        for s, act in zip(env_turns, self._env_steps([(s, text[s], *by_sample[s]) for s in env_turns]), strict=True):
+        by_sample = {t.sample: t for t in turns}
+        sampled = {t.sample: t.ids for t in turns}
+        for s, act in zip(env_turns, self._env_steps([(by_sample[s], text[s]) for s in env_turns]), strict=True):
             if isinstance(act, Act):
                 acts[s] = act
-            else:
-                replies[s] = act.messages
-                acts[s] = Act(done=act.done, reward=None if act.reward is None else float(act.reward))
-        sampled = {s: ids for s, ids, *_ in turns}
+                continue
+            keep = act.keep_tokens
+            if keep is not None:  # the turn as kept is what the sample and the conversation go on from
+                sampled[s] = sampled[s][:keep]
+                text[s] = self.renderer.turn_text(sampled[s])
+            replies[s] = act.messages
+            acts[s] = Act(done=act.done, reward=None if act.reward is None else float(act.reward), keep=keep)
         for s, new in replies.items():
             owned, assistant = self.owned[s], {"role": "assistant", "content": text[s]}
             if not acts.get(s, Act()).done:
@@ -119,14 +139,14 @@ class EpisodeActors:
             return False  # the rollout's tools answer (an unknown tool is an error observation)
         return not all(isinstance(c, ToolCall) and c.name in self.tools.tools for c in calls)
 
-    def _env_steps(self, turns: list[tuple[int, str, SampleMeta, int]]) -> list[EnvStep | Act]:
+    def _env_steps(self, turns: list[tuple[OwnedTurn, str]]) -> list[EnvStep | Act]:
         """Each turn's environment step, or the error Act of a failed one."""
         env = self.environment
         if not turns:
             return []
         assert env is not None
-        unopened = [i for i, (s, *_) in enumerate(turns) if self.owned[s].episode is None]
-        opens = self.bounded.run([_opener(env, meta, seed) for _, _, meta, seed in (turns[i] for i in unopened)],
+        unopened = [i for i, (t, _) in enumerate(turns) if self.owned[t.sample].episode is None]
+        opens = self.bounded.run([_opener(env, t.meta, t.seed) for t, _ in (turns[i] for i in unopened)],
                                  timeout_s=self.env_timeout_s, names=["environment open()"] * len(unopened))
         opened: list[Act | None] = [None] * len(turns)
         for i, o in zip(unopened, opens, strict=True):
@@ -137,11 +157,10 @@ class EpisodeActors:
                 tb = "".join(traceback.format_exception(o.error))
                 opened[i] = Act(done=True, error=f"open() raised {type(o.error).__name__}: {o.error}\n{tb}")
             else:
-                self.owned[turns[i][0]].episode = o.value
+                self.owned[turns[i][0].sample].episode = o.value
         live = [i for i, o in enumerate(opened) if o is None]
-        steps = self.bounded.run(
-            [_stepper(self.owned[turns[i][0]].episode, {"role": "assistant", "content": turns[i][1]}) for i in live],
-            timeout_s=self.env_timeout_s, names=["environment step()"] * len(live))
+        steps = self.bounded.run([self._stepper(*turns[i]) for i in live], timeout_s=self.env_timeout_s,
+                                 names=["environment step()"] * len(live))
         out: list[EnvStep | Act] = [o if o is not None else Act() for o in opened]
         for i, o in zip(live, steps, strict=True):
             if o.timed_out:
@@ -150,12 +169,24 @@ class EpisodeActors:
             elif o.error is not None:
                 tb = "".join(traceback.format_exception(o.error))
                 out[i] = Act(done=True, error=f"step() raised {type(o.error).__name__}: {o.error}\n{tb}")
-            elif not _is_env_step(o.value):
+            elif not _is_env_step(o.value, turns[i][0]):
                 out[i] = Act(done=True, error=f"step() returned {type(o.value).__name__}, not hybridrl.interfaces."
-                                              "EnvStep(messages=[{'role', 'content'}, ...], done=..., reward=...)")
+                                              "EnvStep(messages=[{'role', 'content'}, ...], done=..., reward=..., "
+                                              "keep_tokens=None or 0..the turn's ids)")
             else:
                 out[i] = o.value
         return out
+
+    def _stepper(self, turn: OwnedTurn, text: str) -> Any:
+        """The step of ``turn``'s episode: ``step_turn`` with the turn's tokens where the episode has one."""
+        episode = self.owned[turn.sample].episode
+        if (step_turn := getattr(episode, "step_turn", None)) is None:
+            return _stepper(episode, {"role": "assistant", "content": text})
+        tok = self.renderer.tokenizer
+        policy_turn = PolicyTurn(text=text, token_ids=list(turn.ids), logprobs=list(turn.logprobs),
+                                 context_tokens=turn.context_tokens, params=turn.params,
+                                 eos_token_id=tok.eos_token_id, decode=self.renderer.decode)
+        return lambda: step_turn(policy_turn)
 
     def close_all(self) -> None:
         """End every episode still owned (a step that stopped early): their environment episodes are closed."""
@@ -186,11 +217,13 @@ def _stepper(episode: Any, message: Message) -> Any:
     return lambda: episode.step(message)
 
 
-def _is_env_step(value: Any) -> bool:
+def _is_env_step(value: Any, turn: OwnedTurn) -> bool:
     return (isinstance(value, EnvStep) and isinstance(value.messages, list) and isinstance(value.done, bool)
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in value.messages)
-            and (value.reward is None or isinstance(value.reward, int | float)))
+            and (value.reward is None or isinstance(value.reward, int | float))
+            and (value.keep_tokens is None or (isinstance(value.keep_tokens, int)
+                                               and 0 <= value.keep_tokens <= len(turn.ids))))
 
 
 def tool_schemas(cfg: RLConfig) -> list[dict[str, Any]]:

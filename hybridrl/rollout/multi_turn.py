@@ -40,7 +40,7 @@ from hybridrl.data.collate import PromptBatch
 from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutStep, SamplingParams
 from hybridrl.rewards.execution import PendingReward, RewardRunner
-from hybridrl.rollout.episodes import Act, EpisodeActors
+from hybridrl.rollout.episodes import Act, EpisodeActors, OwnedTurn
 from hybridrl.seeds import prompt_seed
 from hybridrl.tools.runner import ToolCounts
 
@@ -93,10 +93,12 @@ class _Sample:
     last_version: int = 0  # the version of the latest turn
     env_reward: float | None = None
     env_error: str | None = None
+    turn_start: int = 0  # where the latest turn starts in the response
 
     def add_turn(self, g: Generation, room: int) -> list[int]:
         """Append the policy's turn ``g`` (cut to ``room`` tokens); its ids."""
         ids = g.token_ids[:room]
+        self.turn_start = len(self.response)
         self.response += ids
         self.logprobs += g.logprobs[:room]
         self.mask += [1] * len(ids)
@@ -120,6 +122,9 @@ class _Sample:
             self.env_reward = (self.env_reward or 0.0) + act.reward
         if act.error is not None:
             self.env_error = act.error
+        if act.keep is not None:  # the turn cut short (an agent's max_tokens or stop): as if never sampled
+            end = self.turn_start + act.keep
+            del self.response[end:], self.logprobs[end:], self.mask[end:], self.versions[end:]
         room = budget - len(self.response)
         appended = act.appended[:room]
         self.response += appended
@@ -184,7 +189,7 @@ class MultiTurnRollout:
             with_episode_meta(batch, episodes, kept=engines.dp_prompts(len(prompts)), n=n)
         return batch, episodes.metrics()
 
-    def _act(self, mine: list[Any]) -> dict[int, Act]:
+    def _act(self, mine: list[OwnedTurn]) -> dict[int, Act]:
         """Every live episode's act, each from its owner; a rank whose acting failed (a template that cannot render
         a turn, a broken tool runner) stops every rank, none is left waiting in the gather."""
         try:
@@ -206,7 +211,7 @@ class MultiTurnRollout:
 
 def play(samples: dict[int, _Sample], metas: Sequence[SampleMeta], params: SamplingParams, *, seed: int,
          owns: Callable[[int], bool], generate: Generate,
-         act: Callable[[list[Any]], dict[int, Act]]) -> None:
+         act: Callable[[list[OwnedTurn]], dict[int, Act]]) -> None:
     """The turn loop over ``samples`` (by sample index in the step; each ends when done): every live episode
     generates at once, then each one ``owns`` answers acts, and ``act`` returns every live episode's act."""
     n, budget = params.n, params.max_new_tokens
@@ -221,9 +226,12 @@ def play(samples: dict[int, _Sample], metas: Sequence[SampleMeta], params: Sampl
         mine = []
         for s, g, room in zip(live, gens, left, strict=True):
             x = samples[s]
+            context = len(x.prompt) + len(x.response)
             ids = x.add_turn(g, room)
             if owns(s):
-                mine.append((s, ids, x.finish == "length", x.turns, metas[s // n], prompt_seed(seed, s)))
+                mine.append(OwnedTurn(sample=s, ids=ids, logprobs=g.logprobs[:room], cut=x.finish == "length",
+                                      turns=x.turns, meta=metas[s // n], seed=prompt_seed(seed, s),
+                                      context_tokens=context, params=params))
         for s, a in act(mine).items():
             samples[s].apply(a, budget)
 

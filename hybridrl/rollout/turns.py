@@ -58,6 +58,10 @@ class TurnRenderer:
         """The ids of the first generation prompt."""
         return self.encode(self.render(messages, generation_prompt=True))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """``ids`` as text, special tokens kept."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
     def turn_text(self, sampled_ids: Sequence[int]) -> str:
         """The policy's turn as the template's ``content`` (its text without the ending EOS)."""
         ids = list(sampled_ids)

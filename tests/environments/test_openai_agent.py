@@ -112,11 +112,17 @@ def test_the_endpoint_speaks_openai() -> None:
             {"type": "text", "text": "What is "}, {"type": "text", "text": "2+3?"}]}], temperature=0.1)
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("5", "stop")
         assert delivered[0].messages == TASK  # text parts joined
-        for kwargs, says in (({"stream": True}, "stream=true is not supported"), ({"n": 2}, "n=2 is not supported"),
+        for kwargs, says in (({"n": 2}, "n=2 not supported"), ({"top_p": "high"}, "top_p='high': a number"),
+                             ({"max_tokens": 0}, "max_tokens=0: an integer ≥ 1"),
+                             ({"stop": [""]}, "stop=['']: a non-empty"),
+                             ({"extra_body": {"best_of": 2}}, "best_of not supported by this endpoint"),
+                             ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 not supported"),
+                             ({"response_format": {"type": "json_object"}}, "response_format="),
+                             ({"top_logprobs": 2, "logprobs": True}, "only the sampled token's log-prob"),
                              ({"tools": [{"type": "function"}]}, "tools is a list of"),
                              ({"tools": CALCULATOR, "tool_choice": "required"}, "tool_choice='required' not supp"),
                              ({"tools": CALCULATOR, "parallel_tool_calls": False}, "parallel_tool_calls=false not"),
-                             ({"functions": [{"name": "f"}]}, "functions (deprecated by OpenAI) not supported")):
+                             ({"functions": [{"name": "f"}]}, "not supported: deprecated by OpenAI")):
             with pytest.raises(openai.BadRequestError, match=re.escape(says)) as err:
                 client.chat.completions.create(model="policy", messages=TASK, **kwargs)
             assert err.value.body["type"] == "invalid_request_error"  # type: ignore[index]
@@ -138,7 +144,8 @@ def test_the_endpoint_speaks_openai() -> None:
     pytest.param("adds_system_prompt", 30.0, "do not start with the task's messages", id="not_the_task"),
     pytest.param("crashes", 30.0, "exited with code 3; its stderr ends:\nthe agent gave up", id="crashes"),
     pytest.param("hangs", 2.0, "ran past timeout_s=2 s", id="hangs"),
-    pytest.param("streams", 30.0, "exited with code 1", id="streams"),
+    pytest.param("asks_for_two", 30.0, "exited with code 1 after its first request was refused with a 400 (n=2 not "
+                 "supported", id="refused_first_request"),
 ])
 def test_a_faulty_agent_fails_its_episode_in_time(name: str, timeout_s: float, says: str) -> None:
     env = OpenAIAgent(agent(name, timeout_s=timeout_s))
@@ -150,8 +157,8 @@ def test_a_faulty_agent_fails_its_episode_in_time(name: str, timeout_s: float, s
                 episode.step({"role": "assistant", "content": turn})
         wall = time.monotonic() - t0
         assert says in str(err.value), str(err.value)
-        if name == "streams":  # the endpoint's 400, as the openai client raised it in the agent
-            assert "BadRequestError" in str(err.value) and "stream=true is not supported" in str(err.value)
+        if name == "asks_for_two":  # the endpoint's 400, as the openai client raised it in the agent
+            assert "BadRequestError" in str(err.value) and "actor_rollout_ref.rollout.n" in str(err.value)
         assert wall < min(timeout_s, 10.0) + 3.0, wall  # the fault's own time (an agent's start) or timeout_s
         if name == "hangs":
             assert wall >= timeout_s
@@ -186,6 +193,95 @@ def test_close_kills_a_waiting_agent_and_its_request_gets_an_error() -> None:
         assert waiting.answered and waiting._wait()[0] == 410
     finally:
         env.close()
+
+
+# ---- the parameters agents send ----------------------------------------------------------------------------
+
+
+def policy_turn(text: str, *, logprob: float = -0.5) -> Any:
+    """``text`` as the policy's turn in the char tokenizer's ids (one per char, then the EOS), with log-probs that tell
+    the ids apart, sampled at the default SamplingParams (temperature 1)."""
+    from hybridrl.interfaces import PolicyTurn
+    from hybridrl.models.char_tokenizer import make_char_tokenizer
+
+    tok = make_char_tokenizer(model_max_length=4096)
+    ids = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    return PolicyTurn(text=text, token_ids=ids, logprobs=[logprob - 0.01 * j for j in range(len(ids))],
+                      context_tokens=10, params=SamplingParams(), eos_token_id=tok.eos_token_id,
+                      decode=lambda x: str(tok.decode(list(x), skip_special_tokens=False)))
+
+
+def asking(*asks: dict[str, Any]) -> OpenAIAgent.Config:
+    return agent("asks", env={"HYBRIDRL_TEST_ASKS": json.dumps(asks)})
+
+
+def test_max_tokens_stop_logprobs_and_usage_are_honoured_and_sampling_changes_refused_without_losing_the_episode(
+        ) -> None:
+    env = OpenAIAgent(asking({"max_tokens": 2, "logprobs": True}, {"stop": ["3", "x"]},
+                             {"n": 2}, {"temperature": 0.3}, {"top_p": 0.5}, {"seed": 999},
+                             {"temperature": 1.0, "top_p": 1, "seed": 7, "max_completion_tokens": 50}))
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=7)
+        capped = episode.step_turn(policy_turn("12345"))
+        stopped = episode.step_turn(policy_turn("abc3def"))
+        last = episode.step_turn(policy_turn("ok"))
+        (a, b, *refused, c) = json.loads(episode.agent.stdout.text().strip().splitlines()[-2])
+        # max_tokens=2: two tokens, finish "length"; the sample keeps the first 2 ids, as sampled
+        assert (a["choices"][0]["message"]["content"], a["choices"][0]["finish_reason"]) == ("12", "length")
+        assert a["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
+                              "completion_tokens_details": None, "prompt_tokens_details": None}
+        assert [(t["token"], t["logprob"]) for t in a["choices"][0]["logprobs"]["content"]] == [("1", -0.5),
+                                                                                                  ("2", -0.51)]
+        assert capped.keep_tokens == 2 and not capped.done
+        # stop: the content ends before the stop string; the sample keeps the ids up to the one that completed it
+        assert (b["choices"][0]["message"]["content"], b["choices"][0]["finish_reason"]) == ("abc", "stop")
+        assert b["choices"][0]["logprobs"] is None and b["usage"]["completion_tokens"] == 4
+        assert stopped.keep_tokens == 4 and stopped.messages == [{"role": "user", "content": "Go on."}]
+        # refused, each naming what sets it, and the episode went on: the retry was answered
+        assert "n=2 not supported" in refused[0]["refused"] and "actor_rollout_ref.rollout.n" in refused[0]["refused"]
+        assert "temperature=0.3 differs from the run's 1" in refused[1]["refused"]
+        assert "actor_rollout_ref.rollout.temperature" in refused[1]["refused"]
+        assert "actor_rollout_ref.rollout.top_p" in refused[2]["refused"]
+        assert "seed=999 differs" in refused[3]["refused"] and "trainer.seed" in refused[3]["refused"]
+        assert (c["choices"][0]["message"]["content"], c["choices"][0]["finish_reason"]) == ("ok", "stop")
+        assert c["usage"]["completion_tokens"] == 3  # "o", "k" and the EOS
+        assert last.done and last.keep_tokens is None and last.reward == 1.0
+    finally:
+        env.close()
+
+
+def test_streaming_sends_the_reply_as_chunks_with_usage() -> None:
+    env = OpenAIAgent(asking({"stream": True, "stream_options": {"include_usage": True}}, {"stream": True}))
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        episode.step_turn(policy_turn("Hi there"))
+        assert episode.step_turn(policy_turn("Bye")).done
+        (a, b) = json.loads(episode.agent.stdout.text().strip().splitlines()[-2])
+        deltas = [(c["choices"][0]["delta"]["content"], c["choices"][0]["finish_reason"]) for c in a["chunks"][:-1]]
+        assert deltas == [("", None), ("Hi there", None), (None, "stop")]
+        assert a["chunks"][-1]["choices"] == [] and a["chunks"][-1]["usage"]["completion_tokens"] == 9
+        assert all(c["usage"] is None for c in b["chunks"])
+        assert b["chunks"][1]["choices"][0]["delta"]["content"] == "Bye"
+    finally:
+        env.close()
+
+
+def test_tool_calls_stream_as_deltas() -> None:
+    import openai
+
+    endpoint = ChatEndpoint()
+    try:
+        call = {"id": "call_1", "type": "function", "function": {"name": "calculator",
+                                                                 "arguments": '{"expression": "12*7"}'}}
+        key = endpoint.open_session(lambda r: r.reply({"role": "assistant", "content": None, "tool_calls": [call]}))
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0)
+        chunks = list(client.chat.completions.create(model="policy", messages=TASK, tools=CALCULATOR, stream=True))
+        calls = [d.tool_calls[0] for c in chunks if (d := c.choices[0].delta).tool_calls]
+        assert (calls[0].index, calls[0].id, calls[0].function.name) == (0, "call_1", "calculator")  # type: ignore[union-attr]
+        assert "".join(c.function.arguments for c in calls) == '{"expression": "12*7"}'  # type: ignore[union-attr,misc]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        endpoint.shutdown()
 
 
 # ---- function calling ------------------------------------------------------------------------------------
@@ -261,7 +357,8 @@ def test_config_errors_name_the_field() -> None:
 
 # ---- in a multi-turn rollout ---------------------------------------------------------------------------
 
-CASES = {"ask_twice": 2, "patient": 3, "crashes": 1, "calls_tools": 2}  # case -> its policy turns (max: 3)
+CASES = {"ask_twice": 2, "patient": 3, "crashes": 1, "calls_tools": 2, "asks": 2}  # case -> its policy turns (≤ 3)
+ASKS = [{"max_tokens": 1}, {"n": 2}, {}]  # the asks case: its first turn cut to 1 token, a refused request retried
 SCRIPTS = {"calls_tools": ["Let me compute.\n" + CALL, "84."]}  # its turns; the other cases': TURNS
 # ChatML with the tools in a system block, as Qwen's template renders them
 TOOLS_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}"
@@ -355,7 +452,8 @@ def main() -> None:
     renderer = TurnRenderer(tok, tools=CALCULATOR)  # the agent's tools, as hybridrl.rollout.episodes renders them
     renderer.check()
     # Any: mypy takes a nested Config for an instance variable
-    env: Any = OpenAIAgent(agent("by_case", timeout_s=60.0, tools=CALCULATOR))
+    env: Any = OpenAIAgent(agent("by_case", timeout_s=60.0, tools=CALCULATOR,
+                                 env={"HYBRIDRL_TEST_ASKS": json.dumps(ASKS)}))
     actors = EpisodeActors(renderer, ToolRunner({}, timeout_s=1.0, max_tokens=16, cut=tokenizer_cut(tok)),
                            format="hermes", environment=env, environment_timeout_s=20.0, max_assistant_turns=3)
     reward = RewardRunner.build(RewardConfig(name="environment", on_error="zero"), tokenizer=tok,
@@ -399,14 +497,16 @@ def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: 
         # loss_mask 1 exactly on the engine's sampled ids, turn by turn, with the engine's log-probs
         made = sorted((k, t, lp) for c, k, t, lp in r["made"] if c == case)
         assert len(made) == CASES[case], case
+        if case == "asks":  # max_tokens=1: the first turn keeps its first sampled id
+            made[0] = (made[0][0], made[0][1][:1], made[0][2][:1])
         assert [t for i_, t in enumerate(ids) if mask[i_]] == [t for _, turn, _ in made for t in turn], case
         assert [lp for i_, lp in enumerate(logprobs) if mask[i_]] == pytest.approx(
             [v for _, _, lps in made for v in lps], abs=1e-7), case
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m), case
         # the sample is the template's render of the conversation: the agent's messages between the policy's turns
         conversation = [*r["messages"][i]]
-        between = {"role": "tool", "content": "84"} if case == "calls_tools" else {"role": "user",
-                                                                                   "content": "Are you sure?"}
+        between = {"role": "tool", "content": "84"} if case == "calls_tools" else {
+            "role": "user", "content": "Go on." if case == "asks" else "Are you sure?"}
         for k in range(CASES[case]):
             if k:
                 conversation.append(between)
@@ -435,6 +535,16 @@ def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: 
     assert r["ids"][i] == t1 + result + t2 and r["mask"][i] == [1] * len(t1) + [0] * len(result) + [1] * len(t2)
     assert "<|im_start|>tool\n84<|im_end|>" in tok.decode(result)
     assert r["scores"][i] == 1.0 and r["env_error"][i] is None and r["tool_calls"] == 0
+    # max_tokens=1 cut the first turn of "asks" to its first id: the template ends the turn (loss_mask 0), the refused
+    # n=2 was retried and the episode went on to its second turn
+    i = by["asks"]
+    t1, t2 = (t for _, t in sorted((k, t) for c, k, t, _ in r["made"] if c == "asks"))
+    gap = TurnRenderer(tok, tools=CALCULATOR).appended_ids(
+        [*r["messages"][i], {"role": "assistant", "content": "5"}], [{"role": "user", "content": "Go on."}],
+        sampled_ids=t1[:1])
+    assert tok.decode(gap).startswith("<|im_end|>") and len(t1) > 1
+    assert r["ids"][i] == t1[:1] + gap + t2 and r["mask"][i] == [1] + [0] * len(gap) + [1] * len(t2)
+    assert r["env_error"][i] is None and r["scores"][i] == 1.0
     assert r["wall"] < 15.0, r["wall"]  # three agents started and run at once: ~ one start
     print(f"rollout step with three agents: {r['wall']:.2f} s")
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from hybridrl.batch import SampleMeta
-from hybridrl.interfaces import EnvStep
-from hybridrl.rollout.episodes import EpisodeActors
+from hybridrl.interfaces import EnvStep, SamplingParams
+from hybridrl.rollout.episodes import EpisodeActors, OwnedTurn
 from hybridrl.tools import bounded
 from hybridrl.tools.bounded import Bounded, StuckCallsError
 from hybridrl.tools.calls import parse_calls
@@ -135,7 +135,8 @@ def test_an_environment_that_hangs_in_open_or_close_costs_its_timeout(release: t
     for s in range(3):
         actors.open(s, meta)
     t0 = time.monotonic()
-    out = actors._env_steps([(s, "answer", meta, s) for s in range(3)])
+    out = actors._env_steps([(OwnedTurn(sample=s, ids=[], logprobs=[], cut=False, turns=1, meta=meta, seed=s,
+                                        context_tokens=0, params=SamplingParams()), "answer") for s in range(3)])
     env_key = "actor_rollout_ref.rollout.multi_turn.environment_timeout_s"
     assert out[0].error == f"open() took longer than {env_key}={TIMEOUT:g} s"  # type: ignore[union-attr]
     assert all(isinstance(o, EnvStep) for o in out[1:])
