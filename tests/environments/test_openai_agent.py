@@ -8,7 +8,12 @@ exit before the first request, a missing program — fails the episode within it
 cause; Config errors name the field. In a real multi-turn rollout (1 gloo rank, a scripted policy) the agents'
 messages reach the sample as the chat template's ids (``loss_mask`` 0) between the policy's turns, which keep the
 engine's own ids and log-probs (``loss_mask`` 1); the agent's reward reaches the score; a crash is the sample's
-``env_error``; ``max_assistant_turns`` ends a waiting agent's episode and ``close()`` kills it. After every test no
+``env_error``; ``max_assistant_turns`` ends a waiting agent's episode and ``close()`` kills it. Function calling
+(an agent of the openai SDK's function-calling loop, its own calculator): the policy's calls reach it as
+``tool_calls``, its results come back as tool messages under ``loss_mask`` 0, token-exact in the rollout; an
+unreadable call and ``tool_choice="none"`` come back as text. The parameters agents send: ``max_tokens``, ``stop``,
+``logprobs``, ``usage`` and streaming honoured (with the real ``hf`` engine and a tiny model too), sampling changes
+refused naming the config key, and the episode survives each 400. After every test no
 agent process (nor a child of one) is left: each carries :data:`MARK` in its environment, and none may be found.
 
 This file is also the rollout's worker (``python -m torch.distributed.run … test_openai_agent.py OUT MARK``).
@@ -211,8 +216,14 @@ def policy_turn(text: str, *, logprob: float = -0.5) -> Any:
                       decode=lambda x: str(tok.decode(list(x), skip_special_tokens=False)))
 
 
-def asking(*asks: dict[str, Any]) -> OpenAIAgent.Config:
-    return agent("asks", env={"HYBRIDRL_TEST_ASKS": json.dumps(asks)})
+def asking(*asks: dict[str, Any], out: Path | None = None) -> OpenAIAgent.Config:
+    writes = {"HYBRIDRL_TEST_OUT": str(out)} if out else {}
+    return agent("asks", env={"HYBRIDRL_TEST_ASKS": json.dumps(asks), **writes})
+
+
+def asked(output: str) -> list[dict[str, Any]]:
+    """What asks.py got, each request's answer (or refusal) in order."""
+    return [json.loads(line) for line in output.strip().splitlines() if not line.startswith('{"reward"')]
 
 
 def test_max_tokens_stop_logprobs_and_usage_are_honoured_and_sampling_changes_refused_without_losing_the_episode(
@@ -225,7 +236,7 @@ def test_max_tokens_stop_logprobs_and_usage_are_honoured_and_sampling_changes_re
         capped = episode.step_turn(policy_turn("12345"))
         stopped = episode.step_turn(policy_turn("abc3def"))
         last = episode.step_turn(policy_turn("ok"))
-        (a, b, *refused, c) = json.loads(episode.agent.stdout.text().strip().splitlines()[-2])
+        (a, b, *refused, c) = asked(episode.agent.stdout.text())
         # max_tokens=2: two tokens, finish "length"; the sample keeps the first 2 ids, as sampled
         assert (a["choices"][0]["message"]["content"], a["choices"][0]["finish_reason"]) == ("12", "length")
         assert a["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
@@ -250,13 +261,71 @@ def test_max_tokens_stop_logprobs_and_usage_are_honoured_and_sampling_changes_re
         env.close()
 
 
+def test_with_the_hf_engine_capped_turns_keep_their_sampled_ids_and_logprobs(tmp_path: Path) -> None:
+    """The real ``hf`` engine and a tiny random model drive an agent's episode (the rollout's turn loop of an engine
+    rank, :func:`~hybridrl.rollout.multi_turn.play_share`): ``max_tokens=2`` gives ≤ 2 completion tokens with the
+    engine's log-probs, a refused ``n=2`` is survived, and the sample is the sampled ids up to each cut (their
+    log-probs as sampled, ``loss_mask`` 1) and the template's ids between (``loss_mask`` 0); the second turn was
+    generated from exactly that context. ~6 s: the model's build, the agent's start and two turns on CPU."""
+    from transformers import AutoTokenizer
+
+    from hybridrl.models.tiny import make_tiny_model
+    from hybridrl.registry import Registry
+    from hybridrl.rollout.episodes import EpisodeActors
+    from hybridrl.rollout.multi_turn import play_share
+    from hybridrl.rollout.turns import TurnRenderer
+    from hybridrl.tools.runner import ToolRunner, tokenizer_cut
+
+    path = make_tiny_model(tmp_path / "model", hidden=64, layers=2, heads=4, kv_heads=2, seed=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = Registry("rollout_engines").build("hf", {}, key="actor_rollout_ref.rollout.engine_kwargs",
+                                               model_path=str(path))
+    made: list[tuple[list[int], Generation]] = []  # (context, the engine's turn)
+
+    def generate(contexts: Any, params: SamplingParams, *, seeds: Any, max_new_tokens: Any = None) -> Any:
+        gens = engine.generate(contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
+        made.extend((list(c), g) for c, g in zip(contexts, gens, strict=True))
+        return gens
+
+    out = tmp_path / "asked.jsonl"
+    env: Any = OpenAIAgent(asking({"max_tokens": 2, "logprobs": True}, {"n": 2}, {"max_tokens": 3, "logprobs": True},
+                                  out=out))
+    renderer = TurnRenderer(tok)
+    actors = EpisodeActors(renderer, ToolRunner({}, timeout_s=1.0, max_tokens=16, cut=tokenizer_cut(tok)),
+                           format="hermes", environment=env, environment_timeout_s=30.0, max_assistant_turns=3)
+    prompt = renderer.prompt_ids(TASK)
+    try:
+        episodes = play_share(actors, range(1), [prompt], [SampleMeta(messages=TASK)],
+                              SamplingParams(temperature=1.0, max_new_tokens=400), seed=5, generate=generate)
+    finally:
+        env.close()
+    first, refused, second = asked(out.read_text())
+    (c1, g1), (c2, g2) = made
+    k1, k2 = min(2, len(g1.token_ids)), min(3, len(g2.token_ids))
+    assert len(g1.token_ids) > 2 and first["choices"][0]["finish_reason"] == "length"  # the engine wrote more
+    assert first["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 2, "total_tokens": len(prompt) + 2,
+                              "completion_tokens_details": None, "prompt_tokens_details": None}
+    assert [t["logprob"] for t in first["choices"][0]["logprobs"]["content"]] == g1.logprobs[:k1]
+    assert first["choices"][0]["message"]["content"] == tok.decode(g1.token_ids[:k1])
+    assert "actor_rollout_ref.rollout.n" in refused["refused"]
+    gap = renderer.appended_ids([*TASK, {"role": "assistant", "content": renderer.turn_text(g1.token_ids[:k1])}],
+                                [{"role": "user", "content": "Go on."}], sampled_ids=g1.token_ids[:k1])
+    assert c1 == prompt and c2 == prompt + g1.token_ids[:k1] + gap  # turn 2 saw the cut turn, ended by the template
+    assert second["usage"]["prompt_tokens"] == len(c2) and second["usage"]["completion_tokens"] == k2
+    (g,) = episodes.gens
+    assert g.token_ids == g1.token_ids[:k1] + gap + g2.token_ids[:k2]
+    assert g.loss_mask == [1] * k1 + [0] * len(gap) + [1] * k2
+    assert g.logprobs == g1.logprobs[:k1] + [0.0] * len(gap) + g2.logprobs[:k2]
+    assert episodes.env == [(1.0, None)]
+
+
 def test_streaming_sends_the_reply_as_chunks_with_usage() -> None:
     env = OpenAIAgent(asking({"stream": True, "stream_options": {"include_usage": True}}, {"stream": True}))
     try:
         episode = env.open(SampleMeta(messages=TASK), seed=0)
         episode.step_turn(policy_turn("Hi there"))
         assert episode.step_turn(policy_turn("Bye")).done
-        (a, b) = json.loads(episode.agent.stdout.text().strip().splitlines()[-2])
+        (a, b) = asked(episode.agent.stdout.text())
         deltas = [(c["choices"][0]["delta"]["content"], c["choices"][0]["finish_reason"]) for c in a["chunks"][:-1]]
         assert deltas == [("", None), ("Hi there", None), (None, "stop")]
         assert a["chunks"][-1]["choices"] == [] and a["chunks"][-1]["usage"]["completion_tokens"] == 9
