@@ -20,19 +20,22 @@ def _validate(args: argparse.Namespace) -> int:
     from hybridrl.config.dry_run import main as dry_run
 
     if not args.get:
-        return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config)
-    from hybridrl.config.overrides import schema_keys
+        return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config,
+                       teacher_config=args.teacher_config)
+    from hybridrl.config.overrides import key_problem, schema_keys
     from hybridrl.config.schema import RLConfig
+    from hybridrl.config.verl_keys import VERL_KEYS, lookup
 
-    keys = list(schema_keys(RLConfig))
-    for key in args.get:
-        if key not in keys:
+    for key in args.get:  # a schema key, one inside a plugin block, or verl's
+        if key_problem(RLConfig, key) is not None and lookup(key) is None:
+            keys = [*schema_keys(RLConfig), *VERL_KEYS]
             close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
             print(f"hybridrl validate: --get {key!r} is not a config key"
                   + (f"; did you mean {' or '.join(close)}?" if close else " (see hybridrl/config/schema.py)"),
                   file=sys.stderr)
             return 2
-    return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config, get=args.get)
+    return dry_run(args.overrides, world_size=args.world_size, model_config=args.model_config, get=args.get,
+                   teacher_config=args.teacher_config)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -82,9 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-config", type=Path, default=None,
                     help="plan for another machine: read the architecture from this config.json and skip "
                          "the checks of local weights, tokenizer and data files (e.g. recipes/model_configs/*.json)")
+    sp.add_argument("--teacher-config", type=Path, default=None,
+                    help="with --model-config: the distillation teacher's config.json (default: its checkpoint's "
+                         "when it is here, else the student's architecture)")
     sp.add_argument("--get", action="append", default=[], metavar="KEY",
-                    help="after the checks pass, print KEY's resolved value (e.g. trainer.dist_timeout_s) on "
-                         "stdout, one line per --get, and the plan on stderr (for launch scripts)")
+                    help="after the checks pass, print KEY's resolved value (e.g. trainer.dist_timeout_s, or a verl "
+                         "key such as actor_rollout_ref.actor.clip_ratio_low) on stdout, one line per --get, and the "
+                         "plan on stderr (for launch scripts)")
     sp.set_defaults(fn=_validate)
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")

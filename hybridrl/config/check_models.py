@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 from hybridrl import bootstrap
 from hybridrl.algorithms.loss_agg import LOSS_AGG_MODES
@@ -30,10 +31,30 @@ def check_model(key: str, m: ModelConfig, issues: Issues, *, before_bootstrap: b
     return info
 
 
+HF_OVERRIDES = ("max_position_embeddings",)  # the config.json fields model.override_config may set
+
+
+def apply_override_config(key: str, m: ModelConfig, model: HFArch | None, issues: Issues) -> HFArch | None:
+    """``model`` as ``<key>.override_config`` changes it; its problems (a field that is not applied, a bad value)."""
+    length = m.override_config.get("max_position_embeddings")
+    for name, value in m.override_config.items():
+        if name not in HF_OVERRIDES:
+            issues.add(f"{key}.override_config.{name}", value, "not applied: only max_position_embeddings is (the "
+                       "longest sequence; no weight or computation of a rotary-position model depends on it); change "
+                       "other fields in the checkpoint's config.json")
+    if length is None:
+        return model
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        issues.add(f"{key}.override_config.max_position_embeddings", length, "must be an integer ≥ 1")
+        return model
+    return replace(model, max_position_embeddings=length) if model is not None else None
+
+
 def check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, issues: Issues, *,
-                  world_note: str = "") -> None:
-    """``world``: the ranks the layout spans (``world_note`` says why, when that is not the launched world)."""
-    te = importlib.util.find_spec("transformer_engine") is not None
+                  world_note: str = "", planning: bool = False) -> None:
+    """``world``: the ranks the layout spans (``world_note`` says why, when that is not the launched world);
+    ``planning``: for another machine, whose Transformer Engine is not this one's."""
+    te = None if planning else importlib.util.find_spec("transformer_engine") is not None
     for size, value, message in layout_problems(m, world_size=world, transformer_engine=te):
         issues.add(f"{key}.{size}", value, message + world_note)
     if model is not None:
@@ -125,7 +146,8 @@ def check_fused_kernels(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
 
 
 def check_memory(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
-    """The plan's peak per-rank memory must fit the device (GPU plans only), naming what would shrink it."""
+    """The plan's per-rank memory on the device (GPU plans only): a model state that cannot fit is refused, a peak
+    over the device (activations and KV are estimates) is a note; each names what would shrink it."""
     mem = plan.memory
     if mem is None or plan.device_type != "cuda":
         return
@@ -142,20 +164,30 @@ def check_memory(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
         plan.notes.append(f"each engine's KV pool holds {fit} sequences of the longest length "
                           f"({cfg.data.max_prompt_length + cfg.data.max_response_length} tokens) at once; a step gives "
                           f"it up to {share} samples" + (f" (≥ {-(-share // fit)} waves)" if share > fit else ""))
+    m, a = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor
+    layout = [f"{AOR}.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size (raise)"]
+    if not m.use_distributed_optimizer:
+        layout.append(f"{AOR}.actor.megatron.use_distributed_optimizer=true")
+    if m.dtype == "float32":
+        layout.append(f"{AOR}.actor.megatron.dtype=bfloat16")
+    offload = [f"{AOR}.actor.megatron.{k}=true" for k in ("param_offload", "grad_offload", "optimizer_offload")
+               if not getattr(m, k)]
+    if mem.state > capacity * GB:
+        engine = f"{AOR}.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} (raise: engine weights)"
+        issues.add("trainer.device_memory_gb", capacity,
+                   f"the largest rank's model state alone (weights, gradients, optimizer state) needs "
+                   f"~{mem.state / GB:.1f} GB ({mem}): it cannot fit; change: {'; '.join([*layout, *offload, engine])}")
+        return
     if mem.peak <= capacity * GB:
         return
-    m, a = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor
-    keys = [f"{AOR}.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size (raise)"]
-    keys += [f"{AOR}.actor.megatron.{k}=true" for k in ("use_distributed_optimizer", "param_offload", "grad_offload",
-                                                       "optimizer_offload") if not getattr(m, k)]
-    if m.dtype == "float32":
-        keys.append(f"{AOR}.actor.megatron.dtype=bfloat16")
+    helps = []
     if m.override_transformer_config.get("recompute_granularity") != "full":
-        keys.append(f"+{AOR}.actor.megatron.override_transformer_config.recompute_granularity=full")
-    keys.append(f"{AOR}.actor.{'ppo_max_token_len_per_gpu' if a.use_dynamic_bsz else 'ppo_micro_batch_size_per_gpu'}"
-                " (lower)")
-    keys.append(f"{AOR}.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} (raise: engine weights, KV)")
+        helps.append(f"activation recompute ({AOR}.model.enable_gradient_checkpointing=true)")
+    helps.append(f"smaller micro-batches ({AOR}.actor."
+                 f"{'ppo_max_token_len_per_gpu' if a.use_dynamic_bsz else 'ppo_micro_batch_size_per_gpu'} lower)")
+    helps += [f"offload while generating ({', '.join(offload)})"] if offload else []
     if mem.pooled:
-        keys.append(f"{AOR}.rollout.gpu_memory_utilization={r.gpu_memory_utilization} (lower: the engine's share)")
-    issues.add("trainer.device_memory_gb", capacity,
-               f"the largest rank needs ~{mem.peak / GB:.1f} GB ({mem}); to fit, change: {'; '.join(keys)}")
+        helps.append(f"a smaller engine share ({AOR}.rollout.gpu_memory_utilization={r.gpu_memory_utilization} lower)")
+    plan.notes.append(f"memory: the largest rank may need ~{mem.peak / GB:.1f} GB of the device's {capacity:.0f} GB "
+                      f"(its model state {mem.state / GB:.1f} GB fits; activations and KV are estimates); if it runs "
+                      f"out of memory: {'; '.join(helps)}")

@@ -25,6 +25,7 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.overrides import CheckedOverrides, apply_engine_settings, check_overrides, schema_keys
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
+from hybridrl.config.verl_joint import apply_joint
 from hybridrl.paths import cache_dir, recipes_dir
 from hybridrl.tracking import say
 
@@ -32,11 +33,20 @@ SCHEMA_NAME = "hybridrl_schema"
 SFT_SCHEMA_NAME = "hybridrl_sft_schema"
 
 
+REQUIRED = "${hybridrl_required:}"  # a recipe's "???" for a key whose schema has a default (merging ??? keeps it)
+
+
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore and the ``${hybridrl_cache:}`` resolver (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore and the ``${hybridrl_cache:}`` and ``${hybridrl_required:}``
+    resolvers (idempotent)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RLConfig)
     ConfigStore.instance().store(name=SFT_SCHEMA_NAME, node=SFTConfig)
     OmegaConf.register_new_resolver("hybridrl_cache", cache_dir, replace=True)
+    OmegaConf.register_new_resolver("hybridrl_required", _required, replace=True)
+
+
+def _required() -> str:
+    return "???"  # to_typed reports the key as required before anything reads it
 
 
 def available_recipes() -> list[str]:
@@ -53,15 +63,27 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config"
     GlobalHydra.instance().clear()
     directory = config_dir or recipes_dir()
     rl, schema = config_name == "config", {"config": RLConfig, "sft": SFTConfig}.get(config_name)
-    checked = (check_overrides(overrides, schema=schema, recipes=directory, verl=rl) if schema is not None
-               else CheckedOverrides(overrides=list(overrides)))
+    checked = (check_overrides(overrides, schema=schema, recipes=directory, verl=rl, collect=True)
+               if schema is not None else CheckedOverrides(overrides=list(overrides)))
+    issues = list(checked.issues)  # reported with what composition finds (their lines were left out)
+    if not checked.composable:
+        raise ConfigError(issues)
     try:
         with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=checked.overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise hydra_error(e) from e
-    typed = to_typed(cfg)
-    notices = checked.notices + (apply_engine_settings(typed, checked.engine_settings) if rl else [])
+        raise ConfigError(issues + hydra_error(e).issues) from e
+    notices = list(checked.notices)
+    try:
+        typed = to_typed(cfg)
+        if rl:
+            notices += apply_engine_settings(typed, checked.engine_settings)
+            notices += apply_joint(typed, checked.joint)
+    except ConfigError as e:
+        said = {i.key for i in issues}  # a key refused on the command line is not judged again without its value
+        raise ConfigError(issues + [i for i in e.issues if i.key not in said]) from e
+    if issues:
+        raise ConfigError(issues)
     for line in dict.fromkeys(notices):
         say(f"note: {line}")
     return typed
@@ -70,7 +92,7 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "config"
 def to_typed(cfg: DictConfig) -> Any:
     """Turn a composed DictConfig into its typed dataclass tree; every missing value is reported."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    missing = sorted({*OmegaConf.missing_keys(cfg), *_required_keys(OmegaConf.to_container(cfg, resolve=False))})
     if missing:
         raise ConfigError([ConfigIssue(key=k, value="???", message="is required and has no value") for k in missing])
     try:
@@ -79,6 +101,13 @@ def to_typed(cfg: DictConfig) -> Any:
         raise hydra_error(e) from e
     assert isinstance(obj, RLConfig | SFTConfig), type(obj)
     return obj
+
+
+def _required_keys(node: Any, prefix: str = "") -> list[str]:
+    """The keys a recipe marks required (:data:`REQUIRED`) that nothing set."""
+    if isinstance(node, dict):
+        return [k for name, v in node.items() for k in _required_keys(v, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if node == REQUIRED else []
 
 
 def hydra_error(e: Exception) -> ConfigError:

@@ -14,27 +14,39 @@ verl counts it.
 ``actor_rollout_ref.model.enable_gradient_checkpointing`` (verl's key) turns on Megatron's activation recompute
 for every trained and frozen model of the run — full granularity, uniform method, one layer per checkpoint,
 as verl's Megatron workers set it — unless ``megatron.override_transformer_config`` sets ``recompute_*`` itself.
+
+verl's "none" spellings, as verl reads them (:func:`apply_verl_rules`): ``optim.lr_warmup_steps`` < 0 means
+``lr_warmup_steps_ratio`` of the steps (only 0 is accepted here: no warm-up), ``trainer.test_freq`` < 0 never
+evaluates, and ``megatron.sequence_parallel=true`` at TP = 1 is off (verl's ``McoreEngineConfig`` turns it off
+with a warning; sequence parallelism splits over the TP ranks, so there is nothing to split). Override keys
+hybridrl accepts but does not hand to Megatron are taken out
+(:data:`~hybridrl.megatron.transformer_overrides.NOT_PASSED`), each with a note.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 from hybridrl.config.plugin_kwargs import resolve_plugin_kwargs
 from hybridrl.config.schema import RLConfig
 from hybridrl.data.sources import is_hf
+from hybridrl.megatron.transformer_overrides import NOT_PASSED
 
 
-def derive(cfg: RLConfig) -> tuple[RLConfig, str | None, str | None]:
+def derive(cfg: RLConfig) -> tuple[RLConfig, str | None, list[str]]:
     """``cfg`` with what follows from other keys filled in — the run's length from ``trainer.total_epochs``, verl's
-    gradient-checkpointing flag as Megatron's recompute settings, each plugin block as its chosen plugin's kwargs —
-    as a new config (``cfg`` is not changed). Returns ``(config, problem, note)`` of :func:`resolve_total_steps`."""
+    gradient-checkpointing flag as Megatron's recompute settings, verl's "none" spellings, each plugin block as its
+    chosen plugin's kwargs — as a new config (``cfg`` is not changed). Returns ``(config, problem, notes)``: the
+    problem of :func:`resolve_total_steps`, and what the plan should say about the settings filled in."""
     out = copy.deepcopy(cfg)
     problem, note = resolve_total_steps(out)
     apply_gradient_checkpointing(out)
+    notes = apply_verl_rules(out)
     resolve_plugin_kwargs(out)
-    return out, problem, note
+    apply_model_overrides(out)
+    return out, problem, ([note] if note is not None else []) + notes
 
 
 def count_rows(files: list[str]) -> int | None:
@@ -77,6 +89,7 @@ def resolve_total_steps(cfg: RLConfig) -> tuple[str | None, str | None]:
                   f"steps per epoch ({rows} rows // data.train_batch_size {d.train_batch_size})")
 
 
+AOR = "actor_rollout_ref"
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
@@ -88,3 +101,39 @@ def apply_gradient_checkpointing(cfg: RLConfig) -> None:
     override = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
     if not any(k.startswith("recompute_") for k in override):
         override.update(RECOMPUTE)
+
+
+def apply_verl_rules(cfg: RLConfig) -> list[str]:
+    """verl's readings of a negative warm-up or test frequency and of sequence parallelism at TP = 1 (the module
+    docstring); drops the override keys Megatron does not get. Returns a note for each setting changed."""
+    aor, notes = cfg.actor_rollout_ref, []
+    for optim in (aor.actor.optim, cfg.critic.optim):
+        optim.lr_warmup_steps = max(optim.lr_warmup_steps, 0)
+    cfg.trainer.test_freq = max(cfg.trainer.test_freq, 0)
+    m = aor.actor.megatron
+    if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+        m.sequence_parallel = False
+        notes.append(f"sequence parallelism off: {AOR}.actor.megatron.tensor_model_parallel_size=1 (there is nothing "
+                     "to split; verl turns it off too)")
+    for name, why in NOT_PASSED.items():
+        if m.override_transformer_config.pop(name, None):
+            notes.append(f"{AOR}.actor.megatron.override_transformer_config.{name} is not passed to Megatron: {why}")
+    return notes
+
+
+def apply_model_overrides(cfg: RLConfig) -> None:
+    """``model.override_config`` (max_position_embeddings) into the chosen engine's own override of the checkpoint's
+    config: vLLM's ``hf_overrides``, SGLang's ``json_model_override_args`` (what the engine_kwargs give wins). The
+    hf engine and Megatron need none: rotary positions have no length bound."""
+    overrides, r = dict(cfg.actor_rollout_ref.model.override_config), cfg.actor_rollout_ref.rollout
+    if not overrides:
+        return
+    if r.name == "vllm":
+        args = dict(r.engine_kwargs.get("engine_args") or {})
+        args["hf_overrides"] = {**overrides, **dict(args.get("hf_overrides") or {})}
+        r.engine_kwargs["engine_args"] = args
+    elif r.name == "sglang":
+        args = dict(r.engine_kwargs.get("server_args") or {})
+        given = json.loads(args.get("json_model_override_args") or "{}")
+        args["json_model_override_args"] = json.dumps({**overrides, **given})
+        r.engine_kwargs["server_args"] = args

@@ -33,9 +33,14 @@ Generation holds the engine and whatever is not offloaded (``param_offload``, ``
 ``optimizer_offload``, ``ref.megatron.param_offload``, ``critic.megatron.*_offload``); training holds the
 actor state, the ref, the critic state, the activations and what the engine keeps after ``release_memory``
 (its plugin's ``memory_budget`` says: vLLM's sleep mode frees both, SGLang's memory saver the KV pool and, with
-``release_weights``, the weights; the ``hf`` engine keeps its weights). The peak of the two is checked against
-the device (``trainer.device_memory_gb``); the allocator's fragmentation and CUDA/NCCL workspaces (a few GB)
-come on top.
+``release_weights``, the weights; the ``hf`` engine keeps its weights). The allocator's fragmentation and
+CUDA/NCCL workspaces (a few GB) come on top.
+
+Two numbers are checked against the device (``trainer.device_memory_gb``): the **model state** (``state``: the
+weights of every model on the rank, the actor's and critic's gradients and optimizer state, each phase holding what
+it does) is counted exactly and what cannot fit is refused; the **peak** adds the activations and the engine's KV
+(a pool's share or an estimate of what the samples need), which are estimates — over the device they are a warning
+naming what would help (verl's published setups run where this estimate says they need a few GB more).
 """
 
 from __future__ import annotations
@@ -75,6 +80,18 @@ class MemoryEstimate:
         kept = self.engine_weights if self.engine_kept is None else self.engine_kept
         return (self.params + self.grads + self.optimizer + self.ref + self.teacher + self.critic + self.activations
                 + kept)
+
+    @property
+    def kept_weights(self) -> float:
+        """The engine's weights held through training (what it keeps after ``release_memory``, at most them)."""
+        return self.engine_weights if self.engine_kept is None else min(self.engine_kept, self.engine_weights)
+
+    @property
+    def state(self) -> float:
+        """The model state of the larger phase: every model's weights, the trained ones' gradients and optimizer
+        state (less what is offloaded while generating) — no activations, no KV."""
+        trainer = self.params + self.grads + self.optimizer + self.ref + self.teacher + self.critic
+        return max(trainer - self.offloaded + self.engine_weights, trainer + self.kept_weights)
 
     @property
     def sequences_at_once(self) -> int | None:

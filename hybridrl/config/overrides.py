@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
-from hybridrl.config.verl_keys import AOR, VERL_KEYS, VerlKey
+from hybridrl.config.verl_keys import AOR, FSDP, VerlKey, lookup
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,20 +32,27 @@ class CheckedOverrides:
     notices: list[str] = field(default_factory=list)  # one line per verl key translated or set aside
     # verl's engine knobs (``status: engine``): applied to the composed config, whose rollout.name decides where
     engine_settings: list[tuple[VerlKey, Any]] = field(default_factory=list)
+    # verl's keys read together once the config is composed (``status: joint``): group → {verl key: value}
+    joint: dict[str, dict[str, Any]] = field(default_factory=dict)
+    issues: list[ConfigIssue] = field(default_factory=list)  # collect=True: the problems (their lines left out)
+    composable: bool = True  # false: the recipe file has unknown keys, on which Hydra would stop
 
 
 def check_overrides(overrides: Sequence[str], *, schema: type, recipes: Path | None = None,
-                    verl: bool = True) -> CheckedOverrides:
+                    verl: bool = True, collect: bool = False) -> CheckedOverrides:
     """``overrides`` as Hydra should compose them; raises ConfigError listing every key of them (and of the
-    ``recipe=`` file under ``recipes``) that the schema does not have, and every value its type refuses."""
+    ``recipe=`` file under ``recipes``) that the schema does not have, and every value its type refuses.
+    ``collect``: return them in ``issues`` instead (the overrides hold only the lines without one), so that what
+    composition finds is reported with them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    parser, issues, out, notices = OverridesParser.create(), [], [], []
-    engine_settings: list[tuple[VerlKey, Any]] = []
-    implied: list[str] = []
+    parser = OverridesParser.create()
+    checked, issues = CheckedOverrides(overrides=[]), []
     typed = OmegaConf.structured(schema)
-    table = VERL_KEYS if verl else {}
+    fsdp: list[str] = []  # verl's FSDP-engine keys: one issue for all of them
+    implied: list[str] = []
+    assigned: dict[str, list[tuple[str, Any]]] = {}  # hybridrl key → (the key the command line wrote, value)
     for line in overrides:
         try:
             (o,) = parser.parse_overrides([line])
@@ -54,51 +61,107 @@ def check_overrides(overrides: Sequence[str], *, schema: type, recipes: Path | N
             continue
         key = o.key_or_group
         if o.package is not None or key.startswith("hydra") or (recipes is not None and (recipes / key).is_dir()):
-            out.append(line)  # a config group (recipe=...) or Hydra's own settings
+            checked.overrides.append(line)  # a config group (recipe=...) or Hydra's own settings
             continue
-        if key in table and table[key].status != "same":
-            entry = table[key]
+        entry = lookup(key) if verl else None
+        lines = [(line, key)]
+        if entry is not None and (entry.status != "same" or entry.values):
             value = None if o.is_delete() or o.is_sweep_override() else o.value()
-            if entry.status == "refused" or (entry.status == "ignored" and entry.refuses(value)):
-                issues.append(ConfigIssue(key=key, value=value if entry.status == "ignored" else None,
+            if entry.group == FSDP and (entry.status == "refused" or entry.refuses(value)):
+                fsdp.append(key if entry.status == "refused" else f"{key}={value}")
+                continue
+            if entry.status == "refused" or (entry.status in ("ignored", "joint") and entry.refuses(value)):
+                issues.append(ConfigIssue(key=key, value=None if entry.status == "refused" else value,
                                           message=f"verl's key is not supported here: {entry.note}"))
                 continue
             if entry.status == "engine":
-                if not (o.is_delete() or o.is_sweep_override()):
-                    engine_settings.append((entry, o.value()))
+                if value is not None:
+                    checked.engine_settings.append((entry, value))
                 continue
-            notices.append(entry.notice())
-            if entry.status != "alias":  # ignored: accepted, no effect
+            if entry.status == "joint":
+                checked.joint.setdefault(entry.group, {})[key] = value
                 continue
-            assert entry.target is not None
-            prefix = "++" if _free_form_part(schema, entry.target) else ""
-            value = line.split("=", 1)[1] if "=" in line else ""
-            value = entry.values.get(str(o.value()), value) if not o.is_sweep_override() else value
-            line, key = f"{prefix}{entry.target}={value}", entry.target
+            if entry.status == "ignored":
+                checked.notices.append(entry.notice(key=key))
+                continue
+            lines = _translated(line, o, entry, schema)
+            if entry.status == "alias":
+                checked.notices.append(entry.notice())
+                implied += entry.implies
+        for line, key in lines:
             (o,) = parser.parse_overrides([line])
-            given = {x.split("=", 1)[0].lstrip("+~") for x in overrides}
-            implied += [i for i in entry.implies if i.split("=", 1)[0] not in given]
-        if o.is_delete() or o.is_sweep_override():
-            out.append(line)
-            continue
-        problem = key_problem(schema, key)
-        if problem is None and isinstance(o.value(), str) and _is_list(schema, key) and "${" not in o.value():
-            quoted = o.value().replace("\\", "\\\\").replace("'", "\\'")
-            line = f"{line.split('=', 1)[0]}=['{quoted}']"  # one entry for a list (as verl reads a lone path)
-            (o,) = parser.parse_overrides([line])
-        if problem is None and not _free_form_part(schema, key):
-            if (bad := _value_problem(typed, schema, key, o.value())) is not None:
-                issues.append(ConfigIssue(key=key, value=o.value(), message=bad))
+            if not (o.is_delete() or o.is_sweep_override()):
+                assigned.setdefault(key, []).append((o.key_or_group if entry is None else entry.key, o.value()))
+            if (issue := _line_issue(o, key, schema, typed)) is not None:
+                issues.append(issue)
                 continue
-        if problem is not None:
-            issues.append(ConfigIssue(key=key, value=None, message=problem))
-        out.append(line)
-    out += list(dict.fromkeys(implied))
-    if recipes is not None:
-        issues += _recipe_problems(overrides, schema, recipes, parser)
-    if issues:
+            checked.overrides.append(_as_list(parser, o, line, key, schema))
+    if fsdp:
+        issues.append(ConfigIssue(key="model_engine", value=None, message=(
+            f"{', '.join(fsdp)}: verl's FSDP engine; hybridrl trains with Megatron only (verl's "
+            f"model_engine=megatron): drop them and use the script's Megatron keys "
+            f"({AOR}.actor.megatron.param_offload / optimizer_offload for the offload, "
+            f"megatron.context_parallel_size for Ulysses' sequence split)")))
+    issues += _disagreements(assigned)
+    checked.overrides += list(dict.fromkeys(i for i in implied if i.split("=", 1)[0] not in assigned))
+    if recipes is not None and (in_recipe := _recipe_problems(overrides, schema, recipes, parser)):
+        issues += in_recipe
+        checked.composable = False
+    if issues and not collect:
         raise ConfigError(issues)
-    return CheckedOverrides(overrides=out, notices=notices, engine_settings=engine_settings)
+    checked.issues = issues
+    return checked
+
+
+def _translated(line: str, o: Any, entry: VerlKey, schema: type) -> list[tuple[str, str]]:
+    """``(line, key)`` for each hybridrl key a verl override becomes: its value renamed (``values``), and, for an
+    alias, the target and ``also`` keys."""
+    value = line.split("=", 1)[1] if "=" in line else ""
+    if not o.is_sweep_override() and not o.is_delete():
+        value = entry.values.get(str(o.value()), value)
+    if entry.status == "same":
+        return [(f"{line.split('=', 1)[0]}={value}", entry.key)]
+    assert entry.target is not None
+    return [(f"{'++' if _free_form_part(schema, t) else ''}{t}={value}", t) for t in (entry.target, *entry.also)]
+
+
+def _line_issue(o: Any, key: str, schema: type, typed: Any) -> ConfigIssue | None:
+    """What the schema says about one override: an unknown key, or a value its type refuses."""
+    if o.is_delete() or o.is_sweep_override():
+        return None
+    if (problem := key_problem(schema, key)) is not None:
+        return ConfigIssue(key=key, value=None, message=problem)
+    if _free_form_part(schema, key):
+        return None
+    value = o.value()
+    if isinstance(value, str) and _is_list(schema, key) and "${" not in value:
+        value = [value]
+    if (bad := _value_problem(typed, schema, key, value)) is not None:
+        return ConfigIssue(key=key, value=o.value(), message=bad)
+    return None
+
+
+def _as_list(parser: Any, o: Any, line: str, key: str, schema: type) -> str:
+    """A lone value for a list key as a list of one (as verl reads a lone path)."""
+    if o.is_delete() or o.is_sweep_override() or not isinstance(o.value(), str) or "${" in o.value():
+        return line
+    if not _is_list(schema, key):
+        return line
+    quoted = o.value().replace("\\", "\\\\").replace("'", "\\'")
+    return f"{line.split('=', 1)[0]}=['{quoted}']"
+
+
+def _disagreements(assigned: dict[str, list[tuple[str, Any]]]) -> list[ConfigIssue]:
+    """A hybridrl key the command line sets twice, one of them by a verl spelling, to two values."""
+    out = []
+    for key, sets in assigned.items():
+        values = {repr(v) for _, v in sets}
+        if len(values) > 1 and any(origin != key for origin, _ in sets):
+            (origin, value), *rest = sets
+            others = ", ".join(f"{o}={v!r}" for o, v in rest)
+            out.append(ConfigIssue(key=origin, value=value, message=f"disagrees with {others} (both set {key}): "
+                                                                     "set one"))
+    return out
 
 
 def apply_engine_settings(cfg: Any, settings: list[tuple[VerlKey, Any]]) -> list[str]:

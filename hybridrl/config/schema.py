@@ -57,6 +57,9 @@ class ModelConfig:
     # activation recompute in the actor/ref/critic (verl's key): Megatron's full recompute, uniform, one layer per
     # checkpoint unless megatron.override_transformer_config sets recompute_* itself
     enable_gradient_checkpointing: bool = False
+    # fields of the checkpoint's config.json overridden (verl's key): max_position_embeddings only, the longest
+    # sequence the model takes (its rotary positions depend on no such bound); the engines get it too
+    override_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,6 +8,7 @@ student's (the same vocabulary) — a teacher of another tokenizer is refused he
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridrl import bootstrap
@@ -60,6 +61,32 @@ def teacher_model(cfg: RLConfig, *, before_bootstrap: bool) -> tuple[HFArch | No
         problems.append((f"{KEY}.model.tokenizer_path" if tok else f"{KEY}.model.path",
                          m.tokenizer_path if tok else m.path, p))
     return arch, problems
+
+
+def planned_teacher(cfg: RLConfig, config: Path | None, student: HFArch | None, *,
+                    notes: list[str]) -> tuple[HFArch | None, list[Problem]]:
+    """The teacher's architecture when planning a run for another machine (``--model-config``): from ``config`` (its
+    config.json), else its checkpoint's when that is here, else the student's (a note says so: the memory plan counts
+    the teacher either way). Whether there should be a teacher at all is checked as for a run."""
+    t, name = cfg.actor_rollout_ref.teacher, cfg.algorithm.adv_estimator
+    if not t.enabled:
+        return teacher_model(cfg, before_bootstrap=True)
+    problems: list[Problem] = []
+    if estimator_needs_teacher(name) is False:
+        problems.append((f"{KEY}.model.path", t.model.path, f"algorithm.adv_estimator={name!r} does not use a "
+                         "teacher: it would be built for nothing; set it to null, or use a distillation estimator "
+                         "(opd, grpo_opd)"))
+    assert t.model.path is not None
+    local = Path(t.model.path) / "config.json"
+    source = config if config is not None else local if local.is_file() else None
+    if source is None:
+        notes.append(f"teacher planned with the student's architecture ({KEY}.model.path={t.model.path} is not here; "
+                     "hybridrl validate --teacher-config <its config.json> plans it with its own)")
+        return student, problems
+    try:
+        return HFArch.from_hf(source), problems
+    except (OSError, KeyError, ValueError, NotImplementedError) as e:
+        return None, [*problems, ("--teacher-config", str(source), str(e))]
 
 
 def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Problem]:

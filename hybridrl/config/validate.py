@@ -23,6 +23,7 @@ from hybridrl import bootstrap
 from hybridrl.algorithms.dynamic_sampling import config_problems as dynamic_sampling_problems
 from hybridrl.config import teacher
 from hybridrl.config.check_models import (
+    apply_override_config,
     check_critic,
     check_fused_kernels,
     check_layout,
@@ -58,12 +59,13 @@ from hybridrl.data.rows import TRUNCATIONS
 from hybridrl.hf.arch import HFArch
 from hybridrl.lora.config import lora_problems
 from hybridrl.megatron.config import interleaved_micro_batches_problem
-from hybridrl.megatron.transformer_overrides import megatron_config_problems
+from hybridrl.megatron.transformer_overrides import NOT_PASSED, megatron_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 
 
 def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
-             model_config: Path | None = None, ranks_per_node: int | None = None) -> Plan:
+             model_config: Path | None = None, ranks_per_node: int | None = None,
+             teacher_config: Path | None = None) -> Plan:
     """Check ``cfg`` for a run on ``world_size`` ranks; return its plan or raise ConfigError. ``cfg`` is not
     changed: the checks read :func:`~hybridrl.config.derived.derive`'s copy, which the plan carries
     (``plan.config``: what the run uses).
@@ -72,10 +74,12 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     (``build_if_missing``, inside the hybridrl cache) may not exist yet; the checks that need it wait
     (``plan.waits_for_build``: run ``validate`` once more after the build).
     ``model_config``: plan a run on another machine: take the architecture from this config.json
-    instead of the model directory, and skip every check of local files (weights, tokenizer, data).
+    instead of the model directory, and skip every check of local files (weights, tokenizer, data);
+    ``teacher_config``: the distillation teacher's config.json when planning (else its own, when it is here, or the
+    student's architecture, with a note).
     """
     issues = Issues()
-    cfg, steps_problem, steps_note = derive(cfg)  # total_epochs → total_training_steps (verl's rule), …
+    cfg, steps_problem, derived_notes = derive(cfg)  # total_epochs → total_training_steps (verl's rule), …
     t, aor = cfg.trainer, cfg.actor_rollout_ref
     if steps_problem is not None:
         issues.add("trainer.total_epochs", t.total_epochs, steps_problem)
@@ -92,13 +96,16 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
             model = None
     else:
         model = check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
+    model = apply_override_config(f"{AOR}.model", aor.model, model, issues)
     for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
         issues.add(key, value, message)
-    teacher_arch, teacher_issues = (None, []) if planning else teacher.teacher_model(
-        cfg, before_bootstrap=before_bootstrap)
+    if planning:
+        teacher_arch, teacher_issues = teacher.planned_teacher(cfg, teacher_config, model, notes=derived_notes)
+    else:
+        teacher_arch, teacher_issues = teacher.teacher_model(cfg, before_bootstrap=before_bootstrap)
     for key, value, message in teacher_issues + teacher.teacher_layout_problems(cfg, teacher_arch):
         issues.add(key, value, message)
-    if teacher_arch is not None and model is not None and not teacher_issues:
+    if teacher_arch is not None and model is not None and not teacher_issues and not planning:
         for key, value, message in teacher.tokenizer_problems(cfg):
             issues.add(key, value, message)
     plan, plan_issues = Plan.build(cfg, world_size=world, model=model, ranks_per_node=ranks_per_node,
@@ -106,7 +113,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                                    device_type=device_type(t.device, planning=planning) if t.device in DEVICES
                                    else "cpu")
     issues += plan_issues
-    check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, plan.trainer_world_size, model, issues,
+    check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, plan.trainer_world_size, model, issues, planning=planning,
                   world_note=f" (the {plan.trainer_world_size} trainer ranks: the world size {world} less "
                              f"{AOR}.rollout.num_ranks={plan.num_engine_ranks})" if plan.num_engine_ranks else "")
     for key, value, message in megatron_config_problems(aor.actor.megatron.dtype,
@@ -119,8 +126,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                        f"must equal {AOR}.actor.megatron.{size}={actor_value} (the ref shares the actor's Megatron "
                        "process groups); leave it null to follow the actor")
     check_sampling(cfg, issues)
-    if steps_note is not None:
-        plan.notes.append(steps_note)
+    plan.notes.extend(derived_notes)
     steps = plan.batch.total_optimizer_steps if t.total_training_steps is not None else None
     check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     check_algorithm(cfg, issues)
@@ -179,6 +185,10 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
     for key, value, message in megatron_config_problems(cfg.megatron.dtype, cfg.megatron.override_transformer_config,
                                                         key="megatron"):
         issues.add(key, value, message)
+    for name, why in NOT_PASSED.items():  # an RL run drops them (derive); an SFT config is hybridrl's own
+        if cfg.megatron.override_transformer_config.get(name):
+            issues.add(f"megatron.override_transformer_config.{name}", True, f"not passed to Megatron: {why}; set "
+                       "false or remove it")
     layout = RoleLayout.of(cfg.megatron, world)
     check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps)
     d = cfg.data

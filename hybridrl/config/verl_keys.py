@@ -1,17 +1,29 @@
 """verl's config keys and what each is in hybridrl: the table behind ``docs/verl.md`` and the command-line check.
 
-A verl launch script's overrides run here unchanged. Each key verl's Megatron GRPO/PPO/DAPO examples set is one of:
+A verl launch script's overrides run here unchanged (with ``recipe=ppo_megatron_trainer``, whose defaults are
+verl's). Each key verl's Megatron examples set is one of:
 
-- ``same``: a hybridrl key of the same name and meaning (the schema has it; most keys are this);
-- ``alias``: hybridrl spells it differently (``target``); the override is rewritten to the hybridrl key, with a
-  notice. Only on the command line: a recipe uses the hybridrl name, so the two can never disagree in one file;
+- ``same``: a hybridrl key of the same name and meaning (the schema has it; most keys are this); ``values`` renames
+  verl's spelling of a value (``algorithm.adv_estimator=reinforce_plus_plus`` is hybridrl's ``reinforce_pp``);
+- ``alias``: hybridrl spells it differently (``target``, and ``also``: more keys that take the same value); the
+  override is rewritten to the hybridrl key, with a notice. Only on the command line: a recipe uses the hybridrl
+  name, so the two can never disagree in one file; a command line that sets a key both ways with two values is an
+  error;
 - ``engine``: a rollout-engine knob verl sets at ``actor_rollout_ref.rollout``: it goes into
   ``actor_rollout_ref.rollout.engine_kwargs`` under the chosen engine's own name for it (``engines``), and has no
   effect on an engine without one (a notice says so);
+- ``joint``: read with the other keys of its ``group`` once the config is composed
+  (:mod:`hybridrl.config.verl_joint`: verl's placement of the rollout on its own GPUs, its distillation block, its
+  expert grid); ``allowed`` values are checked with the rest of the command line;
 - ``ignored``: accepted, no effect here (``note`` says why), with a notice;
 - ``refused``: cannot mean the same here; an error names what to use.
 
-``tests/config/test_verl_keys.py`` keeps this table, the schema and ``docs/verl.md`` in agreement.
+A key ending in ``.*`` stands for every key under it. The keys of verl's FSDP engine (``group`` FSDP), and an
+``ignored`` key of that group set to a value only FSDP takes (``model_engine=fsdp``), are refused together, in one
+line: hybridrl trains with Megatron.
+
+``tests/config/test_verl_keys.py`` keeps this table, the schema and ``docs/verl.md`` in agreement;
+``tests/config/test_verl_defaults.py`` compares ``recipe=ppo_megatron_trainer`` with verl's defaults key by key.
 """
 
 from __future__ import annotations
@@ -19,43 +31,60 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 AOR = "actor_rollout_ref"
+FSDP = "fsdp"  # group: verl's FSDP engine, refused in one line
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerlKey:
-    key: str  # verl's dotted key
+    key: str  # verl's dotted key; ending in ".*": every key under it
     status: str  # one of STATUSES
     target: str | None = None  # alias: the hybridrl key
+    also: tuple[str, ...] = ()  # alias: more hybridrl keys that take the same value
     engines: dict[str, str] = field(default_factory=dict)  # engine: rollout engine name → its engine_kwargs key
-    values: dict[str, str] = field(default_factory=dict)  # alias: verl's value → hybridrl's (others pass unchanged)
-    allowed: tuple[object, ...] = ()  # ignored: the values accepted (others are refused with the note); (): any
+    values: dict[str, str] = field(default_factory=dict)  # same, alias: verl's value → hybridrl's (others unchanged)
+    allowed: tuple[object, ...] = ()  # ignored, joint: the values accepted (others are refused with the note); (): any
     # alias: overrides it brings along, each unless the command line sets that key itself
     implies: tuple[str, ...] = ()
+    group: str = ""  # joint: the keys read together; FSDP: refused together
     note: str = ""
 
-    def notice(self, engine: str | None = None) -> str:
+    def notice(self, engine: str | None = None, *, key: str | None = None) -> str:
+        """The line said when ``key`` (this entry's own, or one under a ``.*`` entry) is read."""
+        key = key or self.key
         if self.status == "alias":
-            return f"verl's {self.key} is hybridrl's {self.target}" + (f" ({self.note})" if self.note else "")
+            targets = ", ".join((str(self.target), *self.also))
+            return f"verl's {key} is hybridrl's {targets}" + (f" ({self.note})" if self.note else "")
         if self.status == "engine":
             where = self.engines.get(engine or "")
             if where is None:
-                return (f"verl's {self.key} has no effect with rollout engine {engine!r} (it is "
+                return (f"verl's {key} has no effect with rollout engine {engine!r} (it is "
                         + ", ".join(f"{k}'s {v}" for k, v in self.engines.items()) + ")")
-            return f"verl's {self.key} is {AOR}.rollout.engine_kwargs.{where} for engine {engine!r}"
-        return f"verl's {self.key} has no effect in hybridrl: {self.note}"
+            return f"verl's {key} is {AOR}.rollout.engine_kwargs.{where} for engine {engine!r}"
+        return f"verl's {key} has no effect in hybridrl: {self.note}"
 
     def refuses(self, value: object) -> bool:
-        """An ``ignored`` key set to a value that would change the run (``allowed`` names the harmless ones)."""
+        """A key set to a value that would change the run (``allowed`` names the harmless ones)."""
         if not self.allowed:
             return False
         return not any(value == a and type(value) is type(a) or (isinstance(a, str) and str(value) == a)
                        for a in self.allowed)
 
 
-STATUSES = ("same", "alias", "engine", "ignored", "refused")
+STATUSES = ("same", "alias", "engine", "joint", "ignored", "refused")
+
+
+def lookup(key: str) -> VerlKey | None:
+    """The table's entry for ``key``: its own, or the longest ``prefix.*`` entry above it."""
+    if key in VERL_KEYS:
+        return VERL_KEYS[key]
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if (entry := VERL_KEYS.get(".".join(parts[:i]) + ".*")) is not None:
+            return entry
+    return None
+
 
 _SAME = [  # (key, note): verl's meaning, hybridrl's name
-    ("algorithm.adv_estimator", "advantage estimator plugin (grpo, gae, rloo, reinforce_plus_plus, ...)"),
     ("algorithm.use_kl_in_reward", "KL penalty in the token rewards"),
     ("algorithm.kl_penalty", "estimator of the in-reward KL"),
     ("algorithm.kl_ctrl.type", "fixed | adaptive β"),
@@ -73,20 +102,23 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     ("data.val_batch_size", "prompts per evaluation batch"),
     ("data.max_prompt_length", "tokens"),
     ("data.max_response_length", "tokens generated at most"),
-    ("data.filter_overlong_prompts", "drop prompts over max_prompt_length (hybridrl's default: true)"),
+    ("data.filter_overlong_prompts", "drop prompts over max_prompt_length (the schema's default: true)"),
     ("data.truncation", "error | left | right | middle, when not filtered"),
     ("data.shuffle", "shuffle the prompts each epoch"),
     (f"{AOR}.model.path", "HF checkpoint directory"),
-    (f"{AOR}.model.enable_gradient_checkpointing", "Megatron full recompute, uniform, 1 layer"),
+    (f"{AOR}.model.enable_gradient_checkpointing",
+     "Megatron full recompute, uniform, 1 layer (verl's Megatron engine does not read it)"),
+    (f"{AOR}.model.override_config", "config.json fields: max_position_embeddings only (the longest sequence)"),
     (f"{AOR}.model.lora_rank", "LoRA rank (0: off)"),
     (f"{AOR}.model.lora_alpha", "LoRA α"),
     (f"{AOR}.model.target_modules", "LoRA targets"),
+    (f"{AOR}.actor.optim.optimizer", "adam | sgd"),
     (f"{AOR}.actor.optim.lr", "learning rate"),
     (f"{AOR}.actor.optim.weight_decay", "AdamW weight decay"),
     (f"{AOR}.actor.optim.clip_grad", "max global grad norm"),
-    (f"{AOR}.actor.optim.lr_warmup_steps", "linear warmup steps (≤ 0: none, as verl's default ratio 0)"),
+    (f"{AOR}.actor.optim.lr_warmup_steps", "linear warmup steps (< 0: verl's lr_warmup_steps_ratio, 0 here: none)"),
     (f"{AOR}.actor.optim.lr_decay_style", "constant | linear | cosine | ..."),
-    (f"{AOR}.actor.megatron.dtype", "bfloat16 | float16 | float32 (hybridrl's default: float32, for CPU runs)"),
+    (f"{AOR}.actor.megatron.dtype", "bfloat16 | float16 | float32 (the schema's default: float32, for CPU runs)"),
     (f"{AOR}.actor.ppo_mini_batch_size", "prompts per optimizer step"),
     (f"{AOR}.actor.ppo_micro_batch_size_per_gpu", "samples per forward/backward"),
     (f"{AOR}.actor.use_dynamic_bsz", "token-budget micro-batches"),
@@ -103,7 +135,7 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     (f"{AOR}.actor.megatron.pipeline_model_parallel_size", "PP"),
     (f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", "VPP"),
     (f"{AOR}.actor.megatron.context_parallel_size", "CP"),
-    (f"{AOR}.actor.megatron.sequence_parallel", "sequence parallelism (with TP)"),
+    (f"{AOR}.actor.megatron.sequence_parallel", "sequence parallelism over the TP ranks (off at TP = 1, as in verl)"),
     (f"{AOR}.actor.megatron.use_distributed_optimizer", "ZeRO-1 optimizer over DP"),
     (f"{AOR}.actor.megatron.param_offload", "params to host while generating"),
     (f"{AOR}.actor.megatron.grad_offload", "grads to host while generating"),
@@ -118,6 +150,7 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     (f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size", "must equal the actor's"),
     (f"{AOR}.ref.megatron.context_parallel_size", "must equal the actor's"),
     (f"{AOR}.ref.megatron.expert_model_parallel_size", "must equal the actor's"),
+    (f"{AOR}.ref.megatron.sequence_parallel", "must equal the actor's"),
     (f"{AOR}.ref.megatron.param_offload", "ref params to host between its passes"),
     (f"{AOR}.rollout.name", "hf | sglang | vllm (engine plugins)"),
     (f"{AOR}.rollout.mode", "sync | async (verl's agent-loop servers: the same on-policy step here)"),
@@ -138,14 +171,33 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     (f"{AOR}.rollout.val_kwargs.do_sample", "false: greedy, whatever val_kwargs.temperature says"),
     (f"{AOR}.rollout.multi_turn.enable", "tool-calling multi-turn rollouts"),
     (f"{AOR}.rollout.multi_turn.max_assistant_turns", "assistant turns per episode at most"),
+    (f"{AOR}.rollout.multi_turn.max_tool_response_length", "tokens of a tool's output; longer is cut"),
+    (f"{AOR}.rollout.multi_turn.format", "the tool-call format (hermes)"),
+    ("algorithm.rollout_correction.rollout_is", "token | sequence | null: truncated IS weights (decoupled mode)"),
+    ("algorithm.rollout_correction.rollout_is_threshold", "their truncation C"),
+    ("algorithm.rollout_correction.rollout_rs", "token | sequence | null: rejection outside the band"),
+    ("algorithm.rollout_correction.rollout_rs_threshold", "the band's upper edge"),
     ("critic.optim.lr", "critic learning rate"),
+    ("critic.optim.weight_decay", "critic AdamW weight decay"),
+    ("critic.optim.clip_grad", "critic max grad norm"),
+    ("critic.optim.lr_warmup_steps", "critic warmup steps (< 0: none)"),
+    ("critic.optim.lr_decay_style", "constant | linear | cosine"),
     ("critic.ppo_micro_batch_size_per_gpu", "critic micro-batch"),
     ("critic.ppo_mini_batch_size", "critic mini-batch (prompts)"),
     ("critic.ppo_epochs", "critic epochs"),
+    ("critic.shuffle", "shuffle between critic epochs"),
+    ("critic.loss_agg_mode", "the value loss's aggregation"),
     ("critic.cliprange_value", "value clip ε"),
     ("critic.model.path", "critic start checkpoint"),
     ("critic.megatron.tensor_model_parallel_size", "must equal the actor's (hybridrl: null follows it)"),
     ("critic.megatron.pipeline_model_parallel_size", "must equal the actor's"),
+    ("critic.megatron.virtual_pipeline_model_parallel_size", "must equal the actor's"),
+    ("critic.megatron.context_parallel_size", "must equal the actor's"),
+    ("critic.megatron.expert_model_parallel_size", "must equal the actor's"),
+    ("critic.megatron.sequence_parallel", "must equal the actor's"),
+    ("critic.megatron.param_offload", "critic params to host while generating"),
+    ("critic.megatron.grad_offload", "critic grads to host while generating"),
+    ("critic.megatron.optimizer_offload", "critic optimizer state to host while generating"),
     ("critic.use_dynamic_bsz", "critic token-budget micro-batches"),
     ("critic.ppo_max_token_len_per_gpu", "their budget"),
     ("trainer.total_epochs", "passes over data.train_files (when total_training_steps is null)"),
@@ -157,13 +209,189 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     ("trainer.nnodes", "nodes"),
     ("trainer.n_gpus_per_node", "ranks per node"),
     ("trainer.save_freq", "checkpoint every N steps and at the end (≤ 0: never)"),
-    ("trainer.test_freq", "evaluate every N steps"),
+    ("trainer.test_freq", "evaluate every N steps (≤ 0: never)"),
     ("trainer.val_before_train", "evaluate at step 0"),
     ("trainer.device", "cuda | cpu"),
     ("trainer.rollout_data_dir", "dump each step's samples"),
+    ("trainer.balance_batch", "within each mini-batch, the samples go to the DP ranks by token count"),
 ]
 
+# the DAPO reward manager's kwargs, in verl's old (reward_model.) and current (reward.) layout
+_REWARD_KWARGS = [e for p in ("reward_model.reward_kwargs", "reward.reward_kwargs") for e in (
+    *(VerlKey(key=f"{p}.overlong_buffer_cfg.{k}", status="alias", target=f"reward.overlong_buffer.{k}")
+      for k in ("enable", "len", "penalty_factor")),
+    VerlKey(key=f"{p}.overlong_buffer_cfg.log", status="ignored",
+            note="the overlong penalty is always logged (reward/overlong_*)"),
+    VerlKey(key=f"{p}.max_resp_len", status="ignored",
+            note="the overlong penalty counts from data.max_response_length"))]
+_MCORE_ONLY = "hybridrl converts HF ↔ Megatron with its own exact converters (hybridrl verify-model)"
+_FSDP_NOTE = "verl's FSDP engine's setting"
+_TEACHER = "distillation.teacher_models.teacher_model"
+_TEACHER_ENGINE = ("the teacher scores in Megatron, in the actor's layout on the trainer's ranks "
+                   f"({AOR}.teacher), not in an inference engine")
+
+# keys of verl's current scripts (verl 1dda039b: model_engine, the new lora/policy_loss/checkpoint_engine/reward
+# layouts, distillation, one-step-off placement)
+_CURRENT = [
+    VerlKey(key="model_engine", status="ignored", allowed=("megatron",), group=FSDP,
+            note="hybridrl trains with Megatron (verl's model_engine=megatron)"),
+    VerlKey(key=f"{AOR}.actor.strategy", status="ignored", allowed=("megatron",), group=FSDP,
+            note="hybridrl trains with Megatron"),
+    VerlKey(key=f"{AOR}.ref.strategy", status="ignored", allowed=("megatron",), group=FSDP,
+            note="hybridrl runs the ref in Megatron"),
+    VerlKey(key="critic.strategy", status="ignored", allowed=("megatron",), group=FSDP,
+            note="hybridrl trains the critic with Megatron"),
+    *[VerlKey(key=k, status="refused", group=FSDP, note=_FSDP_NOTE) for k in (
+        f"{AOR}.actor.fsdp_config.*", f"{AOR}.ref.fsdp_config.*", "critic.fsdp_config.*", "critic.model.fsdp_config.*",
+        f"{AOR}.actor.ulysses_sequence_parallel_size", f"{AOR}.ref.ulysses_sequence_parallel_size",
+        "critic.ulysses_sequence_parallel_size")],
+    VerlKey(key="ray_kwargs.*", status="ignored",
+            note="runs are launched by torchrun or Slurm (launch/slurm/), not on a Ray cluster: no runtime_env"),
+    VerlKey(key=f"{AOR}.actor.policy_loss.loss_mode", status="alias", target="algorithm.policy_loss",
+            values={"vanilla": "dual_clip"},
+            note="the policy loss plugin: vanilla is dual_clip (PPO-clip with verl's clip_ratio_c), gspo, cispo"),
+    VerlKey(key=f"{AOR}.model.lora.rank", status="alias", target=f"{AOR}.model.lora_rank",
+            implies=(f"{AOR}.model.lora_alpha=32",),
+            note="the lora block's alpha (32) comes with it unless the command line sets one"),
+    VerlKey(key=f"{AOR}.model.lora.alpha", status="alias", target=f"{AOR}.model.lora_alpha"),
+    VerlKey(key=f"{AOR}.model.lora.dropout", status="alias", target=f"{AOR}.model.lora_dropout"),
+    VerlKey(key=f"{AOR}.model.lora.target_modules", status="alias", target=f"{AOR}.model.target_modules",
+            note="Megatron's linear_qkv/linear_proj/linear_fc1/linear_fc2 or HF projection names"),
+    VerlKey(key=f"{AOR}.model.lora.lora_A_init_method", status="ignored",
+            note="A starts Kaiming-uniform as peft's, B at zero: the adapted model starts equal to the base "
+                 "whatever A's init"),
+    VerlKey(key=f"{AOR}.model.lora.lora_B_init_method", status="ignored", allowed=("zero",),
+            note="B starts at zero, so that training starts from the base model"),
+    VerlKey(key=f"{AOR}.model.lora.type", status="ignored", allowed=("lora",), note="plain LoRA only (no DoRA)"),
+    VerlKey(key=f"{AOR}.model.lora.merge", status="ignored",
+            note="the engines get the merged weights W + (alpha/rank)·B·A: the same model as verl's adapter sync"),
+    VerlKey(key=f"{AOR}.model.lora.dropout_position", status="ignored", allowed=("pre",),
+            note="dropout on the adapter's input (verl's pre)"),
+    VerlKey(key=f"{AOR}.model.lora.exclude_modules", status="ignored", allowed=([], None),
+            note="choose the adapted projections with lora.target_modules"),
+    VerlKey(key=f"{AOR}.model.lora.adapter_path", status="ignored", allowed=(None,),
+            note="adapters start fresh; resume a run's own with trainer.resume"),
+    VerlKey(key=f"{AOR}.rollout.checkpoint_engine.update_weights_bucket_megabytes", status="alias",
+            target=f"{AOR}.rollout.update_weights_bucket_megabytes"),
+    VerlKey(key=f"{AOR}.rollout.checkpoint_engine.backend", status="ignored",
+            note="the weights reach the engines by hybridrl's own path (colocated: in place on each device; "
+                 "disaggregated: over the trainer-engine bridge)"),
+    VerlKey(key=f"{AOR}.rollout.checkpoint_engine.custom_backend_module", status="ignored", allowed=(None,),
+            note="no weight-transfer plugins: hybridrl's own path only"),
+    VerlKey(key=f"{AOR}.rollout.prompt_length", status="alias", target="data.max_prompt_length",
+            note="verl's follows data.max_prompt_length; set both, they must agree"),
+    VerlKey(key=f"{AOR}.rollout.response_length", status="alias", target="data.max_response_length",
+            note="the tokens generated; verl's follows data.max_response_length; set both, they must agree"),
+    VerlKey(key=f"{AOR}.rollout.expert_parallel_size", status="ignored",
+            note="the engine's own layout of the experts: set it through engine_kwargs.engine_args "
+                 "(vLLM enable_expert_parallel) / server_args (SGLang ep_size)"),
+    VerlKey(key=f"{AOR}.rollout.moe_tensor_parallel_size", status="ignored",
+            note="the engine's own layout of the experts: set it through engine_kwargs.server_args (SGLang)"),
+    VerlKey(key=f"{AOR}.rollout.multi_turn.tool_config_path", status="refused",
+            note=f"verl's tool YAML names verl tool classes; hybridrl's tools are plugins: list them in "
+                 f"{AOR}.rollout.multi_turn.tools (installed: calculator, python; docs/multi-turn.md) and their "
+                 f"settings in multi_turn.tool_kwargs.<tool>"),
+    VerlKey(key=f"{AOR}.rollout.multi_turn.max_user_turns", status="ignored",
+            note="a tool turn follows each assistant turn with calls: multi_turn.max_assistant_turns bounds both"),
+    VerlKey(key="algorithm.gamma", status="alias", target="algorithm.adv_estimator_kwargs.gae.gamma",
+            also=("algorithm.adv_estimator_kwargs.reinforce_pp.gamma",),
+            note="the discount of the estimators that have one"),
+    VerlKey(key="algorithm.lam", status="alias", target="algorithm.adv_estimator_kwargs.gae.lam", note="GAE's λ"),
+    VerlKey(key="algorithm.norm_adv_by_std_in_grpo", status="alias",
+            target="algorithm.adv_estimator_kwargs.grpo.norm_adv_by_std_in_grpo",
+            also=("algorithm.adv_estimator_kwargs.grpo_opd.norm_adv_by_std_in_grpo",)),
+    VerlKey(key="algorithm.rollout_correction.bypass_mode", status="ignored", allowed=(False,),
+            note="only verl's decoupled mode is built (π_old recomputed by the trainer)"),
+    VerlKey(key="algorithm.rollout_correction.loss_type", status="ignored", allowed=("ppo_clip",),
+            note="the correction weights algorithm.policy_loss's per-token loss"),
+    VerlKey(key="algorithm.rollout_correction.rollout_is_batch_normalize", status="ignored", allowed=(False,),
+            note="the weights are not normalised over the batch"),
+    VerlKey(key="reward.reward_manager.name", status="ignored", allowed=("naive", "dapo"),
+            note="the scoring is reward.name (math: verl's default scorer by data_source), DAPO's length penalty "
+                 "reward.overlong_buffer.*"),
+    VerlKey(key="reward.reward_manager.source", status="ignored", allowed=("register",),
+            note="reward plugins are installed packages (reward.name)"),
+    VerlKey(key="reward.custom_reward_function.path", status="ignored", allowed=(None,),
+            note="use reward.name=function reward.kwargs.path=FILE.py:FN (hybridrl's argument names: "
+                 "hybridrl/rewards/function.py)"),
+    VerlKey(key="reward.custom_reward_function.name", status="ignored", allowed=(None, "compute_score"),
+            note="use reward.name=function reward.kwargs.path=FILE.py:FN"),
+    VerlKey(key="reward.reward_model.enable", status="ignored", allowed=(False,),
+            note="a reward model scores with reward.name=model reward.kwargs.path=<HF checkpoint>"),
+    VerlKey(key="rollout.nnodes", status="joint", group="placement",
+            note="the engines' own ranks: rollout.num_ranks = rollout.nnodes × rollout.n_gpus_per_node, "
+                 "placement=disaggregated, trainer.n_gpus_per_node counting both"),
+    VerlKey(key="rollout.n_gpus_per_node", status="joint", group="placement", note="as rollout.nnodes"),
+    VerlKey(key="distillation.enabled", status="joint", group="distillation",
+            note=f"a teacher ({AOR}.teacher) and a distillation estimator: algorithm.adv_estimator=opd, or grpo_opd "
+                 "with use_task_rewards"),
+    VerlKey(key=f"{_TEACHER}.model_path", status="joint", group="distillation",
+            note=f"{AOR}.teacher.model.path"),
+    VerlKey(key="distillation.distillation_loss.loss_mode", status="joint", group="distillation",
+            allowed=("k1", "kl"),
+            note="hybridrl distills with the per-token reverse KL log π − log π_teacher as the (negated) advantage, "
+                 "verl's use_policy_gradient=true with loss_mode=k1 (algorithm.adv_estimator=opd; grpo_opd with "
+                 "use_task_rewards=true); the top-k and supervised KL losses are not built"),
+    VerlKey(key="distillation.distillation_loss.use_policy_gradient", status="joint", group="distillation",
+            allowed=(True,),
+            note="the distillation term is a policy-gradient advantage here (opd, grpo_opd); verl's supervised "
+                 "KL loss is not built"),
+    VerlKey(key="distillation.distillation_loss.use_task_rewards", status="joint", group="distillation",
+            note="true: GRPO's task advantage plus the distillation one (grpo_opd); false: the distillation one "
+                 "alone (opd)"),
+    VerlKey(key="distillation.distillation_loss.distillation_loss_coef", status="joint", group="distillation",
+            note="algorithm.adv_estimator_kwargs.distill_coef (with use_task_rewards)"),
+    VerlKey(key="distillation.distillation_loss.topk", status="ignored",
+            note="used by verl's top-k losses only, which are not built"),
+    VerlKey(key="distillation.distillation_loss.loss_max_clamp", status="ignored", allowed=(None,),
+            note="the distillation advantage is not clamped (the clipped policy loss bounds each update)"),
+    VerlKey(key="distillation.distillation_loss.log_prob_min_clamp", status="ignored", allowed=(None,),
+            note="log-probs are not clamped"),
+    VerlKey(key="distillation.distillation_loss.policy_loss_mode", status="ignored", allowed=("vanilla",),
+            note="the distillation advantage goes through algorithm.policy_loss with the actor's clip ratios"),
+    *[VerlKey(key=f"distillation.distillation_loss.{k}", status="ignored", allowed=(0.2,),
+              note="the actor's clip ratios (actor_rollout_ref.actor.clip_ratio*) apply")
+      for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")],
+    VerlKey(key="distillation.n_gpus_per_node", status="ignored", note=_TEACHER_ENGINE),
+    VerlKey(key="distillation.nnodes", status="ignored", note=_TEACHER_ENGINE),
+    VerlKey(key=f"{_TEACHER}.inference.*", status="ignored", note=_TEACHER_ENGINE),
+    VerlKey(key=f"{_TEACHER}.num_replicas", status="ignored", note=_TEACHER_ENGINE),
+    VerlKey(key=f"{_TEACHER}.key", status="ignored", allowed=(None,), note="one teacher for every sample"),
+    VerlKey(key="distillation.teacher_key", status="ignored", note="one teacher for every sample"),
+    VerlKey(key="distillation.teacher_models.*", status="refused",
+            note=f"one teacher: {_TEACHER}.model_path ({AOR}.teacher.model.path)"),
+    VerlKey(key=f"{AOR}.ref.megatron.use_mbridge", status="ignored", note=_MCORE_ONLY),
+    VerlKey(key="critic.megatron.use_mbridge", status="ignored", note=_MCORE_ONLY),
+    *[VerlKey(key=f"{role}.megatron.vanilla_mbridge", status="ignored", note=_MCORE_ONLY)
+      for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
+    *[VerlKey(key=f"{role}.megatron.seed", status="ignored",
+              note="Megatron's model-parallel RNG is seeded from trainer.seed")
+      for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
+    VerlKey(key=f"{AOR}.model.trust_remote_code", status="ignored", allowed=(False,),
+            note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE) without remote code"),
+    *[VerlKey(key=f"{role}.megatron.use_remove_padding", status="ignored",
+              note="micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)")
+      for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
+    VerlKey(key=f"{AOR}.ref.megatron.dist_checkpointing_path", status="refused",
+            note="the ref starts from the HF checkpoint at actor_rollout_ref.model.path"),
+    VerlKey(key="critic.model.use_remove_padding", status="ignored",
+            note="micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"),
+    VerlKey(key="critic.model.enable_gradient_checkpointing", status="ignored",
+            note=f"the critic recomputes as the actor does ({AOR}.model.enable_gradient_checkpointing, "
+                 "override_transformer_config)"),
+    VerlKey(key="data.custom_cls.path", status="ignored", allowed=(None,),
+            note="rows are read from parquet/jsonl with a prompt column (data.prompt_key) and ground_truth "
+                 "(hybridrl prepare writes them; docs/tasks.md)"),
+    VerlKey(key="data.custom_cls.name", status="ignored", allowed=(None,), note="as data.custom_cls.path"),
+    VerlKey(key="data.apply_chat_template_kwargs.*", status="refused",
+            note="prompts are rendered with the tokenizer's chat template and its defaults"),
+]
+
+
 _OTHER = [
+    VerlKey(key="algorithm.adv_estimator", status="same",
+            values={"reinforce_plus_plus": "reinforce_pp", "reinforce_plus_plus_baseline": "reinforce_pp_baseline"},
+            note="advantage estimator plugin (grpo, gae, rloo, reinforce_pp, opd, ...)"),
     VerlKey(key=f"{AOR}.actor.clip_ratio", status="alias", target="algorithm.policy_loss_kwargs.clip_ratio",
             note="the policy loss plugin's key"),
     VerlKey(key=f"{AOR}.actor.clip_ratio_low", status="alias", target="algorithm.policy_loss_kwargs.clip_ratio_low",
@@ -179,7 +407,7 @@ _OTHER = [
     VerlKey(key="reward_model.overlong_buffer.penalty_factor", status="alias",
             target="reward.overlong_buffer.penalty_factor"),
     VerlKey(key="trainer.max_actor_ckpt_to_keep", status="alias", target="trainer.max_checkpoints_to_keep",
-            note="actor and critic are saved together"),
+            values={"None": "0"}, note="actor and critic are saved together; verl's null (keep all) is 0"),
     VerlKey(key="trainer.resume_mode", status="alias", target="trainer.resume", values={"disable": "never"},
             note="auto | never | a checkpoint directory; verl's disable is never"),
     VerlKey(key="trainer.default_local_dir", status="alias", target="trainer.output_dir",
@@ -197,16 +425,7 @@ _OTHER = [
             note="hybridrl's fused log-prob/entropy kernels"),
     VerlKey(key=f"{AOR}.nccl_timeout", status="alias", target="trainer.dist_timeout_s",
             note="every process group's timeout, seconds"),
-    VerlKey(key="reward_model.reward_kwargs.overlong_buffer_cfg.enable", status="alias",
-            target="reward.overlong_buffer.enable"),
-    VerlKey(key="reward_model.reward_kwargs.overlong_buffer_cfg.len", status="alias",
-            target="reward.overlong_buffer.len"),
-    VerlKey(key="reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", status="alias",
-            target="reward.overlong_buffer.penalty_factor"),
-    VerlKey(key="reward_model.reward_kwargs.overlong_buffer_cfg.log", status="ignored",
-            note="the overlong penalty is always logged (reward/overlong_*)"),
-    VerlKey(key="reward_model.reward_kwargs.max_resp_len", status="ignored",
-            note="the overlong penalty counts from data.max_response_length"),
+    *_REWARD_KWARGS,
     VerlKey(key=f"{AOR}.rollout.calculate_log_probs", status="ignored",
             note="every engine returns the sampled tokens' log-probs (rollout/logprob_abs_diff, rollout correction)"),
     VerlKey(key=f"{AOR}.model.use_remove_padding", status="ignored",
@@ -215,10 +434,11 @@ _OTHER = [
     VerlKey(key=f"{AOR}.ref.use_torch_compile", status="ignored", note="hybridrl does not torch.compile the ref"),
     VerlKey(key=f"{AOR}.actor.megatron.use_mbridge", status="ignored",
             note="hybridrl converts HF ↔ Megatron with its own exact converters (hybridrl verify-model)"),
-    VerlKey(key=f"{AOR}.actor.megatron.expert_tensor_parallel_size", status="ignored", allowed=(1, None),
-            note="the experts' TP is the model's TP (Megatron's default); a separate expert TP is not built yet"),
-    VerlKey(key=f"{AOR}.ref.megatron.expert_tensor_parallel_size", status="ignored", allowed=(1, None),
-            note="expert parallelism (MoE models) is not supported yet"),
+    VerlKey(key=f"{AOR}.actor.megatron.expert_tensor_parallel_size", status="joint", group="expert_grid",
+            note="null or the model's TP: the experts split over the model's TP ranks (Megatron's default grid); "
+                 "a separate expert TP is not built yet"),
+    VerlKey(key=f"{AOR}.ref.megatron.expert_tensor_parallel_size", status="joint", group="expert_grid",
+            note="as the actor's (the ref runs in the actor's layout)"),
     VerlKey(key=f"{AOR}.actor.optim.lr_warmup_steps_ratio", status="ignored", allowed=(0, 0.0),
             note="give the warmup in steps: actor_rollout_ref.actor.optim.lr_warmup_steps"),
     VerlKey(key="data.return_raw_chat", status="ignored",
@@ -251,7 +471,11 @@ _OTHER = [
                  "scorer; function: your own), DAPO's length penalty reward.overlong_buffer.*"),
     VerlKey(key="reward_model.enable", status="refused",
             note="a reward model scores with reward.name=model reward.kwargs.path=<HF checkpoint>"),
-    VerlKey(key=f"{AOR}.hybrid_engine", status="ignored", note="the engines are always colocated with the trainer"),
+    VerlKey(key=f"{AOR}.hybrid_engine", status="alias", target=f"{AOR}.rollout.placement",
+            values={"True": "colocated", "False": "disaggregated"},
+            note="False: the engines on their own ranks, rollout.num_ranks of them (verl's rollout.nnodes × "
+                 "rollout.n_gpus_per_node)"),
+    *_CURRENT,
 ]
 
 VERL_KEYS: dict[str, VerlKey] = {k: VerlKey(key=k, status="same", note=n) for k, n in _SAME}
@@ -262,14 +486,20 @@ def markdown_table() -> str:
     """The table of ``docs/verl.md`` (kept equal to it by a test)."""
     lines = ["| verl key | in hybridrl | |", "|---|---|---|"]
     for e in VERL_KEYS.values():
+        values = f" (values: {', '.join(f'{a} → {b}' for a, b in e.values.items())})" if e.values else ""
         if e.status == "same":
-            there = "same key"
+            there = "same key" + values
         elif e.status == "alias":
-            there = f"`{e.target}`" + (f" (values: {', '.join(f'{a} → {b}' for a, b in e.values.items())})"
-                                       if e.values else "") + "".join(f", with `{i}`" for i in e.implies)
+            there = (", ".join(f"`{t}`" for t in (e.target, *e.also)) + values
+                     + "".join(f", with `{i}`" for i in e.implies))
         elif e.status == "engine":
             there = ", ".join(f"{k}: `engine_kwargs.{v}`" for k, v in e.engines.items()) + "; others: no effect"
+        elif e.status == "joint":
+            there = f"read with the other `{e.group}` keys" + (
+                f"; refused unless {' or '.join(str(a) for a in e.allowed)}" if e.allowed else "")
         else:
             there = e.status + (f" unless {' or '.join(str(a) for a in e.allowed)}" if e.allowed else "")
+            if e.group == FSDP:
+                there += " (FSDP: one line)"
         lines.append(f"| `{e.key}` | {there} | {e.note} |")
     return "\n".join(lines)

@@ -5,8 +5,9 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 - ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
   (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
 - ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
-  :data:`OVERRIDES` (activation recompute, an MoE model's router losses) and :data:`FUSIONS` (kernel fusions) are
-  accepted; hybridrl itself
+  :data:`OVERRIDES` (activation recompute, an MoE model's router losses and router dtype) and :data:`FUSIONS`
+  (kernel fusions) are accepted, and those of :data:`NOT_PASSED` (accepted, with a note, and not handed to
+  Megatron); hybridrl itself
   sets the layout, the dtype and the architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
 
 :func:`megatron_config_problems` states every rule once: static validation collects its problems and the
@@ -37,6 +38,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 # buffers)
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 MOE_LOSS_COEFFS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+MOE_ROUTER_DTYPES = ("fp32", "fp64")  # Megatron's moe_router_dtype (null: the model's dtype)
 
 OVERRIDES = {
     "recompute_granularity": f"null | {' | '.join(RECOMPUTE_GRANULARITIES)}: full recomputes whole layers in the "
@@ -51,13 +53,24 @@ OVERRIDES = {
     "moe_z_loss_coeff": "a number ≥ 0 or null: the weight of the router z-loss (null, the RL default: off)",
     "moe_router_load_balancing_type": f"{' | '.join(LOAD_BALANCING_TYPES)}: the load-balancing loss "
                                       "(default: aux_loss when moe_aux_loss_coeff > 0, else none)",
+    "moe_router_dtype": f"null | {' | '.join(MOE_ROUTER_DTYPES)}: the precision of the router's logits and "
+                        "softmax (null: the model's dtype)",
 }
 
 # Megatron's kernel-fusion switches (booleans, verl's scripts set them): speed only, the same math up to kernel
 # rounding; passed as they are. They need the fused kernels (Transformer Engine / apex / CUDA): leave them off
 # on CPU, where Megatron's own checks refuse the ones it cannot run
 FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-           "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs")
+           "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs",
+           "moe_permute_fusion")  # TE ≥ 2.1's fused token permutation of an MoE layer
+
+# switches accepted (verl's MoE scripts set them) but not handed to Megatron, and why: the run's derived config
+# (hybridrl/config/derived.py) drops them with a note
+NOT_PASSED = {
+    "moe_grouped_gemm": "the experts run one GEMM each (Megatron's SequentialMLP, whose per-expert weights "
+                        "hybridrl's HF converters read); grouped GEMM is the same math, faster, and its fused expert "
+                        "weights are not converted yet",
+}
 
 # TransformerConfig fields hybridrl sets itself, and the key that sets each
 OWNED_ELSEWHERE = {
@@ -80,17 +93,21 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
     for name, value in overrides.items():
         if name in OWNED_ELSEWHERE:
             problems.append((f"{okey}.{name}", value, f"set by {OWNED_ELSEWHERE[name]}, not here"))
-        elif name in FUSIONS:
+        elif name in FUSIONS or name in NOT_PASSED:
             if not isinstance(value, bool):
                 problems.append((f"{okey}.{name}", value, "a fusion switch: true or false"))
         elif name not in OVERRIDES:
-            problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)} "
-                                                      f"and the fusion switches {', '.join(FUSIONS)}"))
+            problems.append((f"{okey}.{name}", value, f"not a supported override; supported: {', '.join(OVERRIDES)}, "
+                                                      f"the fusion switches {', '.join(FUSIONS)} and "
+                                                      f"{', '.join(NOT_PASSED)}"))
     for name in MOE_LOSS_COEFFS:
         value = overrides.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             problems.append((f"{okey}.{name}", value, "must be a number ≥ 0" + (" (or null)" if "z_loss" in name
                                                                                    else "")))
+    router_dtype = overrides.get("moe_router_dtype")
+    if router_dtype is not None and router_dtype not in MOE_ROUTER_DTYPES:
+        problems.append((f"{okey}.moe_router_dtype", router_dtype, f"valid: null, {', '.join(MOE_ROUTER_DTYPES)}"))
     balancing = overrides.get("moe_router_load_balancing_type")
     if balancing is not None and balancing not in LOAD_BALANCING_TYPES:
         problems.append((f"{okey}.moe_router_load_balancing_type", balancing,

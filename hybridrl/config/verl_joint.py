@@ -1,0 +1,125 @@
+"""verl's keys that mean something only together (``status: joint`` in :mod:`hybridrl.config.verl_keys`), applied to
+the composed config, where the values the command line left out are the recipe's.
+
+- ``placement``: verl's one-step-off trainer gives the rollout its own GPUs, ``rollout.nnodes`` ×
+  ``rollout.n_gpus_per_node`` of them, beside the trainer's ``trainer.nnodes`` × ``trainer.n_gpus_per_node``.
+  hybridrl's launch is one world of ``trainer.nnodes`` × ``trainer.n_gpus_per_node`` ranks whose last
+  ``rollout.num_ranks`` run the engines (``placement=disaggregated``): the engine GPUs are added to each node's
+  ranks (rollout.nnodes = trainer.nnodes), or as nodes of their own (the same GPUs per node).
+- ``distillation``: verl's teacher and distillation loss. hybridrl has one teacher (``actor_rollout_ref.teacher``),
+  which scores in Megatron in the actor's layout, and distills with the per-token reverse KL as a policy-gradient
+  advantage: verl's ``use_policy_gradient=true`` with ``loss_mode=k1`` is ``algorithm.adv_estimator=opd``, with
+  ``use_task_rewards=true`` (GRPO's task advantage plus the distillation one) ``grpo_opd`` with
+  ``distill_coef=distillation_loss_coef``. Deviation: verl adds the two terms as two clipped policy losses, hybridrl
+  adds the advantages under one clip. verl's defaults (``loss_mode=k3``, ``use_policy_gradient=false``: a supervised
+  KL loss) and its top-k forward KL are not built: refused, naming what is.
+- ``expert_grid``: ``expert_tensor_parallel_size`` null or equal to TP is Megatron's default expert grid, the one
+  hybridrl builds; any other value is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.schema import RLConfig
+from hybridrl.config.verl_keys import AOR
+
+ONE_STEP_OFF_ROLLOUT = {"rollout.nnodes": 1, "rollout.n_gpus_per_node": 8}  # verl's one_step_off_ppo_*_trainer.yaml
+TEACHER = "distillation.teacher_models.teacher_model"
+LOSS = "distillation.distillation_loss"
+Applied = tuple[list[str], list[ConfigIssue]]  # notices, issues
+
+
+def apply_joint(cfg: RLConfig, joint: dict[str, dict[str, Any]]) -> list[str]:
+    """Apply each group's keys to ``cfg``; returns the notices, raises ConfigError with every group's problems."""
+    notices: list[str] = []
+    issues: list[ConfigIssue] = []
+    for group, values in joint.items():
+        n, i = GROUPS[group](cfg, values)
+        notices += n
+        issues += i
+    if issues:
+        raise ConfigError(issues)
+    return notices
+
+
+def placement(cfg: RLConfig, values: dict[str, Any]) -> Applied:
+    v = {**ONE_STEP_OFF_ROLLOUT, **{k: x for k, x in values.items() if x is not None}}
+    nodes, per_node = v["rollout.nnodes"], v["rollout.n_gpus_per_node"]
+    t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+    engines = nodes * per_node
+    given = " × ".join(f"{k}={v[k]}" for k in ONE_STEP_OFF_ROLLOUT)
+    if engines < 1:
+        return [f"verl's {given}: no engine ranks of their own, the engines share the trainer's"], []
+    if r.num_ranks is not None and r.num_ranks != engines:
+        return [], [ConfigIssue(key="rollout.n_gpus_per_node", value=per_node, message=(
+            f"{given} = {engines} engine ranks, and {AOR}.rollout.num_ranks={r.num_ranks}: set one"))]
+    if nodes == t.nnodes:
+        t.n_gpus_per_node += per_node
+    elif per_node == t.n_gpus_per_node:
+        t.nnodes += nodes
+    else:
+        return [], [ConfigIssue(key="rollout.nnodes", value=nodes, message=(
+            f"{given} beside trainer.nnodes={t.nnodes} × trainer.n_gpus_per_node={t.n_gpus_per_node}: hybridrl "
+            "launches the same ranks on every node, so the engine GPUs go on the trainer's nodes (rollout.nnodes = "
+            "trainer.nnodes) or fill nodes of their own (rollout.n_gpus_per_node = trainer.n_gpus_per_node)"))]
+    r.placement, r.num_ranks = "disaggregated", engines
+    world = t.nnodes * t.n_gpus_per_node
+    return [f"verl's {given} is hybridrl's {AOR}.rollout.placement=disaggregated, num_ranks={engines}: trainer.nnodes="
+            f"{t.nnodes} × trainer.n_gpus_per_node={t.n_gpus_per_node} = {world} ranks, the last {engines} run the "
+            f"engines, the first {world - engines} train"], []
+
+
+def distillation(cfg: RLConfig, values: dict[str, Any]) -> Applied:
+    if not values.get("distillation.enabled"):
+        rest = sorted(k for k in values if k != "distillation.enabled")
+        return ([f"verl's {', '.join(rest)}: no effect while distillation.enabled is false"] if rest else []), []
+    issues = []
+    path = values.get(f"{TEACHER}.model_path")
+    if path is None:
+        issues.append(ConfigIssue(key=f"{TEACHER}.model_path", value=None,
+                                  message="distillation.enabled=true needs the teacher's HF checkpoint"))
+    loss_mode = values.get(f"{LOSS}.loss_mode", "k3")
+    if loss_mode not in ("k1", "kl"):  # verl's default k3 (a value on the command line was checked already)
+        issues.append(ConfigIssue(key=f"{LOSS}.loss_mode", value=loss_mode, message=(
+            "verl's default; hybridrl distills with the per-token reverse KL log π − log π_teacher as the (negated) "
+            "advantage: set it to k1 with use_policy_gradient=true")))
+    if not values.get(f"{LOSS}.use_policy_gradient", False):
+        issues.append(ConfigIssue(key=f"{LOSS}.use_policy_gradient", value=False, message=(
+            "verl's default (a supervised KL loss), not built here: set it to true (the distillation term as a "
+            "policy-gradient advantage: algorithm.adv_estimator=opd / grpo_opd)")))
+    alg = cfg.algorithm
+    task = values.get(f"{LOSS}.use_task_rewards", True)
+    if task and alg.adv_estimator != "grpo":
+        issues.append(ConfigIssue(key="algorithm.adv_estimator", value=alg.adv_estimator, message=(
+            f"with {LOSS}.use_task_rewards=true hybridrl adds the distillation advantage to GRPO's (grpo_opd): "
+            "use grpo, or use_task_rewards=false (the distillation advantage alone: opd)")))
+    if issues:
+        return [], issues
+    cfg.actor_rollout_ref.teacher.model.path = path
+    coef = float(values.get(f"{LOSS}.distillation_loss_coef", 1.0)) if task else 1.0
+    alg.adv_estimator = "grpo_opd" if task else "opd"
+    alg.adv_estimator_kwargs["distill_coef"] = coef
+    return [f"verl's distillation.* is hybridrl's {AOR}.teacher.model.path={path}, algorithm.adv_estimator="
+            f"{alg.adv_estimator} (distill_coef={coef})"], []
+
+
+def expert_grid(cfg: RLConfig, values: dict[str, Any]) -> Applied:
+    tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size
+    notices, issues = [], []
+    for key, etp in values.items():
+        if etp is None or etp == tp:
+            notices.append(f"verl's {key}={etp} is the expert grid hybridrl builds (the experts split over the "
+                           f"model's TP={tp} ranks)")
+        else:
+            issues.append(ConfigIssue(key=key, value=etp, message=(
+                f"must be null or the model's TP ({AOR}.actor.megatron.tensor_model_parallel_size={tp}): hybridrl's "
+                "experts split over the TP ranks (Megatron's default expert grid); a separate expert TP is not built "
+                "yet")))
+    return notices, issues
+
+
+GROUPS: dict[str, Callable[[RLConfig, dict[str, Any]], Applied]] = {
+    "placement": placement, "distillation": distillation, "expert_grid": expert_grid}
