@@ -12,13 +12,15 @@ The agent is any program (``Config.command``) that talks to the policy through t
     reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
     print(json.dumps({"reward": float("5" in reply)}))  # optional: the episode's reward, as the last stdout line
 
-Each rank that owns episodes runs one endpoint (:mod:`.chat_endpoint`, on 127.0.0.1, started at the first
-``open``, shut down by :meth:`OpenAIAgent.close`, when the environment is garbage-collected, or at exit). ``open``
-starts the agent with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key per episode: it picks the episode),
-``HYBRIDRL_TASK`` (JSON of ``SampleMeta.messages``), ``HYBRIDRL_SEED`` and ``Config.env`` on top of this process's
-environment (with ``127.0.0.1`` added to ``NO_PROXY``, so a cluster's HTTP proxy does not swallow the requests), in
-a session of its own, so that it is killed with its children; stdin is empty, stdout and stderr are kept (their last
-64 KiB).
+Each rank that owns episodes runs one endpoint (:mod:`.chat_endpoint`, on 127.0.0.1, started at the first ``open``,
+shut down by :meth:`OpenAIAgent.close`, when the environment is garbage-collected, or at exit). ``open`` starts the
+agent with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key per episode: it picks the episode),
+``HYBRIDRL_TASK`` (JSON of ``SampleMeta.messages``), the task's data — ``HYBRIDRL_GROUND_TRUTH`` (the row's
+``data.ground_truth_key``; empty if none), ``HYBRIDRL_DATA_SOURCE`` and ``HYBRIDRL_EXTRA`` (JSON of the row's other
+non-prompt fields, ``SampleMeta.extra``; a value JSON cannot hold is its ``str``) — ``HYBRIDRL_SEED`` and
+``Config.env`` on top of this process's environment (with ``127.0.0.1`` added to ``NO_PROXY``, so a cluster's HTTP
+proxy does not swallow the requests), in a session of its own, so that it is killed with its children; stdin is
+empty, stdout and stderr are kept (their last 64 KiB).
 
 The episode runs in lock-step with the rollout, which has generated the policy's first turn from the prompt before
 the first ``step``:
@@ -91,7 +93,8 @@ from hybridrl.interfaces import EnvStep, PolicyTurn
 from hybridrl.tools.calls import CallError, ToolCall, parse_calls
 from hybridrl.tools.config import KEY
 
-_RESERVED = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "HYBRIDRL_TASK", "HYBRIDRL_SEED")
+_RESERVED = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "HYBRIDRL_TASK", "HYBRIDRL_GROUND_TRUTH", "HYBRIDRL_DATA_SOURCE",
+             "HYBRIDRL_EXTRA", "HYBRIDRL_SEED")
 TAIL_BYTES = 64 << 10  # of the agent's stdout and of its stderr
 _CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 _SAMPLING = ("temperature", "top_p", "seed")  # checked against the run's
@@ -147,7 +150,8 @@ class OpenAIAgent:
         if self._endpoint is None:
             self._endpoint = ChatEndpoint()
             weakref.finalize(self, self._endpoint.shutdown)  # at garbage collection or exit
-        episode = AgentEpisode(self.config, self._endpoint, [normalize(m) for m in meta.messages], seed=seed)
+        episode = AgentEpisode(self.config, self._endpoint, [normalize(m) for m in meta.messages], seed=seed,
+                               data=task_data(meta))
         self._episodes.add(episode)
         return episode
 
@@ -171,7 +175,8 @@ class _Exited:
 class AgentEpisode:
     """One episode: the agent's process and its conversation (module docstring)."""
 
-    def __init__(self, config: OpenAIAgent.Config, endpoint: ChatEndpoint, task: list[Message], *, seed: int) -> None:
+    def __init__(self, config: OpenAIAgent.Config, endpoint: ChatEndpoint, task: list[Message], *, seed: int,
+                 data: dict[str, str] | None = None) -> None:
         self.config, self.endpoint = config, endpoint
         self.history = list(task)  # the conversation as the agent has it: what its next request must start with
         self._first = True
@@ -186,7 +191,7 @@ class AgentEpisode:
         no_proxy = ",".join(p for p in (os.environ.get("NO_PROXY", os.environ.get("no_proxy", "")),
                                         "127.0.0.1", "localhost") if p)
         env = {**os.environ, **config.env, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": self.key,
-               "HYBRIDRL_TASK": json.dumps(task), "HYBRIDRL_SEED": str(seed), "NO_PROXY": no_proxy,
+               "HYBRIDRL_TASK": json.dumps(task), **(data or {}), "HYBRIDRL_SEED": str(seed), "NO_PROXY": no_proxy,
                "no_proxy": no_proxy}
         self.deadline = time.monotonic() + config.timeout_s
         try:
@@ -388,6 +393,12 @@ def _reward(stdout: str) -> float | None:
     if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
         raise AgentError(f"the agent's last stdout line {lines[-1][:200]!r} gives a reward that is not a finite number")
     return float(r)
+
+
+def task_data(meta: SampleMeta) -> dict[str, str]:
+    """The row's data as the agent's environment variables (module docstring)."""
+    return {"HYBRIDRL_GROUND_TRUTH": "" if meta.ground_truth is None else str(meta.ground_truth),
+            "HYBRIDRL_DATA_SOURCE": meta.data_source, "HYBRIDRL_EXTRA": json.dumps(dict(meta.extra), default=str)}
 
 
 def _sampling_problem(body: dict[str, Any], turn: PolicyTurn | str, *, seed: int) -> str:

@@ -409,6 +409,29 @@ def test_an_agent_whose_tools_are_not_the_prompts_fails_naming_the_key() -> None
         env.close()
 
 
+def test_the_agent_sees_the_rows_ground_truth_and_other_fields_and_scores_itself(tmp_path: Path) -> None:
+    from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
+    from hybridrl.data.rows import write_rows
+    from hybridrl.models.char_tokenizer import make_char_tokenizer
+
+    rows = [{"prompt": "What is 2+3?", "ground_truth": "5", "data_source": "sums", "level": 2, "tags": ["easy"]}]
+    dataset = PromptDataset([write_rows(rows, tmp_path / "rows.jsonl")], config=PromptDatasetConfig(
+        max_prompt_length=64), tokenizer=make_char_tokenizer(model_max_length=4096))
+    meta = dataset.items[0].meta  # as the dataset gives it to the rollout
+    env = OpenAIAgent(agent("scores_itself"))
+    try:
+        right, wrong = env.open(meta, seed=0), env.open(meta, seed=1)
+        assert right.step({"role": "assistant", "content": "5"}).reward == 1.0
+        assert wrong.step({"role": "assistant", "content": "4"}).reward == 0.0
+        given = json.loads(right.agent.stdout.text().strip().splitlines()[-2])
+        assert given == {"HYBRIDRL_GROUND_TRUTH": "5", "HYBRIDRL_DATA_SOURCE": "sums",
+                         "HYBRIDRL_EXTRA": json.dumps({"level": 2, "tags": ["easy"]})}
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match=re.escape("env sets ['HYBRIDRL_GROUND_TRUTH']")):
+        OpenAIAgent.Config(command=["a"], env={"HYBRIDRL_GROUND_TRUTH": "x"})
+
+
 def test_config_errors_name_the_field() -> None:
     from hybridrl.registry import PluginConfigError, make_plugin_config
 
