@@ -225,6 +225,7 @@ _REWARD_KWARGS = [e for p in ("reward_model.reward_kwargs", "reward.reward_kwarg
     VerlKey(key=f"{p}.max_resp_len", status="ignored",
             note="the overlong penalty counts from data.max_response_length"))]
 _MCORE_ONLY = "hybridrl converts HF ↔ Megatron with its own exact converters (hybridrl verify-model)"
+_PADDING = "micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"
 _FSDP_NOTE = "verl's FSDP engine's setting"
 _TEACHER = "distillation.teacher_models.teacher_model"
 _TEACHER_ENGINE = ("the teacher scores in Megatron, in the actor's layout on the trainer's ranks "
@@ -360,22 +361,15 @@ _CURRENT = [
     VerlKey(key="distillation.teacher_key", status="ignored", note="one teacher for every sample"),
     VerlKey(key="distillation.teacher_models.*", status="refused",
             note=f"one teacher: {_TEACHER}.model_path ({AOR}.teacher.model.path)"),
-    VerlKey(key=f"{AOR}.ref.megatron.use_mbridge", status="ignored", note=_MCORE_ONLY),
-    VerlKey(key="critic.megatron.use_mbridge", status="ignored", note=_MCORE_ONLY),
-    *[VerlKey(key=f"{role}.megatron.vanilla_mbridge", status="ignored", note=_MCORE_ONLY)
-      for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
-    *[VerlKey(key=f"{role}.megatron.seed", status="ignored",
-              note="Megatron's model-parallel RNG is seeded from trainer.seed")
+    *[VerlKey(key=f"{role}.megatron.{name}", status="ignored", note=note)  # the actor's, the ref's, the critic's
+      for name, note in (("use_mbridge", _MCORE_ONLY), ("vanilla_mbridge", _MCORE_ONLY),
+                         ("use_remove_padding", _PADDING), ("seed", "Megatron's RNG is seeded from trainer.seed"))
       for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     VerlKey(key=f"{AOR}.model.trust_remote_code", status="ignored", allowed=(False,),
             note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE) without remote code"),
-    *[VerlKey(key=f"{role}.megatron.use_remove_padding", status="ignored",
-              note="micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)")
-      for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     VerlKey(key=f"{AOR}.ref.megatron.dist_checkpointing_path", status="refused",
             note="the ref starts from the HF checkpoint at actor_rollout_ref.model.path"),
-    VerlKey(key="critic.model.use_remove_padding", status="ignored",
-            note="micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"),
+    VerlKey(key="critic.model.use_remove_padding", status="ignored", note=_PADDING),
     VerlKey(key="critic.model.enable_gradient_checkpointing", status="ignored",
             note=f"the critic recomputes as the actor does ({AOR}.model.enable_gradient_checkpointing, "
                  "override_transformer_config)"),
@@ -428,12 +422,9 @@ _OTHER = [
     *_REWARD_KWARGS,
     VerlKey(key=f"{AOR}.rollout.calculate_log_probs", status="ignored",
             note="every engine returns the sampled tokens' log-probs (rollout/logprob_abs_diff, rollout correction)"),
-    VerlKey(key=f"{AOR}.model.use_remove_padding", status="ignored",
-            note="micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"),
+    VerlKey(key=f"{AOR}.model.use_remove_padding", status="ignored", note=_PADDING),
     VerlKey(key=f"{AOR}.actor.use_torch_compile", status="ignored", note="hybridrl does not torch.compile the actor"),
     VerlKey(key=f"{AOR}.ref.use_torch_compile", status="ignored", note="hybridrl does not torch.compile the ref"),
-    VerlKey(key=f"{AOR}.actor.megatron.use_mbridge", status="ignored",
-            note="hybridrl converts HF ↔ Megatron with its own exact converters (hybridrl verify-model)"),
     VerlKey(key=f"{AOR}.actor.megatron.expert_tensor_parallel_size", status="joint", group="expert_grid",
             note="null or the model's TP: the experts split over the model's TP ranks (Megatron's default grid); "
                  "a separate expert TP is not built yet"),
