@@ -102,7 +102,13 @@ _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "stop", "logprobs")  # h
 
 
 class AgentError(RuntimeError):
-    """The agent broke the episode protocol, failed, or ran out of time."""
+    """The agent failed, or ran out of time; ``kind`` names how (``agent_start``, ``agent_exited``,
+    ``agent_refused``: it exited after a request was refused, ``agent_timeout``, ``agent_reward``, ``agent_closed``),
+    the rollout's count of failed episodes by kind (``multi_turn/env_errors/<kind>``)."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class OpenAIAgent:
@@ -198,7 +204,8 @@ class AgentEpisode:
             self.agent = _Agent(argv, env, self._events)
         except OSError as e:
             endpoint.close_session(self.key)
-            raise AgentError(f"openai_agent could not start command={config.command!r}: {e}") from e
+            raise AgentError(f"openai_agent could not start command={config.command!r}: {e}",
+                             kind="agent_start") from e
         weakref.finalize(self, self.agent.kill)  # at exit, or an episode dropped without close()
 
     def step(self, message: dict[str, Any]) -> EnvStep:
@@ -233,7 +240,8 @@ class AgentEpisode:
             if isinstance(event, _Exited):
                 when = (f"after its first request was refused with a 400 ({self._refused})" if self._refused
                         else "before its first request")
-                raise AgentError(f"the agent {self._ended(event)} {when}{self.agent.stderr_tail()}")
+                raise AgentError(f"the agent {self._ended(event)} {when}{self.agent.stderr_tail()}",
+                                 kind="agent_refused" if self._refused else "agent_exited")
             self._waiting = event[0]
         message, keep, fields = _answer(self._waiting, turn)
         self._waiting.reply(message, **fields)
@@ -243,7 +251,8 @@ class AgentEpisode:
         if isinstance(event, _Exited):
             if event.code != 0:
                 refused = f" after its request was refused with a 400 ({self._refused})" if self._refused else ""
-                raise AgentError(f"the agent {self._ended(event)}{refused}{self.agent.stderr_tail()}")
+                raise AgentError(f"the agent {self._ended(event)}{refused}{self.agent.stderr_tail()}",
+                                 kind="agent_refused" if self._refused else "agent_exited")
             return EnvStep(messages=[], done=True, reward=_reward(self.agent.stdout.text()),
                            info={"returncode": 0}, keep_tokens=keep)
         self._waiting, new = event
@@ -275,9 +284,9 @@ class AgentEpisode:
             event = self._events.get(timeout=max(self.deadline - time.monotonic(), 0.0))
         except queue.Empty:
             raise AgentError(f"the agent ran past timeout_s={self.config.timeout_s:g} s (its whole episode) and was "
-                             "killed") from None
+                             "killed", kind="agent_timeout") from None
         if event is _CLOSED:
-            raise AgentError("the episode was closed")
+            raise AgentError("the episode was closed", kind="agent_closed")
         return event  # type: ignore[no-any-return]
 
     def _accept(self, request: ChatRequest, turn: PolicyTurn | str) -> list[Message] | str:
@@ -391,7 +400,8 @@ def _reward(stdout: str) -> float | None:
         return None
     r = last["reward"]
     if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
-        raise AgentError(f"the agent's last stdout line {lines[-1][:200]!r} gives a reward that is not a finite number")
+        raise AgentError(f"the agent's last stdout line {lines[-1][:200]!r} gives a reward that is not a finite number",
+                         kind="agent_reward")
     return float(r)
 
 

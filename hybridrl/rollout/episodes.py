@@ -47,6 +47,9 @@ class Act:
     done: bool = False
     reward: float | None = None  # the environment's reward for this turn
     error: str | None = None  # the environment failed: the episode ends
+    # how (a fixed vocabulary for the metrics): open_timeout, step_timeout, bad_step, and for a raise the
+    # exception's ``kind`` attribute where it has one (openai_agent's), else open_raised / step_raised
+    error_kind: str | None = None
     keep: int | None = None  # the turn is kept up to its first `keep` sampled ids (EnvStep.keep_tokens)
 
 
@@ -151,11 +154,12 @@ class EpisodeActors:
         opened: list[Act | None] = [None] * len(turns)
         for i, o in zip(unopened, opens, strict=True):
             if o.timed_out:
-                opened[i] = Act(done=True, error=f"open() took longer than {KEY}.environment_timeout_s="
-                                                 f"{self.env_timeout_s:g} s")
+                opened[i] = Act(done=True, error_kind="open_timeout",
+                                error=f"open() took longer than {KEY}.environment_timeout_s={self.env_timeout_s:g} s")
             elif o.error is not None:
                 tb = "".join(traceback.format_exception(o.error))
-                opened[i] = Act(done=True, error=f"open() raised {type(o.error).__name__}: {o.error}\n{tb}")
+                opened[i] = Act(done=True, error_kind=_kind(o.error, "open_raised"),
+                                error=f"open() raised {type(o.error).__name__}: {o.error}\n{tb}")
             else:
                 self.owned[turns[i][0].sample].episode = o.value
         live = [i for i, o in enumerate(opened) if o is None]
@@ -164,15 +168,17 @@ class EpisodeActors:
         out: list[EnvStep | Act] = [o if o is not None else Act() for o in opened]
         for i, o in zip(live, steps, strict=True):
             if o.timed_out:
-                out[i] = Act(done=True, error=f"step() took longer than {KEY}.environment_timeout_s="
-                                              f"{self.env_timeout_s:g} s")
+                out[i] = Act(done=True, error_kind="step_timeout",
+                             error=f"step() took longer than {KEY}.environment_timeout_s={self.env_timeout_s:g} s")
             elif o.error is not None:
                 tb = "".join(traceback.format_exception(o.error))
-                out[i] = Act(done=True, error=f"step() raised {type(o.error).__name__}: {o.error}\n{tb}")
+                out[i] = Act(done=True, error_kind=_kind(o.error, "step_raised"),
+                             error=f"step() raised {type(o.error).__name__}: {o.error}\n{tb}")
             elif not _is_env_step(o.value, turns[i][0]):
-                out[i] = Act(done=True, error=f"step() returned {type(o.value).__name__}, not hybridrl.interfaces."
-                                              "EnvStep(messages=[{'role', 'content'}, ...], done=..., reward=..., "
-                                              "keep_tokens=None or 0..the turn's ids)")
+                out[i] = Act(done=True, error_kind="bad_step",
+                             error=f"step() returned {type(o.value).__name__}, not hybridrl.interfaces.EnvStep("
+                                   "messages=[{'role', 'content'}, ...], done=..., reward=..., keep_tokens=None or "
+                                   "0..the turn's ids)")
             else:
                 out[i] = o.value
         return out
@@ -207,6 +213,11 @@ class EpisodeActors:
                     f"{self.env_timeout_s:g} s")
             elif o.error is not None:
                 say(f"warning: an environment episode's close() raised {type(o.error).__name__}: {o.error}")
+
+
+def _kind(error: BaseException, default: str) -> str:
+    kind = getattr(error, "kind", None)
+    return kind if isinstance(kind, str) and kind.isidentifier() else default
 
 
 def _opener(env: Environment, meta: SampleMeta, seed: int) -> Any:

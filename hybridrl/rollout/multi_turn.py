@@ -21,13 +21,15 @@ failed ends there: under ``reward.on_error=raise`` the step stops on every rank 
 
 The engines stay awake over the step's turns (SGLang keeps its prefix cache); the trainers wait in host memory as
 in a single-turn rollout. Metrics: ``multi_turn/turns_mean`` (policy turns per sample) and the step's totals
-``multi_turn/tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``, ``env_errors``.
+``multi_turn/tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``, ``env_errors`` and
+``env_errors/<kind>`` (``Act.error_kind``); under ``reward.on_error=zero`` the first distinct reasons are logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ from hybridrl.rewards.execution import PendingReward, RewardRunner
 from hybridrl.rollout.episodes import Act, EpisodeActors, OwnedTurn
 from hybridrl.seeds import prompt_seed
 from hybridrl.tools.runner import ToolCounts
+from hybridrl.tracking import say
 
 if TYPE_CHECKING:
     from hybridrl.metrics import Timer
@@ -93,6 +96,7 @@ class _Sample:
     last_version: int = 0  # the version of the latest turn
     env_reward: float | None = None
     env_error: str | None = None
+    env_error_kind: str | None = None
     turn_start: int = 0  # where the latest turn starts in the response
 
     def add_turn(self, g: Generation, room: int) -> list[int]:
@@ -121,7 +125,7 @@ class _Sample:
         if act.reward is not None:
             self.env_reward = (self.env_reward or 0.0) + act.reward
         if act.error is not None:
-            self.env_error = act.error
+            self.env_error, self.env_error_kind = act.error, act.error_kind or "error"
         if act.keep is not None:  # the turn cut short (an agent's max_tokens or stop): as if never sampled
             end = self.turn_start + act.keep
             del self.response[end:], self.logprobs[end:], self.mask[end:], self.versions[end:]
@@ -258,26 +262,33 @@ class Episodes:
 
     gens: list[Generation]  # sample order
     env: list[tuple[float | None, str | None]]  # (env_reward, env_error) of each
+    error_kinds: list[str | None]  # how each failed (Act.error_kind), None where it did not
     turns: list[int]  # the policy's turns of each
     counts: ToolCounts
 
     @classmethod
     def of(cls, samples: Sequence[_Sample], *, counts: ToolCounts) -> Episodes:
         return cls(gens=[x.generation() for x in samples], env=[(x.env_reward, x.env_error) for x in samples],
-                   turns=[x.turns for x in samples], counts=counts)
+                   error_kinds=[x.env_error_kind for x in samples], turns=[x.turns for x in samples], counts=counts)
 
     @classmethod
     def joined(cls, parts: Sequence[Episodes]) -> Episodes:
         """Engine shares in engine order (their prompts are consecutive ranges): the whole step's."""
         return cls(gens=[g for p in parts for g in p.gens], env=[e for p in parts for e in p.env],
-                   turns=[t for p in parts for t in p.turns], counts=sum_counts([p.counts for p in parts]))
+                   error_kinds=[k for p in parts for k in p.error_kinds], turns=[t for p in parts for t in p.turns],
+                   counts=sum_counts([p.counts for p in parts]))
 
     def metrics(self) -> dict[str, float]:
         c = self.counts
         return {"multi_turn/turns_mean": sum(self.turns) / max(len(self.turns), 1),
                 "multi_turn/tool_calls": float(c.calls), "multi_turn/tool_errors": float(c.errors),
                 "multi_turn/tool_timeouts": float(c.timeouts), "multi_turn/tool_truncated": float(c.truncated),
-                "multi_turn/env_errors": float(sum(error is not None for _, error in self.env))}
+                "multi_turn/env_errors": float(sum(error is not None for _, error in self.env)),
+                **{f"multi_turn/env_errors/{kind}": float(n) for kind, n in sorted(self.failures().items())}}
+
+    def failures(self) -> dict[str, int]:
+        """The failed episodes by kind (``Act.error_kind``)."""
+        return dict(Counter(k for k in self.error_kinds if k is not None))
 
 
 def sum_counts(parts: Sequence[ToolCounts]) -> ToolCounts:
@@ -295,8 +306,17 @@ def with_episode_meta(batch: RolloutBatch, episodes: Episodes, *, kept: range, n
                                                                                          strict=True)]
 
 
-def raise_failures(episodes: Episodes, *, on_error: str, environment: str | None) -> None:
+def raise_failures(episodes: Episodes, *, on_error: str, environment: str | None, shown: int = 3) -> None:
+    """Stop the step on a failed episode under ``reward.on_error=raise``; under ``zero`` say how many failed, by kind,
+    and the first ``shown`` distinct reasons (their first lines; the rollout dump has each sample's whole reason)."""
     failed = [(s, error) for s, (_, error) in enumerate(episodes.env) if error is not None]
+    if failed and on_error != "raise":
+        distinct = list(dict.fromkeys(error.strip().splitlines()[0][:300] for _, error in failed))
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(episodes.failures().items()))
+        say(f"warning: environment {environment!r}: {len(failed)} of {len(episodes.env)} episodes failed and score "
+            f"0.0 (reward.on_error=zero) — {kinds}; the reasons: " + "; ".join(
+                f"[{i + 1}] {r}" for i, r in enumerate(distinct[:shown]))
+            + (f"; and {len(distinct) - shown} more" if len(distinct) > shown else ""))
     if failed and on_error == "raise":
         s, error = failed[0]
         raise EnvironmentFailed(

@@ -3,7 +3,8 @@
 Fields: ``step``, ``input`` (the prompt's text), ``output`` (the response's text, special tokens dropped, as verl),
 ``score`` (the sequence score the advantages saw: the reward plus any overlong penalty), ``turns`` (the policy's
 turns: runs of ``loss_mask`` = 1), ``data_source``, ``weight_version`` (the oldest version that sampled its tokens),
-``response_ids`` and ``loss_mask`` (lists, the response's real tokens). Rank 0 writes the whole step (every DP
+``response_ids`` and ``loss_mask`` (lists, the response's real tokens), ``env_error`` (why a multi-turn episode's
+environment failed, null when it did not). Rank 0 writes the whole step (every DP
 rank's share, in DP order); a file is written whole or not at all (a temporary file renamed into place).
 """
 
@@ -35,7 +36,7 @@ def rows(batch: RolloutBatch, scores_B: torch.Tensor, tokenizer: PreTrainedToken
                     "output": tokenizer.decode(ids, skip_special_tokens=True), "score": float(scores_B[b]),
                     "turns": sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])),
                     "data_source": batch.meta[b].data_source, "weight_version": int(batch.weight_version[b]),
-                    "response_ids": ids, "loss_mask": mask})
+                    "response_ids": ids, "loss_mask": mask, "env_error": batch.meta[b].env_error})
     return out
 
 

@@ -449,7 +449,8 @@ def test_config_errors_name_the_field() -> None:
 
 # ---- in a multi-turn rollout ---------------------------------------------------------------------------
 
-CASES = {"ask_twice": 2, "patient": 3, "crashes": 1, "calls_tools": 2, "asks": 2}  # case -> its policy turns (≤ 3)
+# case -> its policy turns (≤ 3)
+CASES = {"ask_twice": 2, "patient": 3, "crashes": 1, "calls_tools": 2, "asks": 2, "asks_for_two": 1}
 ASKS = [{"max_tokens": 1}, {"n": 2}, {}]  # the asks case: its first turn cut to 1 token, a refused request retried
 SCRIPTS = {"calls_tools": ["Let me compute.\n" + CALL, "84."]}  # its turns; the other cases': TURNS
 # ChatML with the tools in a system block, as Qwen's template renders them
@@ -523,6 +524,7 @@ def main() -> None:
     from hybridrl.rollout.multi_turn import MultiTurnRollout
     from hybridrl.rollout.turns import TurnRenderer
     from hybridrl.tools.runner import ToolRunner, tokenizer_cut
+    from hybridrl.trainers.rollout_dump import rows as dump_rows
 
     init_parallel(ParallelConfig())
     out = Path(sys.argv[1])
@@ -569,7 +571,8 @@ def main() -> None:
                 "prompts": [b.prompt_ids[i][b.prompt_mask[i].bool()].tolist() for i in range(len(b))],
                 "messages": [m.messages for m in b.meta], "env_error": [m.env_error for m in b.meta],
                 "finish": [m.finish_reason for m in b.meta], "turns": step.metrics["multi_turn/turns_mean"],
-                "tool_calls": step.metrics["multi_turn/tool_calls"]},
+                "tool_calls": step.metrics["multi_turn/tool_calls"], "metrics": step.metrics,
+                "dump": dump_rows(b, scored.output.scores_B, tok, 1)},
                out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
@@ -580,7 +583,7 @@ def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: 
 
     from hybridrl.rollout.turns import TurnRenderer
 
-    torchrun([__file__, str(tmp_path), MARK], nproc=1, timeout=120)
+    log = torchrun([__file__, str(tmp_path), MARK], nproc=1, timeout=120).stdout
     r = torch.load(tmp_path / "rank0.pt", weights_only=False)
     tok = tools_tokenizer()
     assert sorted(r["cases"]) == sorted(CASES) and r["left"] == []
@@ -616,7 +619,18 @@ def test_agents_drive_episodes_of_a_multi_turn_rollout(torchrun: Any, tmp_path: 
     assert r["scores"][by["ask_twice"]] == 1.0 and r["env_error"][by["ask_twice"]] is None
     assert r["env_error"][by["patient"]] is None and r["finish"][by["patient"]] == "stop"  # max turns ended it
     assert "exited with code 3" in r["env_error"][by["crashes"]] and r["scores"][by["crashes"]] == 0.0
-    assert r["errors"] == 1
+    assert r["errors"] == 2
+    # the failed episodes' reasons: in the dump, counted by kind, the distinct ones in the log; a first request
+    # refused with a 400 is reported as such
+    dumped = {c: row["env_error"] for c, row in zip(r["cases"], r["dump"], strict=True)}
+    assert "exited with code 3" in dumped["crashes"] and dumped["ask_twice"] is None
+    assert "exited with code 1 after its first request was refused with a 400 (n=2" in dumped["asks_for_two"]
+    assert r["metrics"]["multi_turn/env_errors"] == 2.0
+    assert r["metrics"]["multi_turn/env_errors/agent_exited"] == 1.0
+    assert r["metrics"]["multi_turn/env_errors/agent_refused"] == 1.0
+    (line,) = [x for x in log.splitlines() if "episodes failed" in x]
+    assert "2 of 6 episodes failed" in line and "agent_exited 1, agent_refused 1" in line, line
+    assert "exited with code 3" in line and "after its first request was refused" in line, line
     # function calling: the policy's call went to the agent, which ran its calculator; "84" came back as a tool
     # message (the template's ids, loss_mask 0), the rollout's own tools ran nothing
     i = by["calls_tools"]

@@ -329,7 +329,8 @@ def test_turns_tools_environment_and_faults(one_rank: dict[str, Any]) -> None:
                                  for c in cut)
     assert m["multi_turn/tool_errors"] == 9  # bad_json, unclosed, unknown, bad_args, raises, slow, py_loop/fork/mem
     assert m["multi_turn/tool_calls"] == 1 + 2 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 4 + 3  # loop: 3 turns run their call
-    assert m["multi_turn/env_errors"] == 3
+    assert m["multi_turn/env_errors"] == 3  # one of each kind
+    assert [m[f"multi_turn/env_errors/{k}"] for k in ("step_raised", "step_timeout", "bad_step")] == [1, 1, 1]
     assert m["multi_turn/turns_mean"] == pytest.approx(sum(len(convo[c][1]) for c in by_case) / len(by_case))
     # every limit held: the step took about one tool timeout and one environment timeout, not the sleeps
     assert r["wall"] < TIMEOUT_S + ENV_TIMEOUT_S + 4.0, r["wall"]
