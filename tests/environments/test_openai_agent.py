@@ -383,6 +383,25 @@ def test_the_policys_calls_reach_the_agent_as_tool_calls_and_its_results_come_ba
         env.close()
 
 
+def test_a_langchain_bind_tools_agent_runs_unchanged() -> None:
+    """LangChain's ``ChatOpenAI.bind_tools`` loop (langchain-openai, in the test extra): the fields it sends are
+    served, the policy's call reaches it as a tool call, its ``ToolMessage`` comes back as a tool message. ~10 s,
+    most of it LangChain's import in the agent."""
+    pytest.importorskip("langchain_openai")
+    env = OpenAIAgent(agent("langchain_tools", tools=CALCULATOR))
+    try:
+        episode = env.open(SampleMeta(messages=TASK), seed=0)
+        first = episode.step_turn(policy_turn("Let me compute.\n" + CALL))
+        assert episode.step_turn(policy_turn("84.")).done
+        (calls_reply, text_reply) = seen_by(episode)
+        ((call_id, name, args),) = calls_reply["calls"]
+        assert (calls_reply["content"], name, args) == ("Let me compute.", "calculator", {"expression": "12*7"})
+        assert first.messages == [{"role": "tool", "content": "84", "tool_call_id": call_id}]
+        assert text_reply == {"content": "84.", "calls": []}
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize(("turn", "choice"), [
     pytest.param(CALL.replace('"name": "calculator"', "name: calculator"), None, id="unreadable"),
     pytest.param(CALL.removesuffix("</tool_call>"), None, id="unclosed"),
