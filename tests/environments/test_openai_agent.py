@@ -402,6 +402,32 @@ def test_a_langchain_bind_tools_agent_runs_unchanged() -> None:
         env.close()
 
 
+def test_the_agent_tools_recipe_renders_the_agents_calculator_and_its_agent_answers_calls() -> None:
+    """``recipe=grpo_agent_tools_tiny``: the prompts show the agent's calculator, the same schema the rollout's own
+    ``calculator`` has (the warm start's), none of the rollout's tools; its agent runs the policy's call like the
+    built-in calculator would, and ends on the answer."""
+    from hybridrl.config.compose import compose_config
+    from hybridrl.config.plugin_kwargs import resolve_plugin_kwargs
+    from hybridrl.rollout.episodes import build_environment, build_tools, tool_schemas
+    from hybridrl.tools.calculator import Calculator
+
+    cfg = compose_config(["recipe=grpo_agent_tools_tiny"])
+    resolve_plugin_kwargs(cfg)  # the recipe's openai_agent block as its kwargs, as validation does first
+    assert tool_schemas(cfg) == [Calculator.schema] and build_tools(cfg) == []
+    env: Any = build_environment(cfg)
+    env.config.env = {"HYBRIDRL_TEST_AGENT_MARK": MARK}
+    try:
+        episode = env.open(SampleMeta(messages=[{"role": "user", "content": "37*58="}]), seed=0)
+        call = '<tool_call>{"name":"calculator","arguments":{"expression":"37*58"}}</tool_call>'
+        wrong = '<tool_call>{"name":"calculator","arguments":{"expression":"37*"}}</tool_call>'
+        first = episode.step_turn(policy_turn(call + "\n" + wrong))
+        right, error = (m["content"] for m in first.messages)
+        assert right == "2146" == Calculator()({"expression": "37*58"}) and error.startswith("Error: "), error
+        assert episode.step_turn(policy_turn("2146")).done
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize(("turn", "choice"), [
     pytest.param(CALL.replace('"name": "calculator"', "name: calculator"), None, id="unreadable"),
     pytest.param(CALL.removesuffix("</tool_call>"), None, id="unclosed"),
