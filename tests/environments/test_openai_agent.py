@@ -361,8 +361,10 @@ def seen_by(episode: Any) -> list[dict[str, Any]]:
     return json.loads(episode.agent.stdout.text().strip().splitlines()[-2])  # type: ignore[no-any-return]
 
 
-def test_the_policys_calls_reach_the_agent_as_tool_calls_and_its_results_come_back_as_tool_messages() -> None:
-    env = OpenAIAgent(agent("calls_tools", tools=CALCULATOR))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_policys_calls_reach_the_agent_as_tool_calls_and_its_results_come_back_as_tool_messages(
+        stream: bool) -> None:
+    env = OpenAIAgent(agent("calls_tools", tools=CALCULATOR, env={"HYBRIDRL_TEST_STREAM": "1"} if stream else {}))
     try:
         assert env.tools == CALCULATOR  # rendered into the prompts (hybridrl.rollout.episodes.tool_schemas)
         episode = env.open(SampleMeta(messages=TASK), seed=0)
