@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="virtual pipeline size: model chunks per stage (interleaved schedule; needs --pp ≥ 2)")
     sp.add_argument("--ep", type=int, default=1,
                     help="expert parallel size (MoE models: the experts split over this many ranks)")
+    sp.add_argument("--etp", type=int, default=None,
+                    help="expert tensor parallel size (each expert's matrices split over this many ranks; "
+                         "default: --tp). Below --tp, EP spans the TP ranks (verl's TP=2, EP=8, ETP=1)")
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)

@@ -60,8 +60,14 @@ def check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, 
     if model is not None:
         for size, value, message in model.split_problems(
                 tp=max(m.tensor_model_parallel_size, 1), pp=max(m.pipeline_model_parallel_size, 1),
-                vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1)):
+                vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1),
+                etp=m.expert_tensor_parallel_size):
             issues.add(f"{key}.{size}", value, message)
+        if model.moe is not None and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
+            issues.add(f"{key}.sequence_parallel", False,
+                       f"an MoE model trains at tensor_model_parallel_size={m.tensor_model_parallel_size} only with "
+                       "sequence parallelism (Megatron's MoE layer refuses TP without it); set it to true (it needs "
+                       "Transformer Engine) or TP to 1")
 
 
 def check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: Issues, *,

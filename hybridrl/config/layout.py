@@ -29,14 +29,16 @@ class RoleLayout:
     cp: int
     dp: int
     vpp: int | None = None  # model chunks per PP rank (interleaved 1F1B); None: one
-    ep: int = 1  # MoE experts split over this many of the DP×CP ranks
+    ep: int = 1  # MoE experts split over this many of the DP×CP ranks (and the TP ranks when etp < tp)
+    etp: int | None = None  # each expert's matrices split over this many ranks; None: tp
 
     @classmethod
     def of(cls, m: MegatronConfig, world_size: int) -> RoleLayout:
         tp, pp, cp = (max(v, 1) for v in (m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                            m.context_parallel_size))
         return cls(tp=tp, pp=pp, cp=cp, dp=max(world_size // (tp * pp * cp), 1),
-                   vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1))
+                   vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1),
+                   etp=m.expert_tensor_parallel_size)
 
     @property
     def model_parallel(self) -> int:
@@ -58,4 +60,5 @@ class RoleLayout:
     def __str__(self) -> str:
         vpp = f" VPP={self.vpp}" if self.vpp else ""
         ep = f" EP={self.ep}" if self.ep > 1 else ""
+        ep += f" ETP={self.etp}" if self.etp is not None and self.etp != self.tp else ""
         return f"TP={self.tp} PP={self.pp}{vpp} CP={self.cp} DP={self.dp}{ep}"

@@ -13,8 +13,6 @@ the composed config, where the values the command line left out are the recipe's
   ``distill_coef=distillation_loss_coef``. Deviation: verl adds the two terms as two clipped policy losses, hybridrl
   adds the advantages under one clip. verl's defaults (``loss_mode=k3``, ``use_policy_gradient=false``: a supervised
   KL loss) and its top-k forward KL are not built: refused, naming what is.
-- ``expert_grid``: ``expert_tensor_parallel_size`` null or equal to TP is Megatron's default expert grid, the one
-  hybridrl builds; any other value is refused.
 """
 
 from __future__ import annotations
@@ -106,20 +104,5 @@ def distillation(cfg: RLConfig, values: dict[str, Any]) -> Applied:
             f"{alg.adv_estimator} (distill_coef={coef})"], []
 
 
-def expert_grid(cfg: RLConfig, values: dict[str, Any]) -> Applied:
-    tp = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size
-    notices, issues = [], []
-    for key, etp in values.items():
-        if etp is None or etp == tp:
-            notices.append(f"verl's {key}={etp} is the expert grid hybridrl builds (the experts split over the "
-                           f"model's TP={tp} ranks)")
-        else:
-            issues.append(ConfigIssue(key=key, value=etp, message=(
-                f"must be null or the model's TP ({AOR}.actor.megatron.tensor_model_parallel_size={tp}): hybridrl's "
-                "experts split over the TP ranks (Megatron's default expert grid); a separate expert TP is not built "
-                "yet")))
-    return notices, issues
-
-
 GROUPS: dict[str, Callable[[RLConfig, dict[str, Any]], Applied]] = {
-    "placement": placement, "distillation": distillation, "expert_grid": expert_grid}
+    "placement": placement, "distillation": distillation}

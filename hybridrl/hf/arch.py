@@ -43,6 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 _TP, _PP, _VPP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"
 _EP = "expert_model_parallel_size"
+_ETP = "expert_tensor_parallel_size"
 
 
 # --- architecture -------------------------------------------------------------------------------
@@ -107,11 +108,12 @@ class HFArch:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None,
-                       ep: int = 1) -> list[tuple[str, int, str]]:
+    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
+                       etp: int | None = None) -> list[tuple[str, int, str]]:
         """Every way ``tp``/``pp``(×``vpp``) fail to split this model evenly, as ``(key, value, message)``
         with key one of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-        ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``; the message reads after
+        ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``, ``expert_tensor_parallel_size``
+        (``etp``: the experts' TP, null = ``tp``); the message reads after
         ``<key>=<value>: ``.
 
         Only the model's rules: sizes < 1, VPP without PP and the world size are the caller's.
@@ -124,8 +126,14 @@ class HFArch:
             out.append((_TP, tp, f"must divide the model's {kv} KV heads (GQA groups) (valid: {_divisors(kv)})"))
         moe = self.moe
         sizes = [] if moe is not None and all(moe.sparse_layers) else [("intermediate_size", ffn)]  # dense MLPs
-        if moe is not None:
+        if moe is not None and etp is not None and etp != tp:  # the experts split over their own TP
+            if etp >= 1 and moe.ffn_hidden_size % etp:
+                out.append((_ETP, etp, f"must divide the model's moe_intermediate_size={moe.ffn_hidden_size} (each "
+                                       f"expert-TP rank holds an equal slice of every expert) (valid: "
+                                       f"{_divisors(moe.ffn_hidden_size)})"))
+        elif moe is not None:
             sizes.append(("moe_intermediate_size", moe.ffn_hidden_size))
+        if moe is not None:
             if moe.shared_ffn_hidden_size:
                 sizes.append(("shared_expert_intermediate_size", moe.shared_ffn_hidden_size))
         for key, size in sizes:
@@ -146,9 +154,9 @@ class HFArch:
                                   f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}"))
         return out
 
-    def check_split(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> None:
+    def check_split(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> None:
         """Raise ``ValueError`` listing :meth:`split_problems` unless the sizes split this model evenly."""
-        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp, ep=ep)
+        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
         if problems:
             raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
 

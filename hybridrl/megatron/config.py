@@ -27,9 +27,12 @@ class MegatronConfig:
     # verl and Megatron both call this context_parallel_size
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-    # EP (MoE models): ranks that split each MoE layer's experts, taken from the data-parallel ranks (verl's and
-    # Megatron's name); the experts' own TP is the model's TP
+    # EP (MoE models): ranks that split each MoE layer's experts (verl's and Megatron's name); Megatron's expert
+    # grid takes EP × ETP of the TP×CP×DP ranks of a pipeline stage
     expert_model_parallel_size: int = 1
+    # ETP: ranks that split each expert's matrices; null: the model's TP (Megatron's default). ETP=1 with TP=2 and
+    # EP=8 (verl's MoE scripts) keeps every expert whole and lets EP span the TP ranks
+    expert_tensor_parallel_size: int | None = None
     use_distributed_optimizer: bool = False
     # parameters and compute, one of transformer_overrides.DTYPES (float32, or bfloat16 / float16:
     # fp32 main weights and grads in the optimizer; float16 adds dynamic loss scaling); the ref runs in the actor's
@@ -63,7 +66,8 @@ class OptimConfig:
 
 
 LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "context_parallel_size", "sequence_parallel", "expert_model_parallel_size")
+                "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+                "expert_tensor_parallel_size")
 
 
 ROUTER_REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
@@ -96,6 +100,7 @@ class RefMegatronConfig:
     context_parallel_size: int | None = None
     sequence_parallel: bool | None = None
     expert_model_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = None
     param_offload: bool = False  # the ref's own: its weights wait in host memory outside its log-prob pass
 
     def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
@@ -136,6 +141,12 @@ class ParallelSizes(Protocol):
     context_parallel_size: int
     sequence_parallel: bool
     expert_model_parallel_size: int
+    expert_tensor_parallel_size: int | None
+
+
+def expert_tp(m: ParallelSizes) -> int:
+    """The experts' TP: ``expert_tensor_parallel_size``, or the model's TP when null (Megatron's default)."""
+    return m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else m.tensor_model_parallel_size
 
 
 def layout_problems(m: ParallelSizes, *, world_size: int | None,
@@ -162,10 +173,20 @@ def layout_problems(m: ParallelSizes, *, world_size: int | None,
         out.append(("virtual_pipeline_model_parallel_size", vpp,
                     f"the interleaved schedule needs pipeline_model_parallel_size ≥ 2 (it is {pp}); "
                     "set null or raise PP"))
-    ep = m.expert_model_parallel_size
+    ep, etp = m.expert_model_parallel_size, expert_tp(m)
     if ep < 1:
         out.append(("expert_model_parallel_size", ep, "must be ≥ 1"))
-    elif world_size is not None and world_size % (tp * pp * cp) == 0 and (world_size // (tp * pp)) % ep:
+    if etp < 1:
+        out.append(("expert_tensor_parallel_size", etp, "must be ≥ 1 or null (the model's TP)"))
+    elif m.expert_tensor_parallel_size is not None and etp != tp and ep >= 1:
+        if world_size is not None and world_size % (tp * pp * cp) == 0 and (world_size // pp) % (etp * ep):
+            rest = world_size // pp
+            out.append(("expert_model_parallel_size", ep,
+                        f"EP×ETP = {ep}×{etp} (expert_tensor_parallel_size={etp}) must divide the {rest} ranks of "
+                        f"each pipeline stage (Megatron's expert grid takes them from the TP×CP×DP ranks); valid EP "
+                        f"at this ETP: "
+                        f"{[d for d in divisors(rest) if rest % (d * etp) == 0]}"))
+    elif ep >= 1 and world_size is not None and world_size % (tp * pp * cp) == 0 and (world_size // (tp * pp)) % ep:
         rest = world_size // (tp * pp)
         out.append(("expert_model_parallel_size", ep,
                     f"must divide the {rest} ranks of each pipeline stage's TP replica (world {world_size} / "

@@ -55,6 +55,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hybridrl.hf.arch import HFArch
+from hybridrl.megatron.config import expert_tp
 from hybridrl.megatron.context_parallel import ContextParallelAttention
 from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
 from hybridrl.megatron.moe_compat import apply_moe_adaptations, mark_expert_weights
@@ -94,7 +95,8 @@ def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
 
 def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
     arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
-                     vpp=parallel.virtual_pipeline_model_parallel_size, ep=parallel.expert_model_parallel_size)
+                     vpp=parallel.virtual_pipeline_model_parallel_size, ep=parallel.expert_model_parallel_size,
+                     etp=expert_tp(parallel))
     if not use_transformer_engine():
         if parallel.sequence_parallel:
             raise NotImplementedError(
@@ -133,6 +135,7 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tp(parallel),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,  # the activations sent between stages

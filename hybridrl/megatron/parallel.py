@@ -40,7 +40,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over TP (needs TP > 1 and Transformer Engine norms)."""
     expert_model_parallel_size: int = 1
-    """EP: ranks that split each MoE layer's experts (whole experts per rank), from the DP×CP ranks."""
+    """EP: ranks that split each MoE layer's experts (whole experts per rank), from the DP×CP ranks (and the TP
+    ranks when ETP < TP)."""
+    expert_tensor_parallel_size: int | None = None
+    """ETP: ranks that split each expert's matrices; None: the model's TP."""
 
     def __post_init__(self) -> None:
         _raise(layout_problems(self, world_size=None))
@@ -88,6 +91,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 1800.0) -> Non
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     host_group.create(timeout_s=timeout_s)

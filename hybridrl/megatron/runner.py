@@ -78,7 +78,8 @@ def parallel_config(m: MegatronConfig) -> ParallelConfig:
                           pipeline_model_parallel_size=m.pipeline_model_parallel_size,
                           virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
                           context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel,
-                          expert_model_parallel_size=m.expert_model_parallel_size)
+                          expert_model_parallel_size=m.expert_model_parallel_size,
+                          expert_tensor_parallel_size=m.expert_tensor_parallel_size)
 
 
 @dataclass(slots=True, kw_only=True)

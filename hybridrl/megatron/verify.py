@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -68,33 +69,36 @@ def run_verification(
     pp: int = 1,
     vpp: int | None = None,
     ep: int = 1,
+    etp: int | None = None,
     seq_len: int = 16,
     batch: int = 2,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float = 900.0,
 ) -> list[ModelReport]:
-    """Check each checkpoint on ``tp × pp × ep`` ranks launched once for all of them (``ep``: the experts of an
-    MoE model split over that many ranks, which are data-parallel replicas for the rest)."""
+    """Check each checkpoint on the fewest ranks that hold the layout (``tp × pp × ep`` unless ``etp``, the experts'
+    own TP, is below ``tp``: then EP spans the TP ranks too), launched once for all of them (``ep``: the experts of
+    an MoE model split over that many ranks, which are data-parallel replicas for the rest)."""
     if vpp is not None and (vpp < 2 or pp < 2):
         raise VerifyError(f"--vpp {vpp} needs --pp ≥ 2 and a value ≥ 2 (leave it out for one model chunk per stage)")
     for model_dir in model_dirs:
-        check_model_dir(model_dir).check_split(tp=tp, pp=pp, vpp=vpp, ep=ep)
+        check_model_dir(model_dir).check_split(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    ranks = pp * math.lcm(tp, ep * (tp if etp is None else etp))
     with tempfile.TemporaryDirectory(prefix="hybridrl-verify-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * ep}",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "-m", "hybridrl.megatron.verify", "--worker", f"--report={report}", f"--tp={tp}", f"--pp={pp}",
-            f"--ep={ep}",
+            f"--ep={ep}", f"--etp={etp or 0}",
             f"--vpp={vpp or 0}", f"--seq-len={seq_len}", f"--batch={batch}", f"--bucket-bytes={bucket_bytes}",
             *[str(d) for d in model_dirs],
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         returncode = _run_process_group(cmd, env=env, timeout_s=timeout_s)
         if returncode is None:
-            raise VerifyError(f"the {tp * pp * ep} verification rank(s) did not finish within --timeout-s "
+            raise VerifyError(f"the {ranks} verification rank(s) did not finish within --timeout-s "
                               f"{timeout_s:g}; they were stopped (raise --timeout-s for a large checkpoint)")
         if returncode != 0 or not report.is_file():
-            raise VerifyError(f"the {tp * pp * ep} verification rank(s) failed (exit code {returncode}); "
+            raise VerifyError(f"the {ranks} verification rank(s) failed (exit code {returncode}); "
                               "see their output above")
         reports = json.loads(report.read_text())
         return [ModelReport(**{**r, "buckets": [tuple(b) for b in r["buckets"]]}) for r in reports]
@@ -124,15 +128,17 @@ def _run_process_group(cmd: list[str], *, env: dict[str, str], timeout_s: float)
 
 
 def main(args: argparse.Namespace) -> int:
-    """``hybridrl verify-model MODEL_DIR... [--tp N] [--pp N] [--vpp N] [--ep N]`` (arguments in
+    """``hybridrl verify-model MODEL_DIR... [--tp N] [--pp N] [--vpp N] [--ep N] [--etp N]`` (arguments in
     :mod:`hybridrl.cli`)."""
     model_dirs = [Path(d) for d in args.model_dir]
     try:
         vpp = f", vpp={args.vpp}" if args.vpp else ""
         ep = f", ep={args.ep}" if args.ep > 1 else ""
-        print(f"verify-model: {len(model_dirs)} checkpoint(s) on {args.tp * args.pp * args.ep} rank(s) "
+        ep += f", etp={args.etp}" if args.etp is not None else ""
+        ranks = args.pp * math.lcm(args.tp, args.ep * (args.tp if args.etp is None else args.etp))
+        print(f"verify-model: {len(model_dirs)} checkpoint(s) on {ranks} rank(s) "
               f"(tp={args.tp}, pp={args.pp}{vpp}{ep}), {args.batch}×{args.seq_len} tokens", flush=True)
-        reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+        reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
                                    seq_len=args.seq_len, batch=args.batch, bucket_bytes=args.bucket_bytes,
                                    timeout_s=args.timeout_s)
     except (VerifyError, ValueError) as e:
@@ -155,7 +161,7 @@ def _worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hybridrl.megatron.verify --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--report", type=Path, required=True)
-    for name in ("--tp", "--pp", "--vpp", "--ep", "--seq-len", "--batch", "--bucket-bytes"):
+    for name in ("--tp", "--pp", "--vpp", "--ep", "--etp", "--seq-len", "--batch", "--bucket-bytes"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("model_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
@@ -168,7 +174,8 @@ def _worker(argv: list[str]) -> int:
     torch.set_num_threads(1)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                               virtual_pipeline_model_parallel_size=args.vpp or None,  # 0: none
-                              expert_model_parallel_size=args.ep)
+                              expert_model_parallel_size=args.ep,
+                              expert_tensor_parallel_size=args.etp or None)  # 0: the model's TP
     init_parallel(parallel)
     seed_everything(0)
     reports = [dataclasses.asdict(_verify_one(d, parallel, args)) for d in args.model_dirs]

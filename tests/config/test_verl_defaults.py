@@ -71,10 +71,10 @@ FOLLOWS = {
        for role in ("ref", "rollout")},
     **{f"{AOR}.ref.megatron.{k}": f"{AOR}.actor.megatron.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel")},
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
     **{f"critic.megatron.{k}": f"{AOR}.actor.megatron.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel")},
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
 }
 INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,.*)?\}$")
 

@@ -36,12 +36,9 @@ CURRENT = sorted((FIXTURES / "current").glob("*.args"))
 MODELS = REPO / "recipes" / "model_configs"
 QWEN7B = MODELS / "qwen2.5-7b.json"
 AOR = "actor_rollout_ref"
-EXPERT_GRID = ("Megatron's separate expert grid (expert_tensor_parallel_size=1 below TP) is not built yet: the "
-               "experts split over the model's TP, so EP must divide world / (TP × PP)")
-# current scripts that do not validate as written for want of a capability, and which
+# current scripts that do not validate as written for want of a capability, and which (GSPO's TP2 × EP8 × ETP1 and
+# LoRA's TP2 × PP2 × EP4 × ETP1 on 8 GPUs validate: Megatron's own expert grid, expert_tensor_parallel_size)
 MISSING = {
-    "gspo_qwen3_30b_a3b_megatron": f"TP2 × EP8 on 8 GPUs: {EXPERT_GRID}",
-    "lora_qwen3_30b_a3b_megatron": f"TP2 × PP2 × EP4 on 8 GPUs: {EXPERT_GRID}",
     "opd_qwen3_8b_megatron": "verl's forward_kl_topk distillation loss (the teacher's top-k log-probs, a supervised "
                              "forward KL on the student's logits) is not built: hybridrl distills with the reverse KL "
                              "as a policy-gradient advantage (opd, grpo_opd)",
@@ -160,16 +157,15 @@ def test_notices_name_each_verl_key_once(capsys: pytest.CaptureFixture[str]) -> 
 def test_keys_that_would_change_the_run_are_refused_naming_what_to_use() -> None:
     with pytest.raises(ConfigError) as e:
         compose_config(["recipe=grpo_tiny", f"{AOR}.actor.megatron.use_dist_checkpointing=True",
-                        "custom_reward_function.path=/x/reward.py", "reward_model.reward_manager=prime",
-                        f"{AOR}.actor.megatron.expert_tensor_parallel_size=2"])
+                        "custom_reward_function.path=/x/reward.py", "reward_model.reward_manager=prime"])
     keys = {i.key: i.message for i in e.value.issues}
-    assert len(keys) == 4
+    assert len(keys) == 3
     assert "model.path" in keys[f"{AOR}.actor.megatron.use_dist_checkpointing"]
     assert "reward.name=function" in keys["custom_reward_function.path"]
-    assert "a separate expert TP is not built yet" in keys[f"{AOR}.actor.megatron.expert_tensor_parallel_size"]
-    compose_config(["recipe=grpo_tiny", f"{AOR}.actor.megatron.use_dist_checkpointing=False",
-                    "reward_model.reward_manager=dapo", f"{AOR}.actor.megatron.expert_tensor_parallel_size=1",
-                    f"{AOR}.actor.megatron.expert_model_parallel_size=1"])  # EP: the actor's own key now
+    cfg = compose_config(["recipe=grpo_tiny", f"{AOR}.actor.megatron.use_dist_checkpointing=False",
+                          "reward_model.reward_manager=dapo", f"{AOR}.actor.megatron.expert_tensor_parallel_size=1",
+                          f"{AOR}.actor.megatron.expert_model_parallel_size=1"])  # EP and ETP: the actor's own keys
+    assert cfg.actor_rollout_ref.actor.megatron.expert_tensor_parallel_size == 1
 
 
 def test_an_engine_knob_set_twice_must_agree() -> None:

@@ -1,8 +1,9 @@
 """MoE checkpoints (Qwen3-MoE, Qwen2-MoE) in Megatron's MoE layers: the architecture read from config.json
 (``hybridrl/hf/arch.py``), its layout rules, and ``hybridrl verify-model`` — logits against transformers and a
-bitwise round trip — at TP=1, TP=2, EP=2 and TP=2×EP=2 on shapes the layouts were not tuned on: odd
-expert counts, top-k 3, dense layers among the MoE ones (``mlp_only_layers``, ``decoder_sparse_step``),
-``norm_topk_prob`` both ways, Qwen2-MoE's gated shared expert, tied and untied embeddings."""
+bitwise round trip — at TP=1, TP=2, EP=2, TP=2×EP=2 and TP=2 with EP=2 over the TP ranks (ETP=1) on shapes the
+layouts were not tuned on: odd expert counts, top-k 3, dense layers among the MoE ones (``mlp_only_layers``,
+``decoder_sparse_step``), ``norm_topk_prob`` both ways, Qwen2-MoE's gated shared expert, tied and untied
+embeddings."""
 
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ MODELS = {  # name: (arch, layers, tie, moe keys)
     "q2_even": ("qwen2_moe", 2, False, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                             shared_expert_intermediate_size=24)),
 }
-LAYOUTS = {  # tp, pp, ep, models
-    "tp1": (1, 1, 1, ["q3_odd", "q3_step", "q2_shared"]),
-    "tp2": (2, 1, 1, ["q3_odd", "q3_step", "q2_shared"]),
-    "ep2": (1, 1, 2, ["q3_even", "q2_even"]),
-    "tp2ep2": (2, 1, 2, ["q3_even", "q2_even"]),  # PP=2×EP=2 was exact too (by hand; 20 s of CI saved)
+LAYOUTS = {  # tp, pp, ep, etp (null: tp), models
+    "tp1": (1, 1, 1, None, ["q3_odd", "q3_step", "q2_shared"]),
+    "tp2": (2, 1, 1, None, ["q3_odd", "q3_step", "q2_shared"]),
+    "ep2": (1, 1, 2, None, ["q3_even", "q2_even"]),
+    "tp2ep2": (2, 1, 2, None, ["q3_even", "q2_even"]),  # PP=2×EP=2 was exact too (by hand; 20 s of CI saved)
+    # verl's MoE grid (TP=2 × EP=8, ETP=1) in small: whole experts, EP over the 2 TP ranks; the shared expert at TP
+    "tp2etp1ep2": (2, 1, 2, 1, ["q3_even", "q2_even"]),
 }
 
 
@@ -98,8 +101,8 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_naming_the_key(models
 def test_verify_model_is_exact_for_moe_checkpoints(models: dict[str, Path], layout: str) -> None:
     """Logits ≤ 1e-4 of transformers' (fp32) and every exported tensor bit-identical to the checkpoint's.
     ~15–30 s per layout: one launch of its ranks (4 for TP=2×EP=2) checks its models."""
-    tp, pp, ep, names = LAYOUTS[layout]
-    reports = run_verification([models[n] for n in names], tp=tp, pp=pp, ep=ep, bucket_bytes=20_000)
+    tp, pp, ep, etp, names = LAYOUTS[layout]
+    reports = run_verification([models[n] for n in names], tp=tp, pp=pp, ep=ep, etp=etp, bucket_bytes=20_000)
     for name, r in zip(names, reports, strict=True):
         assert r.max_abs_logit_diff <= 1e-4, (layout, name, r)
         assert r.roundtrip_exact, (layout, name, r.mismatches)
@@ -165,3 +168,18 @@ def test_engines_that_cannot_serve_the_moe_model_here_are_refused_before_any_mod
         [issue] = [i for i in e.value.issues if i.key == "actor_rollout_ref.rollout.name"]
         assert says in str(issue), str(issue)
     validate(compose_config(base), world_size=1, before_bootstrap=True)
+
+
+def test_an_expert_grid_of_its_own_is_planned_and_refused_naming_the_key(models: dict[str, Path]) -> None:
+    """``expert_tensor_parallel_size`` (Megatron's ETP; verl's MoE scripts set 1): at ETP < TP the experts take EP ×
+    ETP of a stage's TP×CP×DP ranks — verl's TP=2 × EP=8 on 8 GPUs, which at ETP = TP would need 16."""
+    grid = MegatronConfig(tensor_model_parallel_size=2, expert_model_parallel_size=8, expert_tensor_parallel_size=1)
+    assert layout_problems(grid, world_size=8) == []
+    assert [k for k, _, _ in layout_problems(MegatronConfig(tensor_model_parallel_size=2,
+                                                            expert_model_parallel_size=8), world_size=8)] == [
+        "expert_model_parallel_size"]
+    [(key, value, message)] = layout_problems(grid, world_size=4)
+    assert (key, value) == ("expert_model_parallel_size", 8) and "EP×ETP = 8×1" in message and "[1, 2, 4]" in message
+    odd = HFArch.from_hf(models["q3_odd"])  # moe_intermediate_size 16: whole at ETP=1, split at ETP=2
+    assert not [p for p in odd.split_problems(tp=2, pp=1, etp=1) if p[0] == "expert_tensor_parallel_size"]
+    assert "moe_intermediate_size=16" in odd.split_problems(tp=1, pp=1, etp=32)[0][2]
