@@ -146,19 +146,25 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              ref: bool, micro_tokens: int, recompute: bool, offload: dict[str, bool], rollout_tp: int,
              engine_tokens: int, critic: bool = False, critic_offload: dict[str, bool] | None = None,
              engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0,
-             ep: int = 1, teacher: HFArch | None = None, teacher_offload: bool = False) -> MemoryEstimate:
+             ep: int = 1, etp: int | None = None, teacher: HFArch | None = None,
+             teacher_offload: bool = False, lora_rank: int = 0,
+             lora_projections: tuple[str, ...] = ()) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
-    experts of an MoE model split over that many ranks (the largest PP stage counts); ``teacher``: the
+    experts of an MoE model split over that many ranks (the largest PP stage counts), each expert over ``etp`` (its
+    own TP; None: ``tp``); ``lora_rank`` > 0: only the adapters of ``lora_projections`` train (gradients and optimizer
+    state are theirs; the ref is the actor with its adapters off, no copy); ``teacher``: the
     distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``)."""
-    p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep)
+    etp = tp if etp is None else etp
+    p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp)
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
     layers = m.num_layers // pp
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
-    # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (DP / EP)
-    shards = (p_rank - experts / tp) / dp + experts / tp / max(dp // ep, 1) if distributed_optimizer else p_rank
+    # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (TP·DP / (EP·ETP))
+    expert_dp = max(tp * dp // (ep * etp), 1)
+    shards = (p_rank - experts / etp) / dp + experts / etp / expert_dp if distributed_optimizer else p_rank
     optim = shards * ((0 if dtype == "float32" else 4) + moments)
     per_layer_act = 2 if recompute else 34 / tp
     activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
@@ -167,7 +173,11 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
     engine_weights = total_params * 2 / rollout_tp
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
-    teacher_bytes = rank_parameters(teacher, tp=tp, pp=pp, ep=ep)[0] * b if teacher is not None else 0.0
+    if lora_rank > 0:  # the base is frozen: the adapters alone have gradients and optimizer state
+        adapters = lora_parameters(m, rank=lora_rank, projections=lora_projections) / (tp * pp)
+        params, grads, ref_bytes = params + adapters * b, adapters * 4, 0.0
+        optim = adapters / (dp if distributed_optimizer else 1) * ((0 if dtype == "float32" else 4) + moments)
+    teacher_bytes = rank_parameters(teacher, tp=tp, pp=pp, ep=ep, etp=etp)[0] * b if teacher is not None else 0.0
     offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
                  + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False)
                  + teacher_bytes * teacher_offload)
@@ -188,9 +198,21 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
                           pooled=engine is not None, teacher=teacher_bytes)
 
 
-def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1) -> tuple[float, float]:
-    """``(P_rank, experts)``: the largest rank's share of ``m``'s parameters under TP/PP/EP, and the expert
-    parameters of its stage (before the TP split)."""
+def lora_parameters(m: HFArch, *, rank: int, projections: tuple[str, ...]) -> float:
+    """The adapters' parameters over the whole model: ``rank × (in + out)`` for each adapted projection of every
+    layer (the attention's everywhere, the MLP's in dense layers: experts are not adapted)."""
+    q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    mlp = {"gate_proj": h + m.ffn_hidden_size, "up_proj": h + m.ffn_hidden_size, "down_proj": m.ffn_hidden_size + h}
+    dense_layers = m.num_layers if m.moe is None else sum(not s for s in m.moe.sparse_layers)
+    per_attention = sum(sizes.get(p, 0) for p in projections)
+    per_mlp = sum(mlp.get(p, 0) for p in projections)
+    return float(rank * (m.num_layers * per_attention + dense_layers * per_mlp))
+
+
+def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> tuple[float, float]:
+    """``(P_rank, experts)``: the largest rank's share of ``m``'s parameters under TP/PP/EP (each expert split over
+    ``etp``, None: ``tp``), and the expert parameters of its stage (before that split)."""
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
     layers = m.num_layers // pp
@@ -200,4 +222,4 @@ def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1) -> tuple[float,
     # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
     # same size (a tied one is a copy there)
     edge = embedding + output if pp == 1 else embedding
-    return (dense + experts + edge + m.hidden_size) / tp, experts
+    return (dense + edge + m.hidden_size) / tp + experts / (tp if etp is None else etp), experts

@@ -44,6 +44,7 @@ from hybridrl.config.memory import estimate as estimate_memory
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import EngineMemory
+from hybridrl.lora.config import resolve_targets
 from hybridrl.megatron.config import (
     divisors,
 )
@@ -229,7 +230,7 @@ class Plan:
 
 def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model: HFArch, rollout_tp: int,
             n_engines: int, device_type: str, teacher: HFArch | None) -> MemoryEstimate:
-    a, d = cfg.actor_rollout_ref.actor, cfg.data
+    a, d, mo = cfg.actor_rollout_ref.actor, cfg.data, cfg.actor_rollout_ref.model
     m, lay, cm = a.megatron, roles["actor"], cfg.critic.megatron
     seq = d.max_prompt_length + d.max_response_length
     engine_prompts = -(-batch.prompts_per_generation // max(n_engines, 1))
@@ -241,10 +242,20 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
         rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles, ep=lay.ep,
+        etp=lay.etp,
         critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload},
         engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq,
         teacher=teacher if "teacher" in roles else None,
-        teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload)
+        teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload, lora_rank=max(mo.lora_rank, 0),
+        lora_projections=_projections(mo.target_modules) if mo.lora_rank > 0 else ())
+
+
+def _projections(target_modules: object) -> tuple[str, ...]:
+    """The HF projections LoRA adapts (none when the names are bad: validation says so)."""
+    try:
+        return resolve_targets(target_modules)  # type: ignore[arg-type]
+    except ValueError:
+        return ()
 
 
 def device_memory_gb(cfg: RLConfig) -> float:

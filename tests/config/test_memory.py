@@ -3,6 +3,7 @@ rejected naming the keys that would shrink it (``hybridrl validate``, no weights
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from hybridrl.interfaces import EngineMemory
 from hybridrl.models.tiny import make_tiny_model
 
 QWEN7B = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
+QWEN30B_A3B = QWEN7B.with_name("qwen3-30b-a3b.json")
 AOR = "actor_rollout_ref"
 
 
@@ -54,6 +56,27 @@ def test_qwen3_30b_a3b_has_30b_parameters_and_expert_parallelism_splits_its_expe
     experts = sum(e for _, e in layer_counts(m))
     one, eight = estimate(m, ep=1, **kw), estimate(m, ep=8, **kw)
     assert one.params - eight.params == pytest.approx(experts * 7 / 8 * 2)  # bf16 bytes of 7/8 of the experts
+
+
+def test_an_expert_tp_below_tp_keeps_experts_whole_and_lora_trains_only_its_adapters() -> None:
+    """ETP=1 at TP=2 (verl's MoE grid): every expert whole on its EP rank, the rest split by TP; LoRA: the base is
+    frozen, so gradients and optimizer state are the adapters' (r × (in + out) per adapted projection) and the ref
+    is the actor with its adapters off (no copy)."""
+    m = HFArch.from_hf(QWEN7B)
+    kw = dict(tp=2, pp=1, dp=4, dtype="bfloat16", optimizer="adam", ref=True, micro_tokens=4096, recompute=True,
+              rollout_tp=2, engine_tokens=0, distributed_optimizer=False, offload={})
+    full = estimate(m, **kw)
+    lora = estimate(m, lora_rank=32, lora_projections=("q_proj", "k_proj", "v_proj", "o_proj"), **kw)
+    q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
+    adapters = 32 * m.num_layers * (4 * h + 2 * q + 2 * kv) / 2  # over TP=2
+    assert lora.grads == pytest.approx(adapters * 4) and lora.optimizer == pytest.approx(adapters * 12)
+    assert lora.ref == 0 and lora.params == pytest.approx(full.params + adapters * 2)
+    assert lora.grads < full.grads / 100
+    moe = HFArch.from_hf({**json.loads(QWEN30B_A3B.read_text())})
+    experts = sum(e for _, e in layer_counts(moe))
+    tp2 = dict(kw, dp=4, ref=False)
+    assert (estimate(moe, ep=8, etp=1, **tp2).params - estimate(moe, ep=8, **tp2).params
+            == pytest.approx(experts / 8 / 2 * 2))  # bf16 bytes of the half of its experts TP would have taken
 
 
 def test_offload_and_the_distributed_optimizer_shrink_what_they_should() -> None:
