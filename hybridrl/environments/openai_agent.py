@@ -41,13 +41,14 @@ built-in environment's does. For the same reason the agent may not put words in 
 history differs from what the endpoint returned (a rewritten or dropped turn, a system prompt of its own), or whose
 new messages include an ``assistant`` one, is answered with a 400.
 
-Every 400 leaves the episode as it was: the agent may send another request (an agent that exits over one fails
-the episode, and the error names the refusal). The request's fields are honoured from the turn's tokens
-(``step_turn``, :class:`~hybridrl.interfaces.PolicyTurn`, which the rollout calls): ``max_tokens`` /
-``max_completion_tokens`` and ``stop`` cut the turn (``EnvStep.keep_tokens``: the sample keeps the sampled ids up
-to the cut), ``logprobs`` gives the engine's, ``usage`` counts the context and the kept ids; ``temperature``,
-``top_p`` and ``seed`` other than the run's are refused, naming the config key (the trainer's importance ratio
-assumes the run's sampling). ``step`` (the turn's text alone, outside a rollout) refuses those fields.
+Every 400 leaves the episode as it was: the agent may send another request (an agent that exits over one fails the
+episode, and the error names the refusal). The request's fields are honoured from the turn's tokens
+(:mod:`.agent_replies`; ``step_turn``, :class:`~hybridrl.interfaces.PolicyTurn`, which the rollout calls):
+``max_tokens`` / ``max_completion_tokens`` and ``stop`` cut the turn (``EnvStep.keep_tokens``: the sample keeps the
+sampled ids up to the cut), ``logprobs`` gives the engine's, ``usage`` counts the context and the kept ids;
+``temperature``, ``top_p`` and ``seed`` other than the run's are refused, naming the config key (the trainer's
+importance ratio assumes the run's sampling). ``step`` (the turn's text alone, outside a rollout) refuses those
+fields.
 
 Function calling: the agent's own tools (its requests' ``tools=``) are ``Config.tools``, which the chat template
 renders into every prompt (:func:`hybridrl.rollout.episodes.tool_schemas`) before the agent asks; a request that
@@ -76,8 +77,6 @@ import json
 import math
 import os
 import queue
-import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -88,17 +87,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from hybridrl.batch import SampleMeta
+from hybridrl.environments.agent_replies import answer, same, sampling_problem
 from hybridrl.environments.chat_endpoint import ChatEndpoint, ChatRequest, Message, RequestError, normalize
 from hybridrl.interfaces import EnvStep, PolicyTurn
-from hybridrl.tools.calls import CallError, ToolCall, parse_calls
 from hybridrl.tools.config import KEY
 
 _RESERVED = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "HYBRIDRL_TASK", "HYBRIDRL_GROUND_TRUTH", "HYBRIDRL_DATA_SOURCE",
              "HYBRIDRL_EXTRA", "HYBRIDRL_SEED")
 TAIL_BYTES = 64 << 10  # of the agent's stdout and of its stderr
-_CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.S)
-_SAMPLING = ("temperature", "top_p", "seed")  # checked against the run's
-_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "stop", "logprobs")  # honoured from the turn's tokens
 
 
 class AgentError(RuntimeError):
@@ -243,7 +239,7 @@ class AgentEpisode:
                 raise AgentError(f"the agent {self._ended(event)} {when}{self.agent.stderr_tail()}",
                                  kind="agent_refused" if self._refused else "agent_exited")
             self._waiting = event[0]
-        message, keep, fields = _answer(self._waiting, turn)
+        message, keep, fields = answer(self._waiting, turn)
         self._waiting.reply(message, **fields)
         self._waiting = None
         self.history.append(normalize(message))
@@ -292,8 +288,8 @@ class AgentEpisode:
     def _accept(self, request: ChatRequest, turn: PolicyTurn | str) -> list[Message] | str:
         """The new messages of ``request`` after the conversation so far, or why it may not be answered."""
         sent, h, first = request.messages, self.history, self._first
-        if len(sent) < len(h) or not all(map(_same, sent, h)):
-            i = next((i for i, (a, b) in enumerate(zip(sent, h, strict=False)) if not _same(a, b)),
+        if len(sent) < len(h) or not all(map(same, sent, h)):
+            i = next((i for i, (a, b) in enumerate(zip(sent, h, strict=False)) if not same(a, b)),
                      min(len(sent), len(h)))
             what = "the task's messages (HYBRIDRL_TASK)" if first else "the conversation so far"
             return (f"its messages do not start with {what}: message {i} is "
@@ -315,7 +311,7 @@ class AgentEpisode:
             return (f"its tools {_short(_names(request.tools))} are not the ones the policy's prompt shows: "
                     f"{KEY}.environment_kwargs.tools={_short(_names(self.config.tools))} (the chat template renders "
                     "them into the prompt before the agent asks; set that key to the agent's tools=, as JSON)")
-        if problem := _sampling_problem(request.body, turn, seed=self.seed):
+        if problem := sampling_problem(request.body, turn, seed=self.seed):
             return problem
         self._first = False
         return new
@@ -409,83 +405,6 @@ def task_data(meta: SampleMeta) -> dict[str, str]:
     """The row's data as the agent's environment variables (module docstring)."""
     return {"HYBRIDRL_GROUND_TRUTH": "" if meta.ground_truth is None else str(meta.ground_truth),
             "HYBRIDRL_DATA_SOURCE": meta.data_source, "HYBRIDRL_EXTRA": json.dumps(dict(meta.extra), default=str)}
-
-
-def _sampling_problem(body: dict[str, Any], turn: PolicyTurn | str, *, seed: int) -> str:
-    """Why the sampling fields of a request cannot be honoured ("" when they can): the policy's turn was sampled
-    with the run's settings, which the trainer's importance ratio assumes."""
-    if isinstance(turn, str):
-        if used := [f for f in (*_SAMPLING, *_TOKEN_FIELDS) if body.get(f) not in (None, False)]:
-            return (f"{', '.join(used)} need the policy's tokens and sampling settings, which an episode stepped "
-                    "outside a rollout (step(), not step_turn()) does not have")
-        return ""
-    run = {"temperature": turn.params.temperature, "top_p": turn.params.top_p}
-    for name, value in run.items():
-        asked = body.get(name)
-        if asked is not None and not math.isclose(asked, value, abs_tol=1e-6):
-            return (f"{name}={asked:g} differs from the run's {value:g}, which sampled the policy's turns and which "
-                    f"the trainer's importance ratio assumes: it is set by actor_rollout_ref.rollout.{name} "
-                    f"(val_kwargs.{name} in validation); leave {name} unset or send {value:g}")
-    if body.get("seed") is not None and body["seed"] != seed:
-        return (f"seed={body['seed']} differs from this episode's seed {seed} (HYBRIDRL_SEED, derived from "
-                "trainer.seed: the run seeds each episode's turns itself); leave seed unset or send HYBRIDRL_SEED")
-    return ""
-
-
-def _answer(request: ChatRequest, turn: PolicyTurn | str) -> tuple[Message, int | None, dict[str, Any]]:
-    """The reply to ``request`` from the policy's ``turn``: (message, how many of the turn's ids the sample keeps
-    (None: all), the reply's finish_reason, logprobs and usage). ``stop`` cuts the turn after the token that
-    completes a stop string (the reply's content ends before it), ``max_tokens`` / ``max_completion_tokens`` after
-    that many sampled ids (finish_reason "length"); the sample keeps the ids up to the cut, as sampled."""
-    if isinstance(turn, str):
-        return _reply(turn, calls=request.calls_allowed), None, {}
-    body, ids = request.body, turn.token_ids
-    ended = bool(ids) and ids[-1] == turn.eos_token_id
-    content = ids[:-1] if ended else ids
-    keep, text, finish = None, turn.text, "stop" if ended else "length"
-    stops = [body["stop"]] if isinstance(body.get("stop"), str) else list(body.get("stop") or [])
-    if any(x in text for x in stops):  # the first id whose text completes a stop string
-        k = next(k for k in range(1, len(content) + 1) if any(x in turn.decode(content[:k]) for x in stops))
-        prefix = turn.decode(content[:k])
-        keep, text, finish = k, prefix[:min(prefix.index(x) for x in stops if x in prefix)], "stop"
-    limits = [v for v in (body.get("max_tokens"), body.get("max_completion_tokens")) if v is not None]
-    if limits and min(limits) < (len(ids) if keep is None else keep):
-        keep, finish = min(limits), "length"
-        text = turn.decode(ids[:keep])
-    kept = ids if keep is None else ids[:keep]
-    message = _reply(text, calls=request.calls_allowed)
-    if finish == "stop" and message.get("tool_calls"):
-        finish = "tool_calls"
-    shown = kept[:-1] if kept and kept[-1] == turn.eos_token_id else kept
-    logprobs = None
-    if body.get("logprobs"):
-        tokens = [turn.decode([i]) for i in shown]
-        logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(tokens, turn.logprobs, strict=False)], "refusal": None}
-    usage = {"prompt_tokens": turn.context_tokens, "completion_tokens": len(kept),
-             "total_tokens": turn.context_tokens + len(kept)}
-    return message, keep, {"finish_reason": finish, "logprobs": logprobs, "usage": usage}
-
-
-def _reply(text: str, *, calls: bool) -> Message:
-    """The policy's turn as an assistant message: with ``calls``, its Hermes tool calls as OpenAI ``tool_calls``
-    (JSON-string arguments) and the rest of the text as ``content`` (None if empty); a turn with a call that cannot
-    be read is text as a whole, as is every turn without ``calls``."""
-    parsed = parse_calls(text) if calls else []
-    if not parsed or any(isinstance(c, CallError) for c in parsed):
-        return {"role": "assistant", "content": text}
-    rest = _CALL_BLOCKS.sub("", text).strip()
-    return {"role": "assistant", "content": rest or None,
-            "tool_calls": [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                           for c in parsed if isinstance(c, ToolCall)]}
-
-
-def _same(sent: Message, had: Message) -> bool:
-    """``sent`` is the message ``had`` as an agent may echo it: no content and empty content alike."""
-    def plain(m: Message) -> Message:
-        return {**m, "content": m.get("content") or ""}
-    return plain(sent) == plain(had)
 
 
 def _canonical(tools: list[dict[str, Any]]) -> str:
