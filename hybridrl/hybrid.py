@@ -169,8 +169,8 @@ class ActorRolloutRef:
         if dp.size > 1:
             metrics["dp_token_imbalance"] = dp_batches.imbalance([tokens[g] for g in order], parts)
         own, width = range(starts[dp.rank], starts[dp.rank] + len(local)), batch.response_ids.shape[1]
-        batch.old_logprobs = dp.scatter_back(logp_BT, mine, total=len(tokens), local=own)[:, :width]
-        return [metrics], dp.scatter_back(entropy_BT, mine, total=len(tokens), local=own)[:, :width]
+        batch.old_logprobs = dp.scatter_back(logp_BT, mine, total=len(tokens), local=own, width=width)
+        return [metrics], dp.scatter_back(entropy_BT, mine, total=len(tokens), local=own, width=width)
 
     def update_critic(self, batch: RolloutBatch, *, seed: int) -> list[dict[str, float]]:
         """The critic's PPO epochs over its mini-batches of this DP rank's samples (``values``: V_old, and

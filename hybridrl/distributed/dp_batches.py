@@ -132,22 +132,25 @@ class DPGroup:
             req.wait()
         return pickle.loads(buffer.cpu().numpy().tobytes())
 
-    def scatter_back(self, mine: torch.Tensor, positions: list[int], *, total: int, local: range) -> torch.Tensor:
-        """Rows of a per-sample result (``mine``: one row per position of this rank's share) put back on the
-        ranks whose samples they are: the rows of ``local`` (this rank's samples in the whole step)."""
+    def scatter_back(self, mine: torch.Tensor, positions: list[int], *, total: int, local: range,
+                     width: int) -> torch.Tensor:
+        """Rows of a per-sample ``[rows, T]`` result (``mine``: one row per position of this rank's share) put back
+        on the ranks whose samples they are: the rows of ``local`` (this rank's samples in the whole step), ``width``
+        columns (zero-padded or cut)."""
         if self.size == 1:
-            out = torch.empty((total, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
-            out[positions] = mine
-            return out[local.start:local.stop]
+            out = torch.zeros((total, max(width, mine.shape[1]), *mine.shape[2:]), dtype=mine.dtype,
+                              device=mine.device)
+            out[positions, :mine.shape[1]] = mine
+            return out[local.start:local.stop, :width]
         pieces: list[tuple[list[int], torch.Tensor] | None] = [None] * self.size
         dist.all_gather_object(pieces, (positions, mine.cpu()), group=self.group)
-        width = max(p[1].shape[1] for p in pieces if p is not None)
-        out = torch.zeros((total, width, *mine.shape[2:]), dtype=mine.dtype)
+        widest = max([width, *(p[1].shape[1] for p in pieces if p is not None)])
+        out = torch.zeros((total, widest, *mine.shape[2:]), dtype=mine.dtype)
         for piece in pieces:
             assert piece is not None
             rows, values = piece
             out[rows, :values.shape[1]] = values
-        return out[local.start:local.stop].to(mine.device)
+        return out[local.start:local.stop, :width].to(mine.device)
 
 
 def imbalance(tokens: list[int], parts: list[list[int]]) -> float:

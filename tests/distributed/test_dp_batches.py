@@ -83,7 +83,7 @@ WORKER = textwrap.dedent("""
     out["where"] = {str(k): v for k, v in where.items()}
     positions = [7 - rank, 3 - rank]  # this rank computed rows for the whole step's samples 7, 3 (or 6, 2)
     mine = torch.tensor([[10.0 * p, p] for p in positions])
-    back = dp.scatter_back(mine, positions, total=8, local=range(starts[rank], starts[rank] + 4))
+    back = dp.scatter_back(mine, positions, total=8, local=range(starts[rank], starts[rank] + 4), width=3)
     out["back"] = back.tolist()
     with open(f"{sys.argv[1]}/{rank}.json", "w") as f:
         json.dump(out, f)
@@ -111,4 +111,5 @@ def test_two_ranks_split_each_mini_batch_and_get_their_rows_back(torchrun, tmp_p
     assert r0["held"] == [1, 6] and r0["where"] == {"1": 0, "6": 1}
     assert r1["held"] == [0, 2, 5] and r1["where"] == {"0": 0, "2": 1, "5": 2}
     # rank 0's samples are 0-3: rows 3 (from rank 0) and 2 (from rank 1); rank 1's are 4-7
-    assert r0["back"][2:] == [[20.0, 2.0], [30.0, 3.0]] and r1["back"][2:] == [[60.0, 6.0], [70.0, 7.0]]
+    assert r0["back"][2:] == [[20.0, 2.0, 0.0], [30.0, 3.0, 0.0]]  # padded to the local width, 3
+    assert r1["back"][2:] == [[60.0, 6.0, 0.0], [70.0, 7.0, 0.0]]
