@@ -178,7 +178,8 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
     """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout."""
     issues = Issues()
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    model = check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
+    model = apply_override_config("model", cfg.model, check_model("model", cfg.model, issues,
+                                                                   before_bootstrap=before_bootstrap), issues)
     for key, value, message in lora_problems(cfg.model, key="model"):
         issues.add(key, value, message)
     check_layout("megatron", cfg.megatron, world, model, issues)

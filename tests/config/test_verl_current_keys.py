@@ -10,7 +10,7 @@ import pytest
 
 from hybridrl.config.compose import compose_config
 from hybridrl.config.errors import ConfigError
-from hybridrl.config.validate import validate
+from hybridrl.config.validate import validate, validate_sft
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "recipes" / "model_configs"
@@ -151,6 +151,9 @@ def test_override_config_sets_the_models_length_and_the_engines_get_it(tmp_path:
                       ) == {"max_position_embeddings": 32768}
     with pytest.raises(ConfigError, match="only max_position_embeddings is"):
         validate(compose_config([*BASE, f"+{AOR}.model.override_config.rope_theta=5e5"]), model_config=short)
+    with pytest.raises(ConfigError, match="model.override_config.rope_theta=3: not applied"):  # SFT and DPO: the same
+        validate_sft(compose_config(["recipe=sft_tiny", "+model.override_config.rope_theta=3"], config_name="sft"),
+                     before_bootstrap=True)
 
 
 def test_distillation_is_the_teacher_and_the_distillation_estimators(capsys: pytest.CaptureFixture[str]) -> None:
