@@ -248,8 +248,8 @@ class MegatronRunner:
         out = []
         for index in parts:
             part = batch.index(index)
-            if len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0
-                part, index = _filled(batch, part, index, micro_batch_size - len(part))
+            if len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0 (its routing as recorded)
+                part, index = _filled(batch, part, index, micro_batch_size - len(part), whole_row=True)
             rows = pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id)
             out.append(_Micro(batch=part, rows=rows, index=index))
         return out
@@ -421,14 +421,24 @@ def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[t
     return loss * scale, metrics
 
 
-def _filled(batch: RolloutBatch, part: RolloutBatch, index: torch.Tensor,
-            count: int) -> tuple[RolloutBatch, torch.Tensor]:
-    """``part`` with ``count`` filler rows after its own: ``batch``'s row 0 cut to its last prompt token, no response
-    (one token: it fits any micro-batch's shape), loss mask 0 — nothing trained on, its outputs dropped (index -1)."""
-    filler = batch.index([0] * count)
-    prompt_mask = torch.zeros_like(filler.prompt_mask)
-    prompt_mask[:, -1] = 1
+def _filled(batch: RolloutBatch, part: RolloutBatch, index: torch.Tensor, count: int, *,
+            whole_row: bool = False) -> tuple[RolloutBatch, torch.Tensor]:
+    """``part`` with ``count`` filler rows after its own, copies of its row 0 (``batch``'s when it is empty), loss
+    mask 0 — nothing trained on, their outputs dropped (index -1). ``whole_row`` keeps the row as it is (it fits a
+    micro-batch padded to the batch's longest row; the MoE layers then see the same tokens as before fillers
+    existed: a near-tie of a random router can flip with what else runs); else cut to its last prompt token with
+    no response and no recorded routing, which fits any micro-batch's shape (token-budget micro-batches agreed
+    over the EP ranks)."""
+    filler = (part if len(part) else batch).index([0] * count)
     empty = torch.zeros_like(filler.response_mask)
-    filler = dataclasses.replace(filler, prompt_mask=prompt_mask, response_mask=empty, loss_mask=empty.clone())
+    if whole_row:
+        filler = dataclasses.replace(filler, loss_mask=empty)
+    else:
+        prompt_mask = torch.zeros_like(filler.prompt_mask)
+        prompt_mask[:, -1] = 1
+        unrouted = {n: torch.full_like(v, -1) for n in RolloutBatch.ROUTING_FIELDS
+                    if (v := getattr(filler, n)) is not None}
+        filler = dataclasses.replace(filler, prompt_mask=prompt_mask, response_mask=empty, loss_mask=empty.clone(),
+                                     **unrouted)
     return (RolloutBatch.cat([part, filler]) if len(part) else filler,
             torch.cat([index, index.new_full((count,), -1)]))
