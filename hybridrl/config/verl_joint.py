@@ -13,6 +13,8 @@ the composed config, where the values the command line left out are the recipe's
   ``distill_coef=distillation_loss_coef``. Deviation: verl adds the two terms as two clipped policy losses, hybridrl
   adds the advantages under one clip. verl's defaults (``loss_mode=k3``, ``use_policy_gradient=false``: a supervised
   KL loss) and its top-k forward KL are not built: refused, naming what is.
+- ``tools``: verl's tool YAML (``multi_turn.tool_config_path``), read into hybridrl's tool plugins
+  (:mod:`hybridrl.config.verl_tools`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.verl_keys import AOR
+from hybridrl.config.verl_tools import tool_config
 
 ONE_STEP_OFF_ROLLOUT = {"rollout.nnodes": 1, "rollout.n_gpus_per_node": 8}  # verl's one_step_off_ppo_*_trainer.yaml
 TEACHER = "distillation.teacher_models.teacher_model"
@@ -105,4 +108,4 @@ def distillation(cfg: RLConfig, values: dict[str, Any]) -> Applied:
 
 
 GROUPS: dict[str, Callable[[RLConfig, dict[str, Any]], Applied]] = {
-    "placement": placement, "distillation": distillation}
+    "placement": placement, "distillation": distillation, "tools": tool_config}

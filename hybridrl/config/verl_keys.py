@@ -14,7 +14,7 @@ verl's). Each key verl's Megatron examples set is one of:
   effect on an engine without one (a notice says so);
 - ``joint``: read with the other keys of its ``group`` once the config is composed
   (:mod:`hybridrl.config.verl_joint`: verl's placement of the rollout on its own GPUs, its distillation block, its
-  expert grid); ``allowed`` values are checked with the rest of the command line;
+  expert grid, its tool YAML); ``allowed`` values are checked with the rest of the command line;
 - ``ignored``: accepted, no effect here (``note`` says why), with a notice;
 - ``refused``: cannot mean the same here; an error names what to use.
 
@@ -291,10 +291,11 @@ _CURRENT = [
                  "(vLLM enable_expert_parallel) / server_args (SGLang ep_size)"),
     VerlKey(key=f"{AOR}.rollout.moe_tensor_parallel_size", status="ignored",
             note="the engine's own layout of the experts: set it through engine_kwargs.server_args (SGLang)"),
-    VerlKey(key=f"{AOR}.rollout.multi_turn.tool_config_path", status="refused",
-            note=f"verl's tool YAML names verl tool classes; hybridrl's tools are plugins: list them in "
-                 f"{AOR}.rollout.multi_turn.tools (installed: calculator, python; docs/multi-turn.md) and their "
-                 f"settings in multi_turn.tool_kwargs.<tool>"),
+    VerlKey(key=f"{AOR}.rollout.multi_turn.tool_config_path", status="joint", group="tools",
+            note=f"verl's tool YAML, read into {AOR}.rollout.multi_turn.tools and tool_kwargs.<tool>: an entry whose "
+                 "class_name is a hybridrl tool plugin (its name or class path) is that tool, its config the plugin's; "
+                 "verl's sandbox-fusion code tool is python; verl's Gsm8kTool and other classes are refused, each in "
+                 "one line (docs/multi-turn.md)"),
     VerlKey(key=f"{AOR}.rollout.multi_turn.max_user_turns", status="ignored",
             note="a tool turn follows each assistant turn with calls: multi_turn.max_assistant_turns bounds both"),
     VerlKey(key="algorithm.gamma", status="alias", target="algorithm.adv_estimator_kwargs.gae.gamma",

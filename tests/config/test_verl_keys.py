@@ -4,7 +4,8 @@ error, the verl key table in agreement with the schema and docs/verl.md.
 The ``tests/fixtures/verl/*.args`` files are the overrides of verl's own Megatron example scripts (GRPO, PPO with a
 critic, DAPO; verl b178a3cd), ``tests/fixtures/verl/current/*.args`` those of its current tree (verl 1dda039b: GRPO
 and PPO on Qwen3-8B, DAPO, a Qwen3-30B-A3B MoE, GSPO, LoRA, one-step-off, on-policy distillation, two multi-turn
-tool scripts, an FSDP script); the source script and commit in each file's header. Each runs with
+tool scripts, an FSDP script); the source script and commit in each file's header; ``tests/fixtures/verl/tool_config``
+the tool YAMLs two of them name. Each runs with
 ``recipe=ppo_megatron_trainer`` (verl's defaults) in place of verl's launcher line.
 """
 
@@ -46,17 +47,39 @@ MISSING = {
 # current scripts refused as written: the keys the one error names
 REFUSED = {
     "grpo_qwen3_8b_fsdp": {"model_engine"},  # verl's FSDP engine, one line
-    "retool_gpt_oss_ppo_sglang_multiturn": {  # FSDP, and verl's dataset/reward/tool classes by file path
+    "retool_gpt_oss_ppo_sglang_multiturn": {  # FSDP, and verl's dataset/reward/tool classes of the recipe's own
         "model_engine", "data.custom_cls.path", "data.custom_cls.name", "custom_reward_function.path",
         "custom_reward_function.name", "data.apply_chat_template_kwargs.reasoning_effort",
         f"{AOR}.rollout.multi_turn.tool_config_path"},
-    "sglang_multiturn_megatron_gsm8k_tool": {f"{AOR}.rollout.multi_turn.tool_config_path"},  # verl's tool classes
+    # its tool YAML's Gsm8kTool checks the answer against the row's ground truth, which hybridrl's tools do not see
+    "sglang_multiturn_megatron_gsm8k_tool": {f"{AOR}.rollout.multi_turn.tool_config_path"},
     "opd_qwen3_8b_megatron": {f"distillation.distillation_loss.{k}" for k in (
         "loss_mode", "use_policy_gradient", "loss_max_clamp", "log_prob_min_clamp")},
     # TP4 × PP2 × EP2 on 8 GPUs: Megatron's expert grid (ETP = TP when unset, as verl leaves it) is 4 × 2 × 2 = 16
     # ranks; Megatron refuses it too (parallel_state: world size not divisible by ETP × EP × PP)
     "grpo_qwen3_30b_a3b_megatron": {f"{AOR}.actor.megatron.expert_model_parallel_size"},
 }
+
+
+# the tool YAMLs the scripts name (their paths from the script's cwd, $HOME/verl), as verl's files read: gsm8k's
+# from verl 9cd35420 (examples/sglang_multiturn/config/tool_config/), retool's from verl-recipe c2333399 (retool/)
+TOOL_YAMLS = {
+    "examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml": "gsm8k_tool_config.yaml",
+    "recipe/retool/sandbox_fusion_tool_config.yaml": "retool_sandbox_fusion_tool_config.yaml",
+}
+# what the refusal of a script's tool YAML names
+TOOL_REFUSALS = {
+    "sglang_multiturn_megatron_gsm8k_tool": ("Gsm8kTool", "ground truth"),
+    "retool_gpt_oss_ppo_sglang_multiturn": ("recipe.retool.retool.CustomSandboxFusionTool", "calculator"),
+}
+
+
+def verl_checkout(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts' cwd, ``$HOME/verl``, with their tool YAMLs in it."""
+    for path, name in TOOL_YAMLS.items():
+        (home / "verl" / path).parent.mkdir(parents=True, exist_ok=True)
+        (home / "verl" / path).write_text((FIXTURES / "tool_config" / name).read_text())
+    monkeypatch.chdir(home / "verl")
 
 
 def model_config(script: Path) -> Path:
@@ -93,10 +116,12 @@ def _params(scripts: list[Path]) -> list[object]:
 
 
 @pytest.mark.parametrize("script", _params([*OLD, *CURRENT]))
-def test_verl_example_scripts_validate_for_their_gpus(script: Path, data_dir: Path, tmp_path: Path) -> None:
+def test_verl_example_scripts_validate_for_their_gpus(script: Path, data_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each script's overrides, exactly as written, after ``recipe=ppo_megatron_trainer``, validate on 80 GB GPUs for
     the nodes it names (planned with its model's config.json: no weights, no GPU here): the model state fits, a peak
     over the device is a note naming what would help, and the run lasts what verl would make of total_epochs."""
+    verl_checkout(tmp_path, monkeypatch)
     overrides = script_overrides(script, data_dir, tmp_path)
     cfg = compose_config(["recipe=ppo_megatron_trainer", *overrides, "trainer.device_memory_gb=80"])
     t = cfg.trainer
@@ -110,9 +135,11 @@ def test_verl_example_scripts_validate_for_their_gpus(script: Path, data_dir: Pa
 
 
 @pytest.mark.parametrize("script", [p for p in CURRENT if p.stem in REFUSED], ids=lambda p: p.stem)
-def test_verl_scripts_hybridrl_cannot_run_are_refused_naming_each_key(script: Path, data_dir: Path,
-                                                                     tmp_path: Path) -> None:
-    """Refused in one run, each key on one line that says what to use; verl's FSDP engine in one line."""
+def test_verl_scripts_hybridrl_cannot_run_are_refused_naming_each_key(script: Path, data_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused in one run, each key on one line that says what to use; verl's FSDP engine in one line; a tool YAML
+    (read where the script reads it) for the tool it names."""
+    verl_checkout(tmp_path, monkeypatch)
     with pytest.raises(ConfigError) as e:
         cfg = compose_config(["recipe=ppo_megatron_trainer", *script_overrides(script, data_dir, tmp_path)])
         t = cfg.trainer
@@ -121,6 +148,8 @@ def test_verl_scripts_hybridrl_cannot_run_are_refused_naming_each_key(script: Pa
     assert all("\n" not in i.message for i in e.value.issues)
     fsdp = [i.message for i in e.value.issues if i.key == "model_engine"]
     assert all("verl's FSDP engine" in m and "megatron.param_offload" in m for m in fsdp)
+    tools = [i.message for i in e.value.issues if i.key == f"{AOR}.rollout.multi_turn.tool_config_path"]
+    assert all(all(w in m for w in TOOL_REFUSALS[script.stem]) for m in tools), tools
 
 
 def test_verl_meanings_land_on_hybridrl_keys(data_dir: Path, tmp_path: Path) -> None:
