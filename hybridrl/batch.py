@@ -74,6 +74,10 @@ class RolloutBatch:
     # last token, which the engine never ran)
     prompt_routed_experts: torch.Tensor | None = None
     response_routed_experts: torch.Tensor | None = None
+    # the teacher's K most likely tokens at each response position and their log-probs, [B, T, K] long / float
+    # (a top-k distillation loss: actor_rollout_ref.teacher.loss); padded as the response fields
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
 
     PROMPT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_mask")
     RESPONSE_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -83,7 +87,9 @@ class RolloutBatch:
     SAMPLE_FIELDS: ClassVar[tuple[str, ...]] = ("weight_version", "group_index")
     # [B, P, ...] / [B, T, ...]: padded as the prompt / response fields, with -1
     ROUTING_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_routed_experts", "response_routed_experts")
-    _FIELDS: ClassVar[tuple[str, ...]] = (*PROMPT_FIELDS, *RESPONSE_FIELDS, *SAMPLE_FIELDS, *ROUTING_FIELDS)
+    TOPK_FIELDS: ClassVar[tuple[str, ...]] = ("teacher_topk_ids", "teacher_topk_logprobs")  # [B, T, K]
+    _FIELDS: ClassVar[tuple[str, ...]] = (*PROMPT_FIELDS, *RESPONSE_FIELDS, *SAMPLE_FIELDS, *ROUTING_FIELDS,
+                                          *TOPK_FIELDS)
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -102,6 +108,11 @@ class RolloutBatch:
             if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != (b, length)):
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected ({b}, {length}, "
                                  f"MoE layers, top-k)")
+        topk = [v for n in self.TOPK_FIELDS if (v := getattr(self, n)) is not None]
+        if topk and (len(topk) == 1 or any(v.dim() != 3 or tuple(v.shape[:2]) != (b, t) for v in topk)
+                     or topk[0].shape != topk[1].shape):
+            raise ValueError(f"RolloutBatch.teacher_topk_ids / teacher_topk_logprobs: both or neither, each of shape "
+                             f"({b}, {t}, K), got {[tuple(v.shape) for v in topk]}")
         if len(self.meta) != b:
             raise ValueError(f"RolloutBatch.meta has {len(self.meta)} entries, expected B={b}")
 
@@ -161,7 +172,7 @@ class RolloutBatch:
             fill = first.pad_token_id if name.endswith("_ids") else -1 if name in cls.ROUTING_FIELDS else 0
             if name in cls.PROMPT_FIELDS or name == "prompt_routed_experts":
                 values = [_pad(v, p, fill, left=True) for v in values]
-            elif name in cls.RESPONSE_FIELDS or name == "response_routed_experts":
+            elif name in cls.RESPONSE_FIELDS or name in cls.TOPK_FIELDS or name == "response_routed_experts":
                 values = [_pad(v, t, fill, left=False) for v in values]
             tensors[name] = torch.cat(values)
         meta = [m for b in batches for m in b.meta]

@@ -62,6 +62,7 @@ class ActorRolloutRef:
             self.teacher = MegatronPolicy(model_dir=config.teacher.model.path, megatron=a.megatron, optim=None,
                                           total_steps=0, pad_token_id=pad_token_id)
             self.teacher_offload = PolicyOffload(self.teacher, params=config.teacher.megatron.param_offload)
+        self.teacher_loss = config.teacher.loss  # a supervised distillation term's (top-k: the teacher's pass)
         self.critic_config, self.critic, self.critic_offload = critic, None, None
         if "critic" in plan.roles:
             assert critic is not None and plan.batch.critic is not None, "the plan has a critic: pass its config"
@@ -112,11 +113,18 @@ class ActorRolloutRef:
             self.ref_offload.offload()  # not needed again before the next step's
 
     def compute_teacher_log_probs(self, batch: RolloutBatch) -> None:
-        """Fill ``batch.teacher_logprobs``: the distillation teacher's log-prob of every sampled token."""
+        """Fill ``batch.teacher_logprobs``: the distillation teacher's log-prob of every sampled token; with a top-k
+        distillation loss (``teacher.loss``) ``batch.teacher_topk_{ids,logprobs}`` too, from the same pass."""
         assert self.teacher is not None and self.teacher_offload is not None and self.plan.batch.teacher_log_prob
         self.teacher_offload.reload()
-        batch.teacher_logprobs, _ = self.teacher.compute_log_probs(batch, batching=self.plan.batch.teacher_log_prob,
-                                                                   temperature=self.logprob_temperature)
+        batching, temperature, loss = self.plan.batch.teacher_log_prob, self.logprob_temperature, self.teacher_loss
+        if loss.uses_topk:
+            sampled_BT, topk_BTK, ids_BTK = self.teacher.compute_topk_log_probs(batch, loss.topk, batching=batching,
+                                                                                temperature=temperature)
+            batch.teacher_logprobs, batch.teacher_topk_logprobs, batch.teacher_topk_ids = sampled_BT, topk_BTK, ids_BTK
+        else:
+            batch.teacher_logprobs, _ = self.teacher.compute_log_probs(batch, batching=batching,
+                                                                       temperature=temperature)
         self.teacher_offload.offload()
 
     def compute_values(self, batch: RolloutBatch) -> None:

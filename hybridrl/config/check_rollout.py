@@ -200,7 +200,9 @@ def check_plugins(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
             issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                        f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")
         if group == "advantage_estimators":
-            if cls.needs_group and r.n < 2:
+            d = cfg.actor_rollout_ref.teacher.loss
+            trained = not (d.enabled and not d.use_task_rewards)  # else the distillation loss alone is trained
+            if cls.needs_group and r.n < 2 and trained:
                 issues.add(f"{AOR}.rollout.n", r.n,
                            f"advantage estimator {name!r} compares samples of one prompt: needs rollout.n ≥ 2")
             agg = getattr(cls, "loss_agg_mode", None)  # an estimator that is right with one aggregation only

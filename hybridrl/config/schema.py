@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from hybridrl.algorithms.distillation_loss import DistillationLossConfig
 from hybridrl.algorithms.dynamic_sampling import FilterGroupsConfig
 from hybridrl.algorithms.kl_controller import KLControlConfig
 from hybridrl.algorithms.rollout_correction import RolloutCorrectionConfig
@@ -107,10 +108,12 @@ class TeacherModelConfig:
 @dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     """A frozen model that scores every sampled token (on-policy distillation: ``algorithm.adv_estimator=opd`` or
-    ``grpo_opd``), built like the ref: no gradients, no optimizer, in the actor's layout (its sizes follow the actor
-    or must equal it), its log-probs computed where the ref's are and its weights offloaded as the ref's."""
+    ``grpo_opd``, or a supervised distillation term in the actor's loss: ``loss``), built like the ref: no gradients,
+    no optimizer, in the actor's layout (its sizes follow the actor or must equal it), its log-probs computed where
+    the ref's are and its weights offloaded as the ref's."""
 
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
     megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz

@@ -1,6 +1,7 @@
 """Static checks of the on-policy distillation teacher (``actor_rollout_ref.teacher``), before any model is built.
 
-The teacher exists exactly when the advantage estimator needs one (``needs_teacher``: ``opd``, ``grpo_opd``); its
+The teacher exists exactly when the advantage estimator needs one (``needs_teacher``: ``opd``, ``grpo_opd``) or the
+actor's loss has a distillation term (``actor_rollout_ref.teacher.loss``, checked here too); its
 checkpoint is read like the actor's (``build_if_missing`` included); it runs in the actor's Megatron layout, so its
 architecture must split as the actor's does; and it scores the student's token ids, so its tokenizer must be the
 student's (the same vocabulary) — a teacher of another tokenizer is refused here, not at step 1.
@@ -32,21 +33,38 @@ def estimator_needs_teacher(name: str) -> bool | None:
         return None
 
 
-def teacher_model(cfg: RLConfig, *, before_bootstrap: bool) -> tuple[HFArch | None, list[Problem]]:
-    """The teacher's architecture (None: no teacher, or not readable yet) and the problems of its checkpoint and of
-    whether there should be one at all."""
+def loss_problems(cfg: RLConfig) -> list[Problem]:
+    """``actor_rollout_ref.teacher.loss``'s own fields (the supervised distillation term)."""
+    loss = cfg.actor_rollout_ref.teacher.loss
+    return [(f"{KEY}.loss.{name}", value, message) for name, value, message in loss.problems()]
+
+
+def _needs_problems(cfg: RLConfig) -> list[Problem]:
+    """Whether there should be a teacher: exactly when the estimator distills (opd, grpo_opd) or the actor's loss has
+    a distillation term (``teacher.loss.loss_mode``)."""
     t, name = cfg.actor_rollout_ref.teacher, cfg.algorithm.adv_estimator
-    needs = estimator_needs_teacher(name)
+    needs, mode = estimator_needs_teacher(name), t.loss.loss_mode
     if not t.enabled:
-        if needs:
-            return None, [(f"{KEY}.model.path", None, f"algorithm.adv_estimator={name!r} distills from a teacher: "
-                           "set it to the teacher's HF checkpoint (its tokenizer must be the student's)")]
-        return None, []
-    problems: list[Problem] = []
-    if needs is False:
-        problems.append((f"{KEY}.model.path", t.model.path, f"algorithm.adv_estimator={name!r} does not use a "
-                         "teacher: it would be built for nothing; set it to null, or use a distillation estimator "
-                         "(opd, grpo_opd)"))
+        if needs or mode is not None:
+            why = (f"algorithm.adv_estimator={name!r} distills from a teacher" if needs
+                   else f"{KEY}.loss.loss_mode={mode} distills from a teacher")
+            return [(f"{KEY}.model.path", None, f"{why}: set it to the teacher's HF checkpoint (its tokenizer must "
+                     "be the student's)")]
+        return []
+    if needs is False and mode is None:
+        return [(f"{KEY}.model.path", t.model.path, f"algorithm.adv_estimator={name!r} does not use a teacher and "
+                 f"{KEY}.loss.loss_mode is null: it would be built for nothing; set it to null, or use a distillation "
+                 "estimator (opd, grpo_opd) or a distillation loss (loss.loss_mode: forward_kl_topk, k1, k3, ...)")]
+    return []
+
+
+def teacher_model(cfg: RLConfig, *, before_bootstrap: bool) -> tuple[HFArch | None, list[Problem]]:
+    """The teacher's architecture (None: no teacher, or not readable yet) and the problems of its checkpoint, of its
+    loss and of whether there should be one at all."""
+    t = cfg.actor_rollout_ref.teacher
+    problems = loss_problems(cfg) + _needs_problems(cfg)
+    if not t.enabled:
+        return None, problems
     m = t.model
     assert m.path is not None
     if (p := bootstrap.kind_problem(m.build_if_missing, model=True)) is not None:
@@ -68,14 +86,10 @@ def planned_teacher(cfg: RLConfig, config: Path | None, student: HFArch | None, 
     """The teacher's architecture when planning a run for another machine (``--model-config``): from ``config`` (its
     config.json), else its checkpoint's when that is here, else the student's (a note says so: the memory plan counts
     the teacher either way). Whether there should be a teacher at all is checked as for a run."""
-    t, name = cfg.actor_rollout_ref.teacher, cfg.algorithm.adv_estimator
+    t = cfg.actor_rollout_ref.teacher
     if not t.enabled:
         return teacher_model(cfg, before_bootstrap=True)
-    problems: list[Problem] = []
-    if estimator_needs_teacher(name) is False:
-        problems.append((f"{KEY}.model.path", t.model.path, f"algorithm.adv_estimator={name!r} does not use a "
-                         "teacher: it would be built for nothing; set it to null, or use a distillation estimator "
-                         "(opd, grpo_opd)"))
+    problems = loss_problems(cfg) + _needs_problems(cfg)
     assert t.model.path is not None
     local = Path(t.model.path) / "config.json"
     source = config if config is not None else local if local.is_file() else None
@@ -91,12 +105,14 @@ def planned_teacher(cfg: RLConfig, config: Path | None, student: HFArch | None, 
 
 def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Problem]:
     """The teacher shares the actor's process groups: its explicit sizes equal the actor's, its architecture splits
-    over them."""
+    over them; its top-k fits its vocabulary."""
     t, actor = cfg.actor_rollout_ref.teacher, cfg.actor_rollout_ref.actor.megatron
     out: list[Problem] = [
         (f"{KEY}.megatron.{size}", mine, f"must equal {AOR}.actor.megatron.{size}={theirs} (the teacher shares the "
          "actor's Megatron process groups); leave it null to follow the actor")
         for size, mine, theirs in t.megatron.mismatches(actor)]
+    if teacher is not None and t.loss.uses_topk and t.loss.topk > teacher.vocab_size:
+        out.append((f"{KEY}.loss.topk", t.loss.topk, f"at most the teacher's vocabulary ({teacher.vocab_size} tokens)"))
     if teacher is not None:
         out += [(f"{AOR}.actor.megatron.{size}", value, f"{KEY}.model.path: {message}")
                 for size, value, message in teacher.split_problems(

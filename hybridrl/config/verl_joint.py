@@ -7,12 +7,13 @@ the composed config, where the values the command line left out are the recipe's
   ``rollout.num_ranks`` run the engines (``placement=disaggregated``): the engine GPUs are added to each node's
   ranks (rollout.nnodes = trainer.nnodes), or as nodes of their own (the same GPUs per node).
 - ``distillation``: verl's teacher and distillation loss. hybridrl has one teacher (``actor_rollout_ref.teacher``),
-  which scores in Megatron in the actor's layout, and distills with the per-token reverse KL as a policy-gradient
-  advantage: verl's ``use_policy_gradient=true`` with ``loss_mode=k1`` is ``algorithm.adv_estimator=opd``, with
+  which scores in Megatron in the actor's layout. verl's ``use_policy_gradient=false`` (its default, with
+  ``loss_mode=k3``) is a supervised loss term: ``actor_rollout_ref.teacher.loss`` with verl's fields
+  (:mod:`hybridrl.algorithms.distillation_loss`: forward_kl_topk and the k1/k2/k3 estimators).
+  ``use_policy_gradient=true`` with ``loss_mode=k1`` is the reverse-KL advantage: ``algorithm.adv_estimator=opd``, with
   ``use_task_rewards=true`` (GRPO's task advantage plus the distillation one) ``grpo_opd`` with
   ``distill_coef=distillation_loss_coef``. Deviation: verl adds the two terms as two clipped policy losses, hybridrl
-  adds the advantages under one clip. verl's defaults (``loss_mode=k3``, ``use_policy_gradient=false``: a supervised
-  KL loss) and its top-k forward KL are not built: refused, naming what is.
+  adds the advantages under one clip. verl's ``forward_kl_topk_tail`` is not built: refused, naming what is.
 - ``tools``: verl's tool YAML (``multi_turn.tool_config_path``), read into hybridrl's tool plugins
   (:mod:`hybridrl.config.verl_tools`).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridrl.algorithms.distillation_loss import LOSS_MODES, DistillationLossConfig
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.verl_keys import AOR
@@ -82,29 +84,45 @@ def distillation(cfg: RLConfig, values: dict[str, Any]) -> Applied:
     if path is None:
         issues.append(ConfigIssue(key=f"{TEACHER}.model_path", value=None,
                                   message="distillation.enabled=true needs the teacher's HF checkpoint"))
-    loss_mode = values.get(f"{LOSS}.loss_mode", "k3")
-    if loss_mode not in ("k1", "kl"):  # verl's default k3 (a value on the command line was checked already)
+    loss_mode = values.get(f"{LOSS}.loss_mode", "k3")  # verl's defaults: a supervised k3 loss
+    pg, task = values.get(f"{LOSS}.use_policy_gradient", False), values.get(f"{LOSS}.use_task_rewards", True)
+    coef = float(values.get(f"{LOSS}.distillation_loss_coef", 1.0))
+    alg, t = cfg.algorithm, cfg.actor_rollout_ref.teacher
+    if pg:
+        if loss_mode not in ("k1", "kl"):
+            issues.append(ConfigIssue(key=f"{LOSS}.loss_mode", value=loss_mode, message=(
+                "with use_policy_gradient=true hybridrl's distillation advantage is the per-token reverse KL "
+                "log π − log π_teacher (k1: algorithm.adv_estimator=opd / grpo_opd); for a supervised "
+                f"{loss_mode} loss set use_policy_gradient=false")))
+        if task and alg.adv_estimator != "grpo":
+            issues.append(ConfigIssue(key="algorithm.adv_estimator", value=alg.adv_estimator, message=(
+                f"with {LOSS}.use_task_rewards=true hybridrl adds the distillation advantage to GRPO's (grpo_opd): "
+                "use grpo, or use_task_rewards=false (the distillation advantage alone: opd)")))
+        clamp = values.get(f"{LOSS}.loss_max_clamp")
+        if clamp is not None:
+            issues.append(ConfigIssue(key=f"{LOSS}.loss_max_clamp", value=clamp, message=(
+                "the distillation advantage is not clamped here (the clipped policy loss bounds each update): "
+                "leave it null, or use_policy_gradient=false (a supervised loss, clamped)")))
+    elif loss_mode not in LOSS_MODES:
         issues.append(ConfigIssue(key=f"{LOSS}.loss_mode", value=loss_mode, message=(
-            "verl's default; hybridrl distills with the per-token reverse KL log π − log π_teacher as the (negated) "
-            "advantage: set it to k1 with use_policy_gradient=true")))
-    if not values.get(f"{LOSS}.use_policy_gradient", False):
-        issues.append(ConfigIssue(key=f"{LOSS}.use_policy_gradient", value=False, message=(
-            "verl's default (a supervised KL loss), not built here: set it to true (the distillation term as a "
-            "policy-gradient advantage: algorithm.adv_estimator=opd / grpo_opd)")))
-    alg = cfg.algorithm
-    task = values.get(f"{LOSS}.use_task_rewards", True)
-    if task and alg.adv_estimator != "grpo":
-        issues.append(ConfigIssue(key="algorithm.adv_estimator", value=alg.adv_estimator, message=(
-            f"with {LOSS}.use_task_rewards=true hybridrl adds the distillation advantage to GRPO's (grpo_opd): "
-            "use grpo, or use_task_rewards=false (the distillation advantage alone: opd)")))
+            f"the supervised distillation losses built: {', '.join(LOSS_MODES)} "
+            "(verl's forward_kl_topk_tail is not)")))
     if issues:
         return [], issues
-    cfg.actor_rollout_ref.teacher.model.path = path
-    coef = float(values.get(f"{LOSS}.distillation_loss_coef", 1.0)) if task else 1.0
-    alg.adv_estimator = "grpo_opd" if task else "opd"
-    alg.adv_estimator_kwargs["distill_coef"] = coef
-    return [f"verl's distillation.* is hybridrl's {AOR}.teacher.model.path={path}, algorithm.adv_estimator="
-            f"{alg.adv_estimator} (distill_coef={coef})"], []
+    t.model.path = path
+    if pg:
+        coef = coef if task else 1.0
+        alg.adv_estimator = "grpo_opd" if task else "opd"
+        alg.adv_estimator_kwargs["distill_coef"] = coef
+        return [f"verl's distillation.* is hybridrl's {AOR}.teacher.model.path={path}, algorithm.adv_estimator="
+                f"{alg.adv_estimator} (distill_coef={coef})"], []
+    t.loss = DistillationLossConfig(
+        loss_mode=loss_mode, topk=values.get(f"{LOSS}.topk", 32), use_task_rewards=task,
+        distillation_loss_coef=coef if task else 1.0, loss_max_clamp=values.get(f"{LOSS}.loss_max_clamp"),
+        log_prob_min_clamp=values.get(f"{LOSS}.log_prob_min_clamp"))
+    return [f"verl's distillation.* is hybridrl's {AOR}.teacher.model.path={path} and {AOR}.teacher.loss "
+            f"(loss_mode={loss_mode}, use_task_rewards={task}, distillation_loss_coef={t.loss.distillation_loss_coef})"
+            ], []
 
 
 GROUPS: dict[str, Callable[[RLConfig, dict[str, Any]], Applied]] = {

@@ -328,30 +328,32 @@ _CURRENT = [
                  "placement=disaggregated, trainer.n_gpus_per_node counting both"),
     VerlKey(key="rollout.n_gpus_per_node", status="joint", group="placement", note="as rollout.nnodes"),
     VerlKey(key="distillation.enabled", status="joint", group="distillation",
-            note=f"a teacher ({AOR}.teacher) and a distillation estimator: algorithm.adv_estimator=opd, or grpo_opd "
-                 "with use_task_rewards"),
+            note=f"a teacher ({AOR}.teacher) and its distillation: a supervised loss term ({AOR}.teacher.loss, "
+                 "verl's use_policy_gradient=false) or the reverse-KL advantage (algorithm.adv_estimator=opd / "
+                 "grpo_opd, use_policy_gradient=true)"),
     VerlKey(key=f"{_TEACHER}.model_path", status="joint", group="distillation",
             note=f"{AOR}.teacher.model.path"),
     VerlKey(key="distillation.distillation_loss.loss_mode", status="joint", group="distillation",
-            allowed=("k1", "kl"),
-            note="hybridrl distills with the per-token reverse KL log π − log π_teacher as the (negated) advantage, "
-                 "verl's use_policy_gradient=true with loss_mode=k1 (algorithm.adv_estimator=opd; grpo_opd with "
-                 "use_task_rewards=true); the top-k and supervised KL losses are not built"),
+            note=f"use_policy_gradient=false: {AOR}.teacher.loss.loss_mode (forward_kl_topk, k1/kl, k2/mse, "
+                 "k3/low_var_kl, abs); use_policy_gradient=true: k1 only, the reverse KL as the (negated) advantage "
+                 "(algorithm.adv_estimator=opd; grpo_opd with use_task_rewards=true); forward_kl_topk_tail is not "
+                 "built"),
     VerlKey(key="distillation.distillation_loss.use_policy_gradient", status="joint", group="distillation",
-            allowed=(True,),
-            note="the distillation term is a policy-gradient advantage here (opd, grpo_opd); verl's supervised "
-                 "KL loss is not built"),
+            note=f"false: a supervised loss term ({AOR}.teacher.loss); true: a policy-gradient advantage (opd, "
+                 "grpo_opd)"),
     VerlKey(key="distillation.distillation_loss.use_task_rewards", status="joint", group="distillation",
-            note="true: GRPO's task advantage plus the distillation one (grpo_opd); false: the distillation one "
-                 "alone (opd)"),
+            note=f"supervised: {AOR}.teacher.loss.use_task_rewards (false: no policy-gradient term); policy "
+                 "gradient: true is GRPO's task advantage plus the distillation one (grpo_opd), false the "
+                 "distillation one alone (opd)"),
     VerlKey(key="distillation.distillation_loss.distillation_loss_coef", status="joint", group="distillation",
-            note="algorithm.adv_estimator_kwargs.distill_coef (with use_task_rewards)"),
-    VerlKey(key="distillation.distillation_loss.topk", status="ignored",
-            note="used by verl's top-k losses only, which are not built"),
-    VerlKey(key="distillation.distillation_loss.loss_max_clamp", status="ignored", allowed=(None,),
-            note="the distillation advantage is not clamped (the clipped policy loss bounds each update)"),
-    VerlKey(key="distillation.distillation_loss.log_prob_min_clamp", status="ignored", allowed=(None,),
-            note="log-probs are not clamped"),
+            note=f"{AOR}.teacher.loss.distillation_loss_coef, or algorithm.adv_estimator_kwargs.distill_coef (policy "
+                 "gradient with use_task_rewards)"),
+    VerlKey(key="distillation.distillation_loss.topk", status="joint", group="distillation",
+            note=f"{AOR}.teacher.loss.topk (forward_kl_topk)"),
+    VerlKey(key="distillation.distillation_loss.loss_max_clamp", status="joint", group="distillation",
+            note=f"{AOR}.teacher.loss.loss_max_clamp (supervised); the distillation advantage is not clamped"),
+    VerlKey(key="distillation.distillation_loss.log_prob_min_clamp", status="joint", group="distillation",
+            note=f"{AOR}.teacher.loss.log_prob_min_clamp (forward_kl_topk)"),
     VerlKey(key="distillation.distillation_loss.policy_loss_mode", status="ignored", allowed=("vanilla",),
             note="the distillation advantage goes through algorithm.policy_loss with the actor's clip ratios"),
     *[VerlKey(key=f"distillation.distillation_loss.{k}", status="ignored", allowed=(0.2,),

@@ -36,6 +36,7 @@ from hybridrl.megatron.model import build_model_chunks
 from hybridrl.megatron.router_replay import RouterReplay, unpacked_routing
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
 from hybridrl.megatron.vocab_parallel import vocab_parallel_is_argmax, vocab_parallel_logprob_entropy
+from hybridrl.megatron.vocab_topk import vocab_parallel_logprobs_at, vocab_parallel_topk
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
 from hybridrl.ops import compiled_kernels, lm_head_logprob_entropy
 from hybridrl.tracking import say
@@ -65,10 +66,13 @@ PerToken = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[tor
 
 
 class LossFn(Protocol):
-    """A micro-batch's loss divided by ``normalizer`` (the mini-batch's, over all DP ranks), and metrics."""
+    """A micro-batch's loss divided by ``normalizer`` (the mini-batch's, over all DP ranks), and metrics;
+    ``topk_logprobs_BTK`` is given when the batch carries the teacher's top-k ids (``teacher_topk_ids``): the
+    policy's log-probs of those ids."""
 
     def __call__(self, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBatch, *,
-                 normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+                 normalizer: torch.Tensor, topk_logprobs_BTK: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 class MegatronPolicy(MegatronRunner):
@@ -123,37 +127,84 @@ class MegatronPolicy(MegatronRunner):
             temperature=temperature, fused=self.use_fused_kernels, consume_logits=True)
 
     def _response_tokens(self, output: torch.Tensor, mb: _Micro, per_token: PerToken) -> list[torch.Tensor]:
-        """``per_token(output, target_N, select_N)``'s values (``[N]`` each) at every response token, ``[B, T]`` each:
-        the target of a position is the next token of its row (gathered over CP when CP > 1)."""
+        """``per_token(output, target_N, select_N)``'s values (``[N]`` or ``[N, K]`` each) at every response token,
+        ``[B, T]`` (``[B, T, K]``) each: the target of a position is the next token of its row (gathered over CP when
+        CP > 1)."""
         # s: this CP rank's positions (all S when CP = 1)
         B, s = (output.shape[1], output.shape[0]) if self.returns_hidden_states else output.shape[:2]
         if mb.rows.shared_prompts:  # a row holds several samples: read each response token's position
             response_BT = mb.batch.response_ids
             values = per_token(output, response_BT.reshape(-1), mb.rows.flat_response_index_BT().reshape(-1))
-            return [v.view_as(response_BT) for v in values]
+            return [v.view(*response_BT.shape, *v.shape[1:]) for v in values]
         next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
         values = per_token(output, shard_sequence(next_BS).reshape(-1), None)
         idx_BT = mb.rows.response_index_BT()
-        return [gather_sequence(v.view(B, s)).gather(1, idx_BT) for v in values]
+        return [_at_positions(gather_sequence(v.view(B, s, *v.shape[1:])), idx_BT) for v in values]
+
+    def _positioned(self, mb: _Micro, x_BTK: torch.Tensor) -> torch.Tensor:
+        """``[N, K]``: the per-response-token ``x_BTK`` at the positions ``per_token`` sees, in its order (each
+        response token's at the position that predicts it; zeros elsewhere)."""
+        K = x_BTK.shape[-1]
+        if mb.rows.shared_prompts:
+            return x_BTK.reshape(-1, K)
+        out_BSK = x_BTK.new_zeros(*mb.rows.tokens_BS.shape, K)
+        b, t = mb.batch.response_mask.nonzero(as_tuple=True)
+        out_BSK[b, mb.rows.response_index_BT()[b, t]] = x_BTK[b, t]
+        return shard_sequence(out_BSK).reshape(-1, K)
 
     def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
               temperature: float, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        extra: dict[str, torch.Tensor] = {}
+        if loss_fn is not None and mb.batch.teacher_topk_ids is not None:  # a top-k distillation loss: read first,
+            ids_NK = self._positioned(mb, mb.batch.teacher_topk_ids)  # the sampled-token path may consume logits
+            (extra["topk_logprobs_BTK"],) = self._response_tokens(output, mb, lambda out, _, select_N: (
+                vocab_parallel_logprobs_at(self._local_logits(out, select_N),
+                                           ids_NK, vocab_size=self.arch.vocab_size,
+                                           temperature=temperature),))
         logp_BT, ent_BT = self._response_tokens(
             output, mb, lambda out, target_N, select_N: self._token_logprobs(out, target_N, select_N, temperature))
         if loss_fn is None:
             return logp_BT.sum() * 0.0, {"logprobs": logp_BT.detach(), "entropy": ent_BT.detach()}
-        loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch)
+        loss, metrics = loss_fn(logp_BT, ent_BT, mb.batch, **extra)
         return loss, {k: v.detach() for k, v in metrics.items()}
+
+    def _local_logits(self, output: torch.Tensor, select_N: torch.Tensor | None) -> torch.Tensor:
+        """``[N, V_pad / TP]``: this TP rank's vocabulary columns of the logits at the positions ``select_N`` (all
+        when None), in (row, position) order; from the fused LM head's hidden states when the model returns those."""
+        if self.returns_hidden_states:
+            hidden_Nh = output.transpose(0, 1).reshape(-1, output.shape[-1])
+            return (hidden_Nh if select_N is None else hidden_Nh[select_N]) @ output_weight(self.chunks[-1]).t()
+        logits_Nv = output.reshape(-1, output.shape[-1])
+        return logits_Nv if select_N is None else logits_Nv[select_N]
 
     def _greedy_matches(self, output: torch.Tensor, target_N: torch.Tensor,
                         select_N: torch.Tensor | None) -> tuple[torch.Tensor]:
-        if self.returns_hidden_states:  # the fused LM head's hidden states: this rank's vocabulary columns of logits
-            hidden_Nh = output.transpose(0, 1).reshape(-1, output.shape[-1])
-            logits_Nv = (hidden_Nh if select_N is None else hidden_Nh[select_N]) @ output_weight(self.chunks[-1]).t()
-        else:
-            logits_Nv = output.reshape(-1, output.shape[-1])
-            logits_Nv = logits_Nv if select_N is None else logits_Nv[select_N]
+        logits_Nv = self._local_logits(output, select_N)
         return (vocab_parallel_is_argmax(logits_Nv, target_N, vocab_size=self.arch.vocab_size),)
+
+    def _topk_head(self, k: int, temperature: float, mb: _Micro,
+                   output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def per_token(out: torch.Tensor, target_N: torch.Tensor,
+                      select_N: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            logits_Nv = self._local_logits(out, select_N)
+            logp_NK, ids_NK = vocab_parallel_topk(logits_Nv, k, vocab_size=self.arch.vocab_size,
+                                                  temperature=temperature)
+            (sampled_N,) = vocab_parallel_logprobs_at(logits_Nv.detach(), target_N[:, None],
+                                                      vocab_size=self.arch.vocab_size, temperature=temperature).T
+            return sampled_N, logp_NK, ids_NK.float()  # ids < 2^24: exact in fp32
+        sampled_BT, logp_BTK, ids_BTK = self._response_tokens(output, mb, per_token)
+        return output.sum() * 0.0, {"logprobs": sampled_BT, "topk_logprobs": logp_BTK, "topk_ids": ids_BTK}
+
+    def compute_topk_log_probs(self, batch: RolloutBatch, k: int, *, batching: MicroBatching,
+                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logprobs_BT, topk_logprobs_BTK, topk_ids_BTK)`` of every response position: the log-prob of the sampled
+        token and the model's ``k`` most likely tokens (most likely first) with their log-probs; every rank of the MP
+        group, on the host, zeros outside the response (the distillation teacher's pass for a top-k loss)."""
+        with torch.no_grad():
+            sampled_BT, logp_BTK, ids_BTK = self._forward_rows(
+                batch, partial(self._topk_head, k, temperature), ("logprobs", "topk_logprobs", "topk_ids"),
+                batching=batching, widths={"topk_logprobs": k, "topk_ids": k})
+        return sampled_BT, logp_BTK, ids_BTK.long()
 
     def _greedy_head(self, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         (match_BT,) = self._response_tokens(output, mb, self._greedy_matches)
@@ -251,11 +302,11 @@ class MegatronPolicy(MegatronRunner):
         rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ... with its rows' batch index
 
         def head_for(normalizer: torch.Tensor) -> Head:
-            def on_policy(logp_BT: torch.Tensor, ent_BT: torch.Tensor, mb: RolloutBatch
+            def on_policy(logp_BT: torch.Tensor, ent_BT: torch.Tensor, mb: RolloutBatch, **extra: torch.Tensor
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 mb.old_logprobs = logp_BT.detach()
                 seen.append((mb.old_logprobs, ent_BT.detach()))
-                return loss_fn(logp_BT, ent_BT, mb, normalizer=normalizer)
+                return loss_fn(logp_BT, ent_BT, mb, normalizer=normalizer, **extra)
 
             def head(mb: _Micro, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 out = self._loss(on_policy, temperature, mb, logits)
@@ -298,3 +349,10 @@ def reference_log_probs(ref: MegatronPolicy, batch: RolloutBatch, *, batching: M
     with ref.lora.disabled() if ref.lora is not None else contextlib.nullcontext():
         logp_BT, _ = ref.compute_log_probs(batch, batching=batching, temperature=temperature)
     return logp_BT
+
+
+def _at_positions(x_BS: torch.Tensor, idx_BT: torch.Tensor) -> torch.Tensor:
+    """``x_BS[b, idx_BT[b, t]]`` (``[B, T]``, or ``[B, T, K]`` for ``x_BSK``)."""
+    if x_BS.dim() == 2:
+        return x_BS.gather(1, idx_BT)
+    return x_BS.gather(1, idx_BT[:, :, None].expand(-1, -1, x_BS.shape[-1]))

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, cast
@@ -311,24 +312,27 @@ class MegatronRunner:
 
     @torch.no_grad()
     def _forward_rows(self, batch: RolloutBatch, head: Head, keys: tuple[str, ...], *,
-                      batching: MicroBatching) -> torch.Tensor:
-        """``[len(keys), B, T]``: the head's per-response-token outputs ``keys`` of every row of ``batch``,
-        on every rank of the MP group, masked, on the host (as the loop's batches are); ``batch`` moves to
-        this rank's device once, here."""
+                      batching: MicroBatching, widths: Mapping[str, int] | None = None) -> list[torch.Tensor]:
+        """The head's per-response-token outputs ``keys`` of every row of ``batch``, ``[B, T]`` each (``[B, T, w]``
+        for a key of ``widths``: w values per token), fp32, on every rank of the MP group, masked, on the host (as
+        the loop's batches are); ``batch`` moves to this rank's device once, here."""
         for chunk in self.chunks:
             chunk.eval()
         batch = batch.to(self.device)
         micros = self._pad_for_interleaving(self._micro_batches(batch, batching))
         outputs = self._run(micros, head, forward_only=True)
         B, T = batch.response_ids.shape
-        rows = torch.zeros(len(keys), B, T, device=self.device)
+        w = [(widths or {}).get(key, 0) for key in keys]  # 0: a [B, T] output
+        ends = list(itertools.accumulate(max(x, 1) for x in w))
+        rows = torch.zeros(B, T, ends[-1], device=self.device)  # every key side by side: one PP broadcast
         if parallel_state.is_pipeline_last_stage():
             for mb, out in zip(micros, outputs, strict=True):
                 real = mb.index >= 0
-                for i, key in enumerate(keys):
-                    rows[i, mb.index[real]] = out[key][real]
+                for key, x, end in zip(keys, w, ends, strict=True):
+                    rows[mb.index[real], :, end - max(x, 1):end] = out[key][real].float().view(-1, T, max(x, 1))
         self._broadcast_from_last_stage(rows)
-        return (rows * batch.response_mask.float()).cpu()
+        rows = (rows * batch.response_mask.float()[:, :, None]).cpu()
+        return [rows[:, :, end - x:end] if x else rows[:, :, end - 1] for x, end in zip(w, ends, strict=True)]
 
     def _train_step(self, batch: RolloutBatch, head_for: Callable[[torch.Tensor], Head], *,
                     batching: MicroBatching, loss_agg_mode: str) -> dict[str, float]:

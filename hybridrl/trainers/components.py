@@ -142,7 +142,8 @@ def actor_objective(cfg: RLConfig) -> ActorObjective:
     return ActorObjective(policy_loss=policy_loss, loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
                           use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
                           norm_constant=cfg.data.max_response_length,
-                          rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction))
+                          rollout_correction=RolloutCorrection.from_config(cfg.algorithm.rollout_correction),
+                          distillation=cfg.actor_rollout_ref.teacher.loss)
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:

@@ -37,8 +37,37 @@ def test_a_distillation_estimator_without_a_teacher_names_the_key(base: list[str
 
 def test_a_teacher_no_estimator_uses_is_refused(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
     found = issues(base, f"{T}.model.path={teachers['bigger']}")
-    assert found == [f"{T}.model.path='{teachers['bigger']}': algorithm.adv_estimator='grpo' does not use a teacher: "
-                     "it would be built for nothing; set it to null, or use a distillation estimator (opd, grpo_opd)"]
+    assert found == [f"{T}.model.path='{teachers['bigger']}': algorithm.adv_estimator='grpo' does not use a teacher "
+                     f"and {T}.loss.loss_mode is null: it would be built for nothing; set it to null, or use a "
+                     "distillation estimator (opd, grpo_opd) or a distillation loss (loss.loss_mode: forward_kl_topk, "
+                     "k1, k3, ...)"]
+
+
+def test_a_distillation_loss_uses_the_teacher(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
+    """A supervised distillation term (``teacher.loss``) is a use of the teacher beside any estimator, and one without
+    a teacher names the key; with ``use_task_rewards=false`` the estimator's advantage is not trained, so GRPO's
+    group of samples is not needed (verl's distillation script samples once per prompt)."""
+    assert issues(base, f"{T}.model.path={teachers['bigger']}", f"{T}.loss.loss_mode=forward_kl_topk") == []
+    assert issues(base, f"{T}.model.path={teachers['bigger']}", f"{T}.loss.loss_mode=k3",
+                  f"{T}.loss.use_task_rewards=false", "actor_rollout_ref.rollout.n=1") == []
+    assert issues(base, f"{T}.model.path={teachers['bigger']}", f"{T}.loss.loss_mode=k3",
+                  "actor_rollout_ref.rollout.n=1")[0].startswith("actor_rollout_ref.rollout.n=1: ")
+    assert issues(base, f"{T}.loss.loss_mode=k1") == [
+        f"{T}.model.path: {T}.loss.loss_mode=k1 distills from a teacher: set it to the teacher's HF checkpoint (its "
+        "tokenizer must be the student's)"]
+
+
+def test_a_bad_distillation_loss_names_each_field(base: list[str], teachers: dict[str, Path]) -> None:  # noqa: F811
+    found = issues(base, f"{T}.model.path={teachers['bigger']}", f"{T}.loss.loss_mode=forward_kl", f"{T}.loss.topk=0",
+                   f"{T}.loss.distillation_loss_coef=0", f"{T}.loss.loss_max_clamp=-1",
+                   f"{T}.loss.log_prob_min_clamp=2")
+    assert [f.split(":")[0] for f in found] == [
+        f"{T}.loss.loss_mode='forward_kl'", f"{T}.loss.topk=0", f"{T}.loss.distillation_loss_coef=0.0",
+        f"{T}.loss.loss_max_clamp=-1.0", f"{T}.loss.log_prob_min_clamp=2.0"], found
+    assert "forward_kl_topk, k1, kl, k2, mse, k3, low_var_kl, abs" in found[0]
+    vocab = issues(base, f"{T}.model.path={teachers['bigger']}", f"{T}.loss.loss_mode=forward_kl_topk",
+                   f"{T}.loss.topk=100000")
+    assert len(vocab) == 1 and vocab[0].startswith(f"{T}.loss.topk=100000: at most the teacher's vocabulary ("), vocab
 
 
 def test_a_missing_teacher_checkpoint_names_its_key(base: list[str], tmp_path: Path) -> None:  # noqa: F811

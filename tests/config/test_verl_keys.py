@@ -39,11 +39,7 @@ QWEN7B = MODELS / "qwen2.5-7b.json"
 AOR = "actor_rollout_ref"
 # current scripts that do not validate as written for want of a capability, and which (GSPO's TP2 × EP8 × ETP1 and
 # LoRA's TP2 × PP2 × EP4 × ETP1 on 8 GPUs validate: Megatron's own expert grid, expert_tensor_parallel_size)
-MISSING = {
-    "opd_qwen3_8b_megatron": "verl's forward_kl_topk distillation loss (the teacher's top-k log-probs, a supervised "
-                             "forward KL on the student's logits) is not built: hybridrl distills with the reverse KL "
-                             "as a policy-gradient advantage (opd, grpo_opd)",
-}
+MISSING: dict[str, str] = {}
 # current scripts refused as written: the keys the one error names
 REFUSED = {
     "grpo_qwen3_8b_fsdp": {"model_engine"},  # verl's FSDP engine, one line
@@ -53,8 +49,6 @@ REFUSED = {
         f"{AOR}.rollout.multi_turn.tool_config_path"},
     # its tool YAML's Gsm8kTool checks the answer against the row's ground truth, which hybridrl's tools do not see
     "sglang_multiturn_megatron_gsm8k_tool": {f"{AOR}.rollout.multi_turn.tool_config_path"},
-    "opd_qwen3_8b_megatron": {f"distillation.distillation_loss.{k}" for k in (
-        "loss_mode", "use_policy_gradient", "loss_max_clamp", "log_prob_min_clamp")},
     # TP4 × PP2 × EP2 on 8 GPUs: Megatron's expert grid (ETP = TP when unset, as verl leaves it) is 4 × 2 × 2 = 16
     # ranks; Megatron refuses it too (parallel_state: world size not divisible by ETP × EP × PP)
     "grpo_qwen3_30b_a3b_megatron": {f"{AOR}.actor.megatron.expert_model_parallel_size"},

@@ -1,4 +1,5 @@
-"""Vocab-parallel log-prob and entropy: exact values and gradients at TP=1 and TP=2, padding masked."""
+"""Vocab-parallel log-prob and entropy, and the top-k distillation loss's top-k log-probs and log-probs at given ids:
+exact values and gradients at TP=1 and TP=2 (a k larger than one shard), padding masked and never chosen."""
 
 from pathlib import Path
 

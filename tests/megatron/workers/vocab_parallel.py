@@ -1,4 +1,5 @@
-"""Worker: vocab-parallel log-prob/entropy (values and grads) vs a full-vocab torch reference."""
+"""Worker: vocab-parallel log-prob/entropy, top-k log-probs and log-probs at given ids (values and grads) vs a
+full-vocab torch reference."""
 
 import sys
 
@@ -8,6 +9,7 @@ from megatron.core import parallel_state
 
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.megatron.vocab_parallel import vocab_parallel_logprob_entropy
+from hybridrl.megatron.vocab_topk import vocab_parallel_logprobs_at, vocab_parallel_topk
 
 torch.set_num_threads(1)
 tp = int(sys.argv[1])
@@ -35,5 +37,37 @@ for temperature in (1.0, 0.7):
     if dist.get_rank() == 0:
         print(f"T={temperature} max errors logp/entropy/grad: {errs}")
     assert max(errs) < 1e-5, errs
+
+# the top-k distillation loss's pair (hybridrl.megatron.vocab_topk)
+full_NV[:, vocab:] = 50.0  # padding columns far above the rest: they must never be chosen nor counted
+v = padded // tp
+for temperature, k in ((1.0, 4), (0.7, 8)):  # k = 8 > one TP=2 shard's 6 columns
+    logp_ref_NV = torch.log_softmax(full_NV[:, :vocab] / temperature, -1)
+    want_logp, want_ids = logp_ref_NV.topk(k, dim=-1)
+    local = full_NV[:, rank * v:(rank + 1) * v]
+    logp_NK, ids_NK = vocab_parallel_topk(local, k, vocab_size=vocab, temperature=temperature)
+    assert torch.equal(ids_NK, want_ids), (ids_NK, want_ids)
+    topk_err = (logp_NK - want_logp).abs().max().item()
+
+    # log-probs at other ids (the student's at the teacher's top-k), with gradient
+    ids = torch.randint(0, vocab, (N, k), generator=g)
+    w_NK = torch.randn(N, k, generator=g)
+    ref = full_NV[:, :vocab].clone().requires_grad_(True)
+    at_ref = torch.log_softmax(ref / temperature, -1).gather(-1, ids)
+    (at_ref * w_NK).sum().backward()
+    mine = local.clone().requires_grad_(True)
+    at = vocab_parallel_logprobs_at(mine, ids, vocab_size=vocab, temperature=temperature)
+    (at * w_NK).sum().backward()
+    grad_full = torch.cat([ref.grad, torch.zeros(N, padded - vocab)], -1)[:, rank * v:(rank + 1) * v]
+    errs = [topk_err, (at - at_ref).abs().max().item(), (mine.grad - grad_full).abs().max().item()]
+    if dist.get_rank() == 0:
+        print(f"T={temperature} k={k} max errors topk/at/grad: {errs}")
+    assert max(errs) < 1e-5, errs
+try:
+    vocab_parallel_topk(full_NV[:, rank * v:(rank + 1) * v], vocab + 1, vocab_size=vocab)
+except ValueError as e:
+    assert "at most the vocabulary size" in str(e), e
+else:
+    raise AssertionError("top-k over the vocabulary size was not refused")
 destroy_parallel()
 print("OK")
