@@ -187,6 +187,10 @@ class ChatEndpoint:
 
     def _serve(self, method: str, path: str, headers: Any, read_body: Callable[[int], bytes]) -> tuple[int, Any]:
         route = path.split("?", 1)[0].rstrip("/")
+        if route == "/v1/completions":  # legacy text completions: an episode's turns are the chat template's
+            raise RequestError(404, f"{method} /v1/completions (legacy text completions) is not served: an episode is "
+                                    "a conversation whose turns the policy's chat template renders token-exactly; "
+                                    "send its messages to POST /v1/chat/completions", code="unknown_url")
         if route not in ("/v1/chat/completions", "/v1/models"):
             raise RequestError(404, f"no route {method} {route}: this endpoint serves POST /v1/chat/completions and "
                                     "GET /v1/models", code="unknown_url")

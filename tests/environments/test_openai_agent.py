@@ -131,6 +131,8 @@ def test_the_endpoint_speaks_openai() -> None:
             with pytest.raises(openai.BadRequestError, match=re.escape(says)) as err:
                 client.chat.completions.create(model="policy", messages=TASK, **kwargs)
             assert err.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError, match="send its messages to POST /v1/chat/completions"):
+            client.completions.create(model="policy", prompt="What is 2+3?")
         with pytest.raises(openai.AuthenticationError, match="unknown API key") as auth:
             openai.OpenAI(base_url=endpoint.base_url, api_key="sk-wrong", max_retries=0).models.list()
         assert auth.value.response.json()["error"]["code"] == "invalid_api_key"
