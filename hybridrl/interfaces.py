@@ -9,7 +9,7 @@ before anything heavy is built, so they must not require instantiation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -303,6 +303,25 @@ class PolicyTurn:
     decode: Callable[[Sequence[int]], str]  # the policy's tokenizer: ids → text (special tokens kept)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSample:
+    """The sample a tool call serves, for a tool that asks for it (``Tool.takes_sample``): verl's per-trajectory
+    ``create(instance_id, **create_kwargs)`` data."""
+
+    meta: SampleMeta  # the dataset row: ground_truth (data.ground_truth_key), data_source, extra (its other columns)
+    # the row's extra_info.tools_kwargs.<the tool's schema name>.create_kwargs (verl's layout); {} where it has none
+    create_kwargs: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, meta: SampleMeta, name: str) -> ToolSample:
+        """What tool ``name`` (its schema's function name, as verl keys ``tools_kwargs``) gets of the row ``meta``
+        (a missing level, or None where a parquet struct left one empty, is no kwargs)."""
+        node: Any = meta.extra
+        for key in ("extra_info", "tools_kwargs", name, "create_kwargs"):
+            node = node.get(key) if isinstance(node, Mapping) else None
+        return cls(meta=meta, create_kwargs=dict(node) if isinstance(node, Mapping) else {})
+
+
 @runtime_checkable
 class Tool(Protocol):
     """A function the policy can call by ``schema["function"]["name"]`` in a multi-turn rollout (group
@@ -312,6 +331,10 @@ class Tool(Protocol):
     ``schema`` is an OpenAI function schema ``{"type": "function", "function": {"name", "description",
     "parameters"}}``. ``__call__`` returns the observation text the policy reads next; it may be a coroutine
     function. An exception is an error observation for the policy, never a crash of the run.
+
+    Opt-in: a tool whose class sets ``takes_sample: ClassVar[bool] = True`` is called
+    ``tool(arguments, sample=ToolSample)``, with the sample the call serves (its row's ground truth and per-tool
+    ``create_kwargs``: what verl hands a tool's ``create``); any other is called ``tool(arguments)``.
     """
 
     Config: ClassVar[type]

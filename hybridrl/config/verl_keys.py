@@ -294,8 +294,8 @@ _CURRENT = [
     VerlKey(key=f"{AOR}.rollout.multi_turn.tool_config_path", status="joint", group="tools",
             note=f"verl's tool YAML, read into {AOR}.rollout.multi_turn.tools and tool_kwargs.<tool>: an entry whose "
                  "class_name is a hybridrl tool plugin (its name or class path) is that tool, its config the plugin's; "
-                 "verl's sandbox-fusion code tool is python; verl's Gsm8kTool and other classes are refused, each in "
-                 "one line (docs/multi-turn.md)"),
+                 "verl's sandbox-fusion code tool is python, its Gsm8kTool gsm8k (the row's ground truth from its "
+                 "extra_info.tools_kwargs); other classes are refused, each in one line (docs/multi-turn.md)"),
     VerlKey(key=f"{AOR}.rollout.multi_turn.max_user_turns", status="ignored",
             note="a tool turn follows each assistant turn with calls: multi_turn.max_assistant_turns bounds both"),
     VerlKey(key="algorithm.gamma", status="alias", target="algorithm.adv_estimator_kwargs.gae.gamma",

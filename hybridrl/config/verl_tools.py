@@ -9,9 +9,8 @@ function: {name, description, parameters}}}]``; verl imports ``class_name`` and 
   (``hybridrl.tools.calculator.Calculator``): that tool, ``config`` its Config's keys;
 - a verl built-in with a hybridrl tool of the same meaning (:data:`VERL_BUILTINS`): verl's sandbox-fusion code tool is
   ``python`` (the policy's code run in a local sandbox; verl's run-time and memory limits carried over, the sandbox
-  server's URL and rate limits not used);
-- verl's ``Gsm8kTool`` is refused: it compares the submitted answer with the row's ground truth, which a hybridrl tool
-  does not see (it is built once with its Config and called with the call's arguments only);
+  server's URL and rate limits not used); verl's ``Gsm8kTool`` is ``gsm8k`` (the answer checked against the row's
+  ground truth, from the row's ``extra_info.tools_kwargs`` as verl reads it: :mod:`hybridrl.tools.gsm8k`);
 - any other class is refused naming it, the file and the installed tools; so is verl's ``type: mcp``.
 
 The schema the policy reads is the plugin's (a plugin cannot be renamed): an entry's ``tool_schema`` whose function
@@ -56,7 +55,7 @@ def _sandbox_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 class VerlTool:
     """A verl built-in tool class and what it is here."""
 
-    tool: str | None  # the hybridrl tool plugin of the same meaning; None: refused with the note
+    tool: str  # the hybridrl tool plugin of the same meaning
     kwargs: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: {}  # verl's config → the plugin's
     used: tuple[str, ...] = ()  # verl's config keys that kwargs reads
     allowed: dict[str, tuple[object, ...]] = field(default_factory=dict)  # verl config key → the values that fit
@@ -68,11 +67,9 @@ _SANDBOX = VerlTool(tool="python", kwargs=_sandbox_kwargs, used=("default_timeou
                     note="the code runs in hybridrl's local sandbox, not on a Sandbox Fusion server")
 VERL_BUILTINS: dict[str, VerlTool] = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": _SANDBOX,
-    "verl.tools.gsm8k_tool.Gsm8kTool": VerlTool(tool=None, note=(
-        "its calc_gsm8k_reward compares the submitted answer with the row's ground truth, which a hybridrl tool does "
-        "not see (a tool gets the call's arguments only): not built; reward.name=math scores the final answer "
-        "against the row's ground truth, and the arithmetic_feedback environment (multi_turn.environment) says right "
-        "or wrong after each answer")),
+    "verl.tools.gsm8k_tool.Gsm8kTool": VerlTool(tool="gsm8k", note=(
+        "the answer checked against the row's extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth, "
+        "else its data.ground_truth_key; the tool replies, reward.name scores")),
 }
 
 
@@ -167,8 +164,6 @@ def _entry(entry: Any, where: str, registry: Registry,
     notices: list[str] = []
     tool = cls_name if cls_name in registry.names() else by_class.get(cls_name)
     if not tool and (builtin := VERL_BUILTINS.get(cls_name)) is not None:
-        if builtin.tool is None:
-            return f"{where}: verl's {cls_name.rsplit('.', 1)[1]} ({cls_name}): {builtin.note}"
         for k, fit in builtin.allowed.items():
             if k in config and config[k] not in fit:
                 return f"{where} ({cls_name}): config.{k}={config[k]!r}; hybridrl's {builtin.tool} tool takes " \
@@ -183,7 +178,7 @@ def _entry(entry: Any, where: str, registry: Registry,
         installed = ", ".join(f"{n} ({c})" for c, n in sorted(by_class.items(), key=lambda x: x[1])) or "(none)"
         return (f"{where}: class {cls_name!r} is not a hybridrl tool: name an installed tool plugin (group "
                 f"hybridrl.tools) by its name or class: {installed}; of verl's own tools, "
-                + ", ".join(f"{c} is hybridrl's {b.tool}" for c, b in VERL_BUILTINS.items() if b.tool))
+                + ", ".join(f"{c} is hybridrl's {b.tool}" for c, b in VERL_BUILTINS.items()))
     try:
         cls = registry.load(tool, key=f"{where}.class_name")
         make_plugin_config(cls, tool, kwargs, key=f"{where}.config")  # the plugin's Config checks its own keys

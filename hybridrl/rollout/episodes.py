@@ -108,10 +108,11 @@ class EpisodeActors:
             else:
                 acts[s] = Act(done=True)
         replies: dict[int, list[Message]] = {}
-        observations = iter(self.tools.run([c for s in tool_turns for c in calls[s]]))
+        by_sample = {t.sample: t for t in turns}
+        observations = iter(self.tools.run([c for s in tool_turns for c in calls[s]],
+                                           metas=[by_sample[s].meta for s in tool_turns for _ in calls[s]]))
         for s in tool_turns:
             replies[s] = [{"role": "tool", "content": next(observations).text} for _ in calls[s]]
-        by_sample = {t.sample: t for t in turns}
         sampled = {t.sample: t.ids for t in turns}
         for s, act in zip(env_turns, self._env_steps([(by_sample[s], text[s]) for s in env_turns]), strict=True):
             if isinstance(act, Act):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from hybridrl.batch import SampleMeta
@@ -21,13 +22,20 @@ def _run(fn: Callable[..., Any], *args: Any) -> Any:
     return asyncio.run(out) if inspect.iscoroutine(out) else out
 
 
-def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str, Any]] = ()) -> None:
+def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str, Any]] = (),
+               meta: SampleMeta | None = None) -> None:
     """A ``hybridrl.tools`` plugin: ``Config``; built as ``cls(config, **ctx)`` (an unknown ctx key accepted);
     ``schema`` an OpenAI function schema (``{"type": "function", "function": {"name", "description",
-    "parameters": {"type": "object", ...}}}``); called with ``arguments`` (default: one dict of placeholder values
-    for the schema's required parameters) it returns a ``str`` or raises an ``Exception`` (an error observation);
-    the same call returns the same text."""
+    "parameters": {"type": "object", ...}}}``); ``takes_sample``, where set, a bool; called with ``arguments``
+    (default: one dict of placeholder values for the schema's required parameters), and ``sample=`` the
+    :class:`~hybridrl.interfaces.ToolSample` of ``meta`` (default: a row with a ground truth) where it takes one, it
+    returns a ``str`` or raises an ``Exception`` (an error observation); the same call returns the same text."""
+    from hybridrl.interfaces import ToolSample
+    from hybridrl.tools.runner import takes_sample
+
     p = _Plugin(cls, "tools")
+    p.expect(isinstance(getattr(cls, "takes_sample", False), bool), "takes_sample",
+             f"takes_sample must be True or False, got {getattr(cls, 'takes_sample', None)!r}")
     config = check_plugin_class(cls, "tools", config=config)
     with p.step("build with an unknown ctx key"):
         tool = cls(config, **{EXTRA_CTX_KEY: 1})
@@ -43,11 +51,15 @@ def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str
     if not arguments:
         props = params.get("properties", {})
         arguments = [{k: _DUMMY.get(props.get(k, {}).get("type"), "1") for k in params.get("required", [])}]
+    sample: dict[str, Any] = {}
+    if takes_sample(tool):
+        sample = {"sample": ToolSample.of(meta if meta is not None else SampleMeta(ground_truth=GROUND_TRUTHS[0]),
+                                          fn["name"])}
     for args in arguments:
         outs = []
         for _ in range(2):
             try:
-                outs.append(_run(tool, dict(args)))
+                outs.append(_run(partial(tool, dict(args), **sample)))
             except Exception as e:  # an error observation: allowed
                 outs.append(f"raised {type(e).__name__}: {e}")
         p.expect(all(isinstance(o, str) for o in outs), "returns str",

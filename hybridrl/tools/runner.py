@@ -8,6 +8,10 @@ Every call gets an observation, the text the policy reads next (a tool message),
 runs in its own event loop. A call past its limit gives its worker back at once (a coroutine is cancelled, a
 synchronous call abandoned), so a tool that never returns costs each round of calls its timeout and never stalls
 the run; :mod:`hybridrl.tools.bounded` says what bounds the abandoned calls.
+
+A tool that sets ``takes_sample = True`` (:class:`~hybridrl.interfaces.Tool`) gets each call's sample as well:
+``tool(arguments, sample=ToolSample)``, from the ``metas`` handed in with the calls (the episode each call belongs
+to); any other tool is called with the arguments alone.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hybridrl.interfaces import ToolSample
 from hybridrl.tools.bounded import Bounded
 from hybridrl.tools.calls import CallError, ToolCall
 from hybridrl.tools.config import KEY
+
+if TYPE_CHECKING:
+    from hybridrl.batch import SampleMeta
 
 ERROR_PREFIX = "Error: "
 
@@ -56,8 +64,10 @@ class ToolRunner:
         self.bounded = Bounded(key=f"{KEY}.tool_timeout_s", max_workers=max_workers)
         self.counts = ToolCounts()
 
-    def run(self, calls: Sequence[ToolCall | CallError]) -> list[Observation]:
-        """An observation per call, in order; the calls run at once, each within its own time limit."""
+    def run(self, calls: Sequence[ToolCall | CallError], *,
+            metas: Sequence[SampleMeta] | None = None) -> list[Observation]:
+        """An observation per call, in order; the calls run at once, each within its own time limit. ``metas``: the
+        sample each call serves (for the tools that take it)."""
         out: list[Observation | None] = [None] * len(calls)
         started: list[tuple[int, str]] = []
         for i, call in enumerate(calls):
@@ -65,11 +75,13 @@ class ToolRunner:
                 out[i] = _error(f"the tool call could not be read: {call.message}")
             elif call.name not in self.tools:
                 out[i] = _error(f"unknown tool {call.name!r}; the tools are: {', '.join(sorted(self.tools))}")
+            elif metas is None and takes_sample(self.tools[call.name]):
+                out[i] = _error(f"tool {call.name!r} needs the sample it serves, and this rollout gave none")
             else:
                 started.append((i, call.name))
-        outcomes = self.bounded.run([partial(self.tools[name], dict(calls[i].arguments))  # type: ignore[union-attr]
-                                     for i, name in started], timeout_s=self.timeout_s,
-                                    names=[f"tool {name!r}" for _, name in started])
+        work = [self._call(name, calls[i].arguments, None if metas is None else metas[i])  # type: ignore[union-attr]
+                for i, name in started]
+        outcomes = self.bounded.run(work, timeout_s=self.timeout_s, names=[f"tool {name!r}" for _, name in started])
         for (i, name), o in zip(started, outcomes, strict=True):
             if o.timed_out:
                 out[i] = Observation(text=f"{ERROR_PREFIX}tool {name!r} took longer than {self.timeout_s:g} s",
@@ -85,6 +97,13 @@ class ToolRunner:
             self.counts.add(obs)
         return done
 
+    def _call(self, name: str, arguments: dict[str, Any], meta: SampleMeta | None) -> Callable[[], Any]:
+        """The call of tool ``name``: with its sample where the tool takes one."""
+        tool = self.tools[name]
+        if meta is not None and takes_sample(tool):
+            return partial(tool, dict(arguments), sample=ToolSample.of(meta, name))
+        return partial(tool, dict(arguments))
+
     def _cut(self, obs: Observation) -> Observation:
         """Every observation, an error's too (a tool's exception may carry any text), at most ``max_tokens``."""
         text, cut = self.cut(obs.text, self.max_tokens)
@@ -95,6 +114,11 @@ class ToolRunner:
         """The counts since the last call (a step's), reset."""
         counts, self.counts = self.counts, ToolCounts()
         return counts
+
+
+def takes_sample(tool: Any) -> bool:
+    """Whether ``tool`` asked for the sample each call serves (``takes_sample = True``)."""
+    return getattr(tool, "takes_sample", False) is True
 
 
 def _error(message: str) -> Observation:

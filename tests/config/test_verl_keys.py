@@ -15,6 +15,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+from itertools import takewhile
 from pathlib import Path
 
 import pyarrow as pa
@@ -47,8 +48,6 @@ REFUSED = {
         "model_engine", "data.custom_cls.path", "data.custom_cls.name", "custom_reward_function.path",
         "custom_reward_function.name", "data.apply_chat_template_kwargs.reasoning_effort",
         f"{AOR}.rollout.multi_turn.tool_config_path"},
-    # its tool YAML's Gsm8kTool checks the answer against the row's ground truth, which hybridrl's tools do not see
-    "sglang_multiturn_megatron_gsm8k_tool": {f"{AOR}.rollout.multi_turn.tool_config_path"},
     # TP4 × PP2 × EP2 on 8 GPUs: Megatron's expert grid (ETP = TP when unset, as verl leaves it) is 4 × 2 × 2 = 16
     # ranks; Megatron refuses it too (parallel_state: world size not divisible by ETP × EP × PP)
     "grpo_qwen3_30b_a3b_megatron": {f"{AOR}.actor.megatron.expert_model_parallel_size"},
@@ -63,7 +62,6 @@ TOOL_YAMLS = {
 }
 # what the refusal of a script's tool YAML names
 TOOL_REFUSALS = {
-    "sglang_multiturn_megatron_gsm8k_tool": ("Gsm8kTool", "ground truth"),
     "retool_gpt_oss_ppo_sglang_multiturn": ("recipe.retool.retool.CustomSandboxFusionTool", "calculator"),
 }
 
@@ -85,7 +83,12 @@ def model_config(script: Path) -> Path:
 
 
 def script_overrides(path: Path, data: Path, home: Path) -> list[str]:
-    lines = [x for x in path.read_text().splitlines() if x and not x.startswith("#")]
+    """The script's overrides after what its ``--config-name`` yaml adds to ppo_megatron_trainer (the header's
+    ``#   key=value`` lines under "adds on top of ppo_megatron_trainer:"), as verl composes them."""
+    text = path.read_text().splitlines()
+    start = next((i + 1 for i, x in enumerate(text) if x.endswith("adds on top of ppo_megatron_trainer:")), len(text))
+    base = [kv for x in takewhile(lambda x: x.startswith("#   "), text[start:]) for kv in x[1:].split()]
+    lines = [*base, *(x for x in text if x and not x.startswith("#"))]
     return [x.replace("$DATA", str(data)).replace("$HOME", str(home)) for x in lines]
 
 

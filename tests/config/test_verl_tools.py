@@ -1,6 +1,6 @@
 """verl's tool YAML (``multi_turn.tool_config_path``) read into hybridrl's tool plugins (issue 42): a plugin named by
-its entry-point name or its class, verl's sandbox-fusion code tool as ``python``, and every other class, a schema
-that differs, a missing file or bad YAML refused naming the key and the file."""
+its entry-point name or its class, verl's sandbox-fusion code tool as ``python``, its Gsm8kTool as ``gsm8k``, and
+every other class, a schema that differs, a missing file or bad YAML refused naming the key and the file."""
 
 from __future__ import annotations
 
@@ -88,9 +88,17 @@ def test_verls_sandbox_tool_is_python_under_the_plugins_own_schema(tmp_path: Pat
     assert "config.default_language='cpp'" in refusal(renamed)
 
 
-def test_gsm8k_and_unknown_classes_are_refused_one_line_each(tmp_path: Path) -> None:
-    said = refusal(VERL_TOOLS / "gsm8k_tool_config.yaml")
-    assert "Gsm8kTool" in said and "ground truth" in said and "reward.name=math" in said
+def test_verls_gsm8k_tool_is_gsm8k_under_verls_function_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """verl's own file (its tool_schema's name and parameters are the plugin's; the description is the plugin's)."""
+    m = compose(VERL_TOOLS / "gsm8k_tool_config.yaml").actor_rollout_ref.rollout.multi_turn
+    assert m.tools == ["gsm8k"] and m.tool_kwargs == {}
+    out = capsys.readouterr().out
+    assert "verl.tools.gsm8k_tool.Gsm8kTool is hybridrl's gsm8k tool" in out
+    assert "extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth" in out
+    assert "the policy reads hybridrl's gsm8k description, not the file's" in out
+
+
+def test_unknown_classes_and_mcp_are_refused_one_line_each(tmp_path: Path) -> None:
     two = tmp_path / "two.yaml"
     two.write_text("tools:\n  - class_name: my_pkg.tools.Search\n    config: {type: native}\n"
                    "  - class_name: calculator\n    config: {type: mcp}\n")
@@ -98,7 +106,9 @@ def test_gsm8k_and_unknown_classes_are_refused_one_line_each(tmp_path: Path) -> 
         compose(two)
     unknown, mcp = (str(i) for i in e.value.issues)
     assert str(two) in unknown and "tools[0]: class 'my_pkg.tools.Search' is not a hybridrl tool" in unknown
-    assert "calculator (hybridrl.tools.calculator.Calculator), python (hybridrl.tools.python.PythonTool)" in unknown
+    assert "calculator (hybridrl.tools.calculator.Calculator), gsm8k (hybridrl.tools.gsm8k.Gsm8kTool), python " \
+           "(hybridrl.tools.python.PythonTool)" in unknown
+    assert "verl.tools.gsm8k_tool.Gsm8kTool is hybridrl's gsm8k" in unknown
     assert "tools[1]" in mcp and "MCP" in mcp
 
 
