@@ -54,32 +54,64 @@ def _topk_loss(teacher: Path | str, *extra: str) -> list[str]:
             "actor_rollout_ref.teacher.log_prob_micro_batch_size_per_gpu=8", *extra]
 
 
+TP2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+       "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"]
+TOPK_KEYS = ("actor/distill_loss", "actor/distill_student_mass", "actor/distill_teacher_mass", "actor/grad_norm",
+             "actor/entropy", "distill/teacher_logprob_mean")
+
+
+@pytest.fixture(scope="module")
+def topk_teacher(run: dict[str, Path]) -> Path:  # noqa: F811
+    return make_tiny_model(run["tmp"] / "topk_teacher", hidden=64, layers=3, heads=4, kv_heads=2, max_positions=128,
+                           seed=11)
+
+
+@pytest.fixture(scope="module")
+def topk_tp1(torchrun, run: dict[str, Path], topk_teacher: Path) -> Path:  # noqa: F811
+    """The top-k distillation run on one rank: the reference of the split layouts."""
+    out = run["tmp"] / "topk_tp1"
+    torchrun([TRAIN, *overrides(run, out, *_topk_loss(topk_teacher))], nproc=1, timeout=300)
+    return out
+
+
+def _same_run(out: Path, ref_out: Path) -> None:
+    assert dumps(out) == dumps(ref_out)
+    for r, ref in zip(read_metrics(out), read_metrics(ref_out), strict=True):
+        assert r["actor/distill_loss"] > 0.01 and r["actor/grad_norm"] > 0, r  # a random teacher: a real signal
+        for key in TOPK_KEYS:
+            assert r[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (r["step"], key, r[key], ref[key])
+
+
 @pytest.mark.distributed
-def test_topk_distillation_loss_at_tp2_equals_tp1(torchrun, run: dict[str, Path]) -> None:  # noqa: F811
+def test_topk_distillation_loss_at_tp2_equals_tp1(torchrun, run: dict[str, Path], topk_teacher: Path,  # noqa: F811
+                                                   topk_tp1: Path) -> None:
     """The top-k forward-KL distillation loss (``actor_rollout_ref.teacher.loss``): at TP = 2 (each rank holds half the
     vocabulary: the teacher's top-k and the student's log-probs at those ids cross the shards) the same as one rank,
     over multi-turn episodes; and with the student as its own teacher the loss is 0 before the first update (the
     teacher's ids line up with the student's positions: a shifted or misrouted id would read another distribution).
-    Time: ~50 s (three torchrun launches)."""
-    teacher = make_tiny_model(run["tmp"] / "topk_teacher", hidden=64, layers=3, heads=4, kv_heads=2,
-                              max_positions=128, seed=11)
-    tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-           "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"]
+    Time: ~50 s (three torchrun launches, the reference's included)."""
     self_out = run["tmp"] / "topk_self"  # one optimizer step per RL step: step 1's loss is read before any update
     one_update = "actor_rollout_ref.actor.ppo_mini_batch_size=4"
-    torchrun([TRAIN, *overrides(run, self_out, *_topk_loss(run["model"], one_update, *tp2))], nproc=2, timeout=300)
+    torchrun([TRAIN, *overrides(run, self_out, *_topk_loss(run["model"], one_update, *TP2))], nproc=2, timeout=300)
     first = read_metrics(self_out)[0]
     assert 0 <= first["actor/distill_loss"] < 1e-5, first
     assert first["actor/distill_student_mass"] == pytest.approx(first["actor/distill_teacher_mass"], abs=1e-5)
     assert 0 < first["actor/distill_teacher_mass"] <= 1 + 1e-6, first
+    out = run["tmp"] / "topk_tp2"
+    torchrun([TRAIN, *overrides(run, out, *_topk_loss(topk_teacher), *TP2)], nproc=2, timeout=300)
+    _same_run(out, topk_tp1)
 
-    outs = {tp: run["tmp"] / f"topk_tp{tp}" for tp in (1, 2)}
-    torchrun([TRAIN, *overrides(run, outs[1], *_topk_loss(teacher))], nproc=1, timeout=300)
-    torchrun([TRAIN, *overrides(run, outs[2], *_topk_loss(teacher), *tp2)], nproc=2, timeout=300)
-    tp1, tp2_rows = read_metrics(outs[1]), read_metrics(outs[2])
-    assert dumps(outs[2]) == dumps(outs[1])
-    for r, ref in zip(tp2_rows, tp1, strict=True):
-        assert r["actor/distill_loss"] > 0.01 and r["actor/grad_norm"] > 0, r  # a random teacher: a real signal
-        for key in ("actor/distill_loss", "actor/distill_student_mass", "actor/distill_teacher_mass",
-                    "actor/grad_norm", "actor/entropy", "distill/teacher_logprob_mean"):
-            assert r[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (r["step"], key, r[key], ref[key])
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "nproc", "layout"), [
+    ("cp2", 2, ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                "actor_rollout_ref.ref.megatron.context_parallel_size=2"]),
+    ("prefix_grouper", 1, ["actor_rollout_ref.actor.use_prefix_grouper=true"])])
+def test_topk_distillation_loss_in_other_layouts(torchrun, run: dict[str, Path], topk_teacher: Path,  # noqa: F811
+                                                 topk_tp1: Path, name: str, nproc: int, layout: list[str]) -> None:
+    """The teacher's top-k ids reach the student's positions through the other two ways positions are laid out: split
+    over CP ranks (each holds some positions of every row), and a prompt's samples sharing one row (prefix grouper,
+    where positions are selected, not gathered). Time: ~20 s each."""
+    out = run["tmp"] / f"topk_{name}"
+    torchrun([TRAIN, *overrides(run, out, *_topk_loss(topk_teacher), *layout)], nproc=nproc, timeout=300)
+    _same_run(out, topk_tp1)
