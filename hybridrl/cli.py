@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
     sp.add_argument("out", help="output directory")
-    sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"], default="qwen2",
-                    help="the MoE families get 4 experts, top-2, moe_intermediate_size = hidden (tiny.MOE_DEFAULTS)")
+    sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral"], default="qwen2",
+                    help="the MoE families get 4 experts, top-2, moe_intermediate_size = hidden (tiny.MOE_DEFAULTS; "
+                         "mixtral: experts of --intermediate, tiny.MIXTRAL_DEFAULTS)")
     sp.add_argument("--hidden", type=int, default=128)
     sp.add_argument("--layers", type=int, default=4)
     sp.add_argument("--heads", type=int, default=4)

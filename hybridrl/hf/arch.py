@@ -9,9 +9,10 @@ Its tensors are :mod:`hybridrl.hf.tensors`; writing a checkpoint is :mod:`hybrid
 
 Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
 (RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings), and the mixtures of experts Qwen3-MoE
-(``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways) and Qwen2-MoE (its gated shared
-expert): :class:`MoE`. Anything else is an error that names the
-file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
+(``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways), Qwen2-MoE (its gated shared
+expert) and Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window): :class:`MoE`, and where
+each family's checkpoint keeps a layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error
+that names the file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
 Importing this module imports neither torch nor transformers (static validation runs without them).
@@ -30,9 +31,9 @@ if TYPE_CHECKING:
 
     pass
 
-Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"]
-FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
-MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe")
+Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -60,18 +61,37 @@ class Llama3RopeScaling:
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
-class MoE:
-    """The mixture-of-experts MLP of Qwen3-MoE / Qwen2-MoE layers, in Megatron's terms.
+class ExpertNames:
+    """Where an MoE family's checkpoint keeps a layer's router and experts, under ``model.layers.<i>.``:
+    ``<block>.gate.weight`` (the router) and ``<block>.experts.<e>.<gate|up|down>.weight`` (each expert's SwiGLU:
+    down(silu(gate(x)) * up(x))). transformers ≥ 5 fuses the experts in memory but saves and loads these names."""
 
-    Routing (both families): p = softmax(router(x)) in fp32, the top-k experts by p, weights p_topk — renormalised
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+EXPERT_NAMES: dict[str, ExpertNames] = {  # by model_type
+    "qwen3_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen2_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "mixtral": ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+}
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class MoE:
+    """The mixture-of-experts MLP of Qwen3-MoE / Qwen2-MoE / Mixtral layers, in Megatron's terms.
+
+    Routing (every family): p = softmax(router(x)) in fp32, the top-k experts by p, weights p_topk — renormalised
     to sum 1 when ``norm_topk_prob`` (Megatron: softmax over the top-k logits, ``moe_router_pre_softmax=False``),
-    else as they are (softmax first, ``moe_router_pre_softmax=True``). Qwen2-MoE adds a shared expert on every
-    token, scaled by sigmoid(shared_expert_gate(x)).
+    else as they are (softmax first, ``moe_router_pre_softmax=True``); Mixtral always renormalises. Qwen2-MoE adds a
+    shared expert on every token, scaled by sigmoid(shared_expert_gate(x)).
     """
 
     num_experts: int
     top_k: int
-    ffn_hidden_size: int  # HF moe_intermediate_size: each expert's
+    ffn_hidden_size: int  # each expert's: HF moe_intermediate_size (Mixtral: intermediate_size)
     norm_topk_prob: bool
     shared_ffn_hidden_size: int  # Qwen2-MoE's shared expert (HF shared_expert_intermediate_size); 0: none
     shared_expert_gate: bool  # Qwen2-MoE: the shared expert's sigmoid gate
@@ -198,6 +218,9 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
     expect("mlp_bias", False, False)
     if family != "qwen2":  # Qwen2's q/k/v bias is fixed in its modeling code; this key adds o_proj's
         expect("attention_bias", False, False)
+    if family == "mixtral":  # no use_sliding_window switch: a window is on when set
+        expect("sliding_window", None, None)
+        expect("router_jitter_noise", 0.0, 0.0)  # training-time noise on the router's input
 
     hidden = _size(need("hidden_size"), f"{source}: hidden_size")
     heads = _size(need("num_attention_heads"), f"{source}: num_attention_heads")
@@ -230,12 +253,18 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
 
 def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: Any) -> MoE:
     """Qwen3-MoE / Qwen2-MoE: layer i's MLP is the MoE unless i is in ``mlp_only_layers`` or
-    (i + 1) % ``decoder_sparse_step`` ≠ 0 (transformers' rule)."""
+    (i + 1) % ``decoder_sparse_step`` ≠ 0 (transformers' rule). Mixtral: every layer's, experts of
+    ``intermediate_size``, the top-k weights renormalised."""
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"  # transformers ≥ 5.x: num_local_experts
     experts = _size(need(key), f"{source}: {key}")
     top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
     if top_k > experts:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds {key}={experts}")
+    if family == "mixtral":
+        return MoE(num_experts=experts, top_k=top_k,
+                   ffn_hidden_size=_size(need("intermediate_size"), f"{source}: intermediate_size"),
+                   norm_topk_prob=True, shared_ffn_hidden_size=0, shared_expert_gate=False,
+                   sparse_layers=(True,) * layers)
     step = _size(cfg.get("decoder_sparse_step", 1), f"{source}: decoder_sparse_step")
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):

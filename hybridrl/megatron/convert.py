@@ -1,4 +1,5 @@
-"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE (pure tensor code).
+"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE/Mixtral (pure tensor
+code).
 
 Why hand-written and not mbridge 0.15.1: mbridge targets Transformer Engine's layer spec. On
 Megatron's local spec (what runs on CPU) it needs four overrides (local spec instead of its
@@ -20,9 +21,10 @@ HF tensors it is made of. Layouts, TP size ``T``, rank ``r``:
 - ``replicated``: norms, QK norms, the MoE router (``mlp.gate``), the shared expert's gate.
 
 MoE layers (:class:`~hybridrl.hf.arch.MoE`): the router and one ``fc1``/``row`` unit pair per expert
-(``mlp.experts.local_experts.<global expert>``, HF ``mlp.experts.<e>.{gate,up,down}_proj``, split over the expert
-TP ranks like a dense MLP of ``moe_intermediate_size``) and Qwen2-MoE's shared expert (``mlp.shared_experts``, a
-dense MLP of ``shared_expert_intermediate_size`` plus its gate).
+(``mlp.experts.local_experts.<global expert>``, HF ``mlp.experts.<e>.{gate,up,down}_proj`` — Mixtral's
+``block_sparse_moe.experts.<e>.{w1,w3,w2}``, :data:`~hybridrl.hf.arch.EXPERT_NAMES` — split over the expert TP ranks
+like a dense MLP of the experts' size) and Qwen2-MoE's shared expert (``mlp.shared_experts``, a dense MLP of
+``shared_expert_intermediate_size`` plus its gate).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from hybridrl.hf.arch import HFArch
+from hybridrl.hf.arch import EXPERT_NAMES, HFArch
 
 Kind = Literal["replicated", "row", "vocab", "qkv", "fc1"]
 # Reads part of an HF tensor: ``read(name, (slice(lo, hi),))`` rows, ``(slice(None), slice(lo, hi))``
@@ -62,21 +64,23 @@ class Unit:
     shape: tuple[int, ...] | None = None  # replicated units other than norms: the tensor's shape
 
 
-def _mlp_units(m: str, h: str, layer: int, *, ffn: int = 0) -> list[Unit]:
+def _mlp_units(m: str, h: str, layer: int, *, ffn: int = 0,
+               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Unit]:
     """A SwiGLU MLP: Megatron ``<m>linear_fc1`` = [gate; up] of HF ``<h>gate_proj`` / ``<h>up_proj``, ``linear_fc2``
-    = ``down_proj``."""
-    return [Unit(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "fc1", layer, ffn),
-            Unit(m + "linear_fc2.weight", (h + "down_proj.weight",), "row", layer, ffn)]
+    = ``down_proj`` (``names``: the HF gate, up and down matrices' names)."""
+    gate, up, down = names
+    return [Unit(m + "linear_fc1.weight", (f"{h}{gate}.weight", f"{h}{up}.weight"), "fc1", layer, ffn),
+            Unit(m + "linear_fc2.weight", (f"{h}{down}.weight",), "row", layer, ffn)]
 
 
 def _moe_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
-    moe = arch.moe
+    moe, names = arch.moe, EXPERT_NAMES[arch.family]
     assert moe is not None
-    units = [Unit(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated", layer,
+    units = [Unit(m + "mlp.router.weight", (f"{h}{names.block}.gate.weight",), "replicated", layer,
                   shape=(moe.num_experts, arch.hidden_size))]
     for e in range(moe.num_experts):
-        units += _mlp_units(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.", layer,
-                            ffn=moe.ffn_hidden_size)
+        units += _mlp_units(f"{m}mlp.experts.local_experts.{e}.", f"{h}{names.block}.experts.{e}.", layer,
+                            ffn=moe.ffn_hidden_size, names=(names.gate, names.up, names.down))
     if moe.shared_ffn_hidden_size:
         units += _mlp_units(m + "mlp.shared_experts.", h + "mlp.shared_expert.", layer,
                             ffn=moe.shared_ffn_hidden_size)

@@ -2,11 +2,11 @@
 
 ``make_tiny_model`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model, or a Qwen3-MoE /
-Qwen2-MoE one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
-``moe_intermediate_size``). Weights are drawn here, not by transformers' ``_init_weights``, so a seed gives the
-same checkpoint whatever the transformers version: every matrix ~ N(0, 0.02²) in parameter-name order from one
-seeded generator, norms = 1, biases = 0. ``make_tiny_reward_model`` writes the same family's one-label
-``*ForSequenceClassification`` (a reward model).
+Qwen2-MoE / Mixtral one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``; Mixtral's ``num_local_experts``, its experts ``intermediate``-wide). Weights are drawn
+here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the transformers version:
+every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator, norms = 1, biases = 0.
+``make_tiny_reward_model`` writes the same family's one-label ``*ForSequenceClassification`` (a reward model).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -36,16 +37,18 @@ from transformers import (
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, PAD_TOKEN, make_char_tokenizer
 
-Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"]
+Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral"]
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "llama": LlamaConfig,
     "qwen3_moe": Qwen3MoeConfig,
     "qwen2_moe": Qwen2MoeConfig,
+    "mixtral": MixtralConfig,
 }
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                                 "decoder_sparse_step": 1, "mlp_only_layers": []}
+MIXTRAL_DEFAULTS: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2}  # every layer the MoE
 INIT_STD = 0.02
 
 
@@ -95,7 +98,7 @@ def make_tiny_model(
     """Write a random-weight HF checkpoint with ``tokenizer`` (default: the char tokenizer) to ``out_dir``;
     return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens.
     ``moe``: an MoE family's config keys over :data:`MOE_DEFAULTS` (``moe_intermediate_size`` defaults to
-    hidden; ``num_experts`` is written under the family's own name)."""
+    hidden; ``num_experts`` is written under the family's own name), Mixtral's over :data:`MIXTRAL_DEFAULTS`."""
     spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                          intermediate=intermediate, vocab=vocab, max_positions=max_positions,
                          tie=tie, seed=seed)
@@ -132,8 +135,14 @@ def make_tiny_model(
         if spec.arch == "qwen3_moe" and "num_experts" not in Qwen3MoeConfig().to_dict():
             extra["num_local_experts"] = extra.pop("num_experts")  # transformers ≥ 5.x names it so
         fields |= extra
+    elif spec.arch == "mixtral":
+        unknown = sorted(set(moe or {}) - set(MixtralConfig().to_dict()))
+        if unknown:
+            raise ValueError(f"moe={moe!r}: {unknown} are not Mixtral config keys (valid e.g. num_local_experts, "
+                             "num_experts_per_tok; the experts' size is intermediate)")
+        fields |= {**MIXTRAL_DEFAULTS, **(moe or {})}
     elif moe:
-        raise ValueError(f"moe={moe!r} is for arch qwen3_moe or qwen2_moe, not {spec.arch!r}")
+        raise ValueError(f"moe={moe!r} is for arch qwen3_moe, qwen2_moe or mixtral, not {spec.arch!r}")
     config = CONFIG_CLASSES[spec.arch](**fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed=spec.seed)

@@ -202,7 +202,7 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters by name, and its fused MoE experts by the checkpoint's per-expert names too
     (:mod:`hybridrl.rollout.engines.hf_compat` item 1): what ``update_weights`` copies into."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    return {**params, **checkpoint_views(params)}
+    return {**params, **checkpoint_views(params, model.config.model_type)}
 
 
 _MASK64 = (1 << 64) - 1

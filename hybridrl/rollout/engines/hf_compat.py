@@ -3,11 +3,13 @@
 Each item names the upstream behaviour it works around; ``tests/rollout/test_hf_compat.py`` shows that each is still
 needed (it fails once upstream changes, so the item can go).
 
-1. **Fused experts in memory.** transformers ≥ 5 holds an MoE layer's experts (Qwen3-MoE, Qwen2-MoE) as two fused
-   parameters — ``mlp.experts.gate_up_proj`` ``[E, 2f, h]`` (each expert's [gate; up]) and ``mlp.experts.down_proj``
-   ``[E, h, f]`` — and converts a checkpoint's per-expert tensors (``mlp.experts.<e>.{gate,up,down}_proj.weight``,
-   the names the trainer's weight stream carries) only when it loads one. :func:`checkpoint_views` names views of
-   the fused parameters by the checkpoint's names, so a streamed expert is copied into the fused storage in place.
+1. **Fused experts in memory.** transformers ≥ 5 holds an MoE layer's experts (Qwen3-MoE, Qwen2-MoE, Mixtral) as two
+   fused parameters — ``mlp.experts.gate_up_proj`` ``[E, 2f, h]`` (each expert's [gate; up]) and
+   ``mlp.experts.down_proj`` ``[E, h, f]`` — and converts a checkpoint's per-expert tensors
+   (``mlp.experts.<e>.{gate,up,down}_proj.weight``; Mixtral's ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` and
+   ``block_sparse_moe.gate.weight``, its router, :data:`hybridrl.hf.arch.EXPERT_NAMES`: the names the trainer's
+   weight stream carries) only when it loads one. :func:`checkpoint_views` names views of the fused parameters (and
+   of a renamed router) by the checkpoint's names, so a streamed expert is copied into the fused storage in place.
 2. **The experts a router chose.** transformers' MoE blocks return only the mixed hidden states; the chosen experts
    exist as the third output of the block's router (``mlp.gate``: logits, weights, top-k indices), which
    :class:`RoutingRecorder` reads with a forward hook for R3 router replay.
@@ -21,24 +23,33 @@ from typing import Any
 
 import torch
 
-_FUSED = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+from hybridrl.hf.arch import EXPERT_NAMES
+
+_FUSED = re.compile(r"(.+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
 
 
-def checkpoint_views(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{checkpoint name: view of the fused parameter}`` for every fused expert parameter in ``params`` (item 1)."""
+def checkpoint_views(params: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: view of the parameter}`` for every fused expert parameter in ``params`` and, where the
+    checkpoint keeps the MoE block under another name than ``mlp`` (Mixtral's ``block_sparse_moe``), its router too
+    (item 1). A ``model_type`` hybridrl does not convert is taken to name its experts as Qwen3-MoE does."""
+    names = EXPERT_NAMES.get(model_type, EXPERT_NAMES["qwen3_moe"])
     out: dict[str, torch.Tensor] = {}
     for name, param in params.items():
         match = _FUSED.fullmatch(name)
         if match is None:
             continue
-        base, data = match[1], param.data
+        block, data = f"{match[1]}.{names.block}", param.data
+        if match[2] == "gate.weight":
+            if names.block != "mlp":
+                out[f"{block}.gate.weight"] = data
+            continue
         for e in range(data.shape[0]):
-            if match[2] == "gate_up_proj":
+            if match[3] == "gate_up_proj":
                 f = data.shape[1] // 2
-                out[f"{base}.{e}.gate_proj.weight"] = data[e, :f]
-                out[f"{base}.{e}.up_proj.weight"] = data[e, f:]
+                out[f"{block}.experts.{e}.{names.gate}.weight"] = data[e, :f]
+                out[f"{block}.experts.{e}.{names.up}.weight"] = data[e, f:]
             else:
-                out[f"{base}.{e}.down_proj.weight"] = data[e]
+                out[f"{block}.experts.{e}.{names.down}.weight"] = data[e]
     return out
 
 

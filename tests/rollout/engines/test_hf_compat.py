@@ -23,6 +23,14 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            heads=4, kv_heads=2, max_positions=64, moe=MOE)
 
 
+@pytest.fixture(scope="module")
+def mixtral_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mixtral's checkpoint names its MoE block ``block_sparse_moe`` (router and experts ``w1``/``w3``/``w2``);
+    transformers keeps it as ``mlp`` in memory."""
+    return make_tiny_model(tmp_path_factory.mktemp("hf_compat") / "mixtral", arch="mixtral", hidden=32, layers=2,
+                           heads=4, kv_heads=2, intermediate=16, max_positions=64, moe=dict(num_local_experts=3))
+
+
 def test_item1_transformers_fuses_the_experts_the_checkpoint_holds_one_by_one(moe_model: Path) -> None:
     """The loaded model has no parameter under a checkpoint expert's name, only the fused ones."""
     names = {n for n, _ in AutoModelForCausalLM.from_pretrained(moe_model).named_parameters()}
@@ -31,9 +39,12 @@ def test_item1_transformers_fuses_the_experts_the_checkpoint_holds_one_by_one(mo
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"} <= names
 
 
-def test_a_streamed_moe_checkpoint_lands_in_the_fused_experts_in_place(moe_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["moe_model", "mixtral_model"])
+def test_a_streamed_moe_checkpoint_lands_in_the_fused_experts_in_place(fixture: str, tmp_path: Path,
+                                                                       request: pytest.FixtureRequest) -> None:
     """Perturbed per-expert (and other) tensors streamed by their checkpoint names: the engine then samples what
     a fresh load of the perturbed checkpoint samples, and the fused storage was not reallocated."""
+    moe_model: Path = request.getfixturevalue(fixture)
     engine = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(moe_model))
     fused = engine.params["model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
     state = load_file(moe_model / "model.safetensors")
