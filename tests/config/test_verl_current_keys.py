@@ -167,10 +167,23 @@ def test_distillation_is_the_teacher_and_the_distillation_estimators(capsys: pyt
     assert "the teacher scores in Megatron, in the actor's layout" in capsys.readouterr().out
     alone = compose_config([*BASE, *pg, "distillation.distillation_loss.use_task_rewards=False"]).algorithm
     assert (alone.adv_estimator, alone.adv_estimator_kwargs["distill_coef"]) == ("opd", 1.0)
-    issues = refused("distillation.enabled=True", f"{teacher}.model_path=/models/Qwen3-32B")  # verl's defaults
-    assert set(issues) == {f"distillation.distillation_loss.{k}" for k in ("loss_mode", "use_policy_gradient")}
-    topk = refused(*pg[:2], "distillation.distillation_loss.loss_mode=forward_kl_topk")
-    assert "the top-k and supervised KL losses are not built" in topk["distillation.distillation_loss.loss_mode"]
+    # verl's defaults: a supervised k3 loss beside the task's policy loss (use_policy_gradient=false)
+    defaults = compose_config([*BASE, "distillation.enabled=True", f"{teacher}.model_path=/models/Qwen3-32B"])
+    loss = defaults.actor_rollout_ref.teacher.loss
+    assert (loss.loss_mode, loss.topk, loss.use_task_rewards, loss.distillation_loss_coef) == ("k3", 32, True, 1.0)
+    assert defaults.algorithm.adv_estimator == "grpo" and defaults.actor_rollout_ref.teacher.model.path is not None
+    topk = compose_config([*BASE, *pg[:2], "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                           "distillation.distillation_loss.topk=64",
+                           "distillation.distillation_loss.use_task_rewards=False",
+                           "distillation.distillation_loss.loss_max_clamp=10.0",
+                           "distillation.distillation_loss.log_prob_min_clamp=-10.0"]).actor_rollout_ref.teacher.loss
+    assert (topk.loss_mode, topk.topk, topk.use_task_rewards, topk.loss_max_clamp, topk.log_prob_min_clamp) == (
+        "forward_kl_topk", 64, False, 10.0, -10.0)
+    not_built = refused(*pg[:2], "distillation.distillation_loss.loss_mode=forward_kl_topk_tail")
+    assert "forward_kl_topk_tail is not" in not_built["distillation.distillation_loss.loss_mode"]
+    as_advantage = refused(*pg, "distillation.distillation_loss.loss_mode=k3")  # the advantage is k1's only
+    assert "for a supervised k3 loss set use_policy_gradient=false" in as_advantage[
+        "distillation.distillation_loss.loss_mode"]
     # the teacher counts in the plan, also for another machine: its own config.json, else the student's architecture
     with_32b = plan(*pg, "distillation.distillation_loss.use_task_rewards=False",
                     teacher_config=MODELS / "qwen3-32b.json")
