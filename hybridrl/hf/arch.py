@@ -10,8 +10,10 @@ Its tensors are :mod:`hybridrl.hf.tensors`; writing a checkpoint is :mod:`hybrid
 Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
 (RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings), and the mixtures of experts Qwen3-MoE
 (``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways), Qwen2-MoE (its gated shared
-expert) and Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window): :class:`MoE`, and where
-each family's checkpoint keeps a layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error
+expert), Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window) and GLM-4.5 (``glm4_moe``:
+DeepSeek-V3's routing — sigmoid scores, a selection bias, grouped top-k, scaled weights — a shared expert, dense first
+layers, attention bias, optional QK norm, partial RoPE): :class:`MoE`, and where each family's checkpoint keeps a
+layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error
 that names the file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
@@ -31,9 +33,9 @@ if TYPE_CHECKING:
 
     pass
 
-Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral"]
-FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral")
-MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
+Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -63,30 +65,39 @@ class Llama3RopeScaling:
 @dataclass(slots=True, kw_only=True, frozen=True)
 class ExpertNames:
     """Where an MoE family's checkpoint keeps a layer's router and experts, under ``model.layers.<i>.``:
-    ``<block>.gate.weight`` (the router) and ``<block>.experts.<e>.<gate|up|down>.weight`` (each expert's SwiGLU:
-    down(silu(gate(x)) * up(x))). transformers ≥ 5 fuses the experts in memory but saves and loads these names."""
+    ``<block>.gate.weight`` (the router; with :attr:`MoE.expert_bias` also ``<block>.gate.e_score_correction_bias``),
+    ``<block>.experts.<e>.<gate|up|down>.weight`` (each expert's SwiGLU: down(silu(gate(x)) * up(x))) and
+    ``<block>.<shared>.{gate,up,down}_proj.weight`` (the shared expert, where there is one). transformers ≥ 5 fuses
+    the experts in memory but saves and loads these names."""
 
     block: str
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"
 
 
 EXPERT_NAMES: dict[str, ExpertNames] = {  # by model_type
     "qwen3_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen2_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "mixtral": ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+    "glm4_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_experts"),
 }
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
 class MoE:
-    """The mixture-of-experts MLP of Qwen3-MoE / Qwen2-MoE / Mixtral layers, in Megatron's terms.
+    """The mixture-of-experts MLP of Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5 layers, in Megatron's terms.
 
-    Routing (every family): p = softmax(router(x)) in fp32, the top-k experts by p, weights p_topk — renormalised
-    to sum 1 when ``norm_topk_prob`` (Megatron: softmax over the top-k logits, ``moe_router_pre_softmax=False``),
-    else as they are (softmax first, ``moe_router_pre_softmax=True``); Mixtral always renormalises. Qwen2-MoE adds a
-    shared expert on every token, scaled by sigmoid(shared_expert_gate(x)).
+    Softmax routing (Qwen, Mixtral): p = softmax(router(x)) in fp32, the top-k experts by p, weights p_topk —
+    renormalised to sum 1 when ``norm_topk_prob`` (Megatron: softmax over the top-k logits,
+    ``moe_router_pre_softmax=False``), else as they are (softmax first, ``moe_router_pre_softmax=True``); Mixtral
+    always renormalises. Qwen2-MoE adds a shared expert on every token, scaled by sigmoid(shared_expert_gate(x)).
+
+    Sigmoid routing (GLM-4.5; DeepSeek-V3's): s = sigmoid(router(x)) in fp32; experts are chosen by s + b
+    (``expert_bias``: the checkpoint's ``e_score_correction_bias``), first the ``group_topk`` best of ``num_groups``
+    equal groups (a group scored by the sum of its two best), then the top-k within them; the weights are the chosen
+    s, renormalised to sum 1 and times ``scaling_factor``. The shared expert is ungated.
     """
 
     num_experts: int
@@ -96,6 +107,11 @@ class MoE:
     shared_ffn_hidden_size: int  # Qwen2-MoE's shared expert (HF shared_expert_intermediate_size); 0: none
     shared_expert_gate: bool  # Qwen2-MoE: the shared expert's sigmoid gate
     sparse_layers: tuple[bool, ...]  # per layer: True where the MLP is the MoE, False a dense MLP
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    expert_bias: bool = False  # sigmoid routing: a per-expert bias added to the scores for choosing only
+    num_groups: int | None = None  # grouped top-k (HF n_group); None: every expert is a candidate
+    group_topk: int | None = None  # groups each token may choose from (HF topk_group)
+    scaling_factor: float | None = None  # the top-k weights' factor (HF routed_scaling_factor); None: 1
 
     @property
     def layer_freq(self) -> list[int]:
@@ -123,6 +139,7 @@ class HFArch:
     qkv_bias: bool  # Qwen2: q/k/v projections have biases
     qk_layernorm: bool  # Qwen3: RMSNorm over each head of q and k
     moe: MoE | None = None  # the MoE families; None: every layer's MLP is dense (ffn_hidden_size)
+    rotary_percent: float = 1.0  # the leading part of each head that RoPE rotates (HF partial_rotary_factor)
 
     @property
     def heads_per_group(self) -> int:
@@ -216,7 +233,7 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
     expect("hidden_act", "silu", "silu")
     expect("use_sliding_window", False, False)
     expect("mlp_bias", False, False)
-    if family != "qwen2":  # Qwen2's q/k/v bias is fixed in its modeling code; this key adds o_proj's
+    if family not in ("qwen2", "glm4_moe"):  # Qwen2's q/k/v bias is fixed in its code; this key adds o_proj's
         expect("attention_bias", False, False)
     if family == "mixtral":  # no use_sliding_window switch: a window is on when set
         expect("sliding_window", None, None)
@@ -245,16 +262,20 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         rope_scaling=scaling,
         max_position_embeddings=_size(need("max_position_embeddings"), f"{source}: max_position_embeddings"),
         tie_word_embeddings=bool(need("tie_word_embeddings")),
-        qkv_bias=family == "qwen2" or family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        qkv_bias=(family == "qwen2" or family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))
+                  or family == "glm4_moe" and bool(cfg.get("attention_bias", False))),  # GLM: q/k/v only, as Qwen2
+        qk_layernorm=family in ("qwen3", "qwen3_moe") or family == "glm4_moe" and bool(cfg.get("use_qk_norm", False)),
         moe=moe,
+        rotary_percent=_rotary_percent(cfg, source) if family == "glm4_moe" else 1.0,
     )
 
 
 def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: Any) -> MoE:
     """Qwen3-MoE / Qwen2-MoE: layer i's MLP is the MoE unless i is in ``mlp_only_layers`` or
     (i + 1) % ``decoder_sparse_step`` ≠ 0 (transformers' rule). Mixtral: every layer's, experts of
-    ``intermediate_size``, the top-k weights renormalised."""
+    ``intermediate_size``, the top-k weights renormalised. GLM-4.5: :func:`_sigmoid_moe`."""
+    if family == "glm4_moe":
+        return _sigmoid_moe(cfg, source, layers, need)
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"  # transformers ≥ 5.x: num_local_experts
     experts = _size(need(key), f"{source}: {key}")
     top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
@@ -276,6 +297,58 @@ def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: An
                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                shared_ffn_hidden_size=_size(shared, f"{source}: shared_expert_intermediate_size") if shared else 0,
                shared_expert_gate=bool(shared), sparse_layers=sparse)
+
+
+def _sigmoid_moe(cfg: Mapping[str, Any], source: str, layers: int, need: Any) -> MoE:
+    """DeepSeek-V3-style MoE by its config keys (GLM-4.5's; DeepSeek-V3 names them the same): layers
+    ``< first_k_dense_replace`` dense (``intermediate_size``), the rest the MoE: ``n_routed_experts`` experts of
+    ``moe_intermediate_size``, sigmoid routing with ``e_score_correction_bias``, ``n_group``/``topk_group`` grouped
+    top-k, ``routed_scaling_factor``, and ``n_shared_experts`` × ``moe_intermediate_size`` of ungated shared expert.
+    What Megatron's router computes otherwise than transformers is refused, naming the key."""
+    experts = _size(need("n_routed_experts"), f"{source}: n_routed_experts")
+    top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+    norm = bool(cfg.get("norm_topk_prob", True))
+    if norm != (top_k > 1):  # topk_routing_with_score_function: probs = s / sum(s) iff topk > 1
+        raise NotImplementedError(f"{source}: norm_topk_prob={norm} with num_experts_per_tok={top_k} is not "
+                                  f"supported; valid: {top_k > 1} (Megatron renormalises sigmoid top-k weights "
+                                  "exactly when more than one expert is chosen)")
+    groups = _size(cfg.get("n_group", 1), f"{source}: n_group")
+    group_topk = _size(cfg.get("topk_group", 1), f"{source}: topk_group")
+    if experts % groups or group_topk > groups:
+        raise ValueError(f"{source}: n_group={groups} must divide n_routed_experts={experts} and topk_group="
+                         f"{group_topk} must not exceed it")
+    grouped = group_topk < groups
+    if grouped and top_k // group_topk != 2:  # group_limited_topk: a group's score is its top (k // topk_group)
+        raise NotImplementedError(
+            f"{source}: topk_group={group_topk} with num_experts_per_tok={top_k} and n_group={groups} is not "
+            f"supported: transformers scores an expert group by its 2 best experts, Megatron by its "
+            f"num_experts_per_tok // topk_group = {top_k // group_topk}; valid: a topk_group that makes it 2, or "
+            f"topk_group = n_group")
+    dense = cfg.get("first_k_dense_replace", 1)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= layers:
+        raise ValueError(f"{source}: first_k_dense_replace={dense!r} must be an integer in [0, {layers}]")
+    ffn = _size(need("moe_intermediate_size"), f"{source}: moe_intermediate_size")
+    shared = cfg.get("n_shared_experts", 1)  # absent keys here: Glm4MoeConfig's defaults
+    scale = _number(cfg.get("routed_scaling_factor", 1.0), f"{source}: routed_scaling_factor")
+    return MoE(num_experts=experts, top_k=top_k, ffn_hidden_size=ffn, norm_topk_prob=norm,
+               shared_ffn_hidden_size=_size(shared, f"{source}: n_shared_experts") * ffn if shared else 0,
+               shared_expert_gate=False, sparse_layers=tuple(i >= dense for i in range(layers)),
+               score_function="sigmoid", expert_bias=True, num_groups=groups if grouped else None,
+               group_topk=group_topk if grouped else None, scaling_factor=scale if scale != 1.0 else None)
+
+
+def _rotary_percent(cfg: Mapping[str, Any], source: str) -> float:
+    """GLM-4.5's ``partial_rotary_factor`` (in ``rope_parameters`` in transformers 5.x, top level in 4.x; absent:
+    Glm4MoeConfig's 0.5): RoPE rotates the leading ``head_dim × factor`` dims of each head, rotate-half style as
+    Megatron's ``rotary_percent`` (not interleaved)."""
+    params = cfg.get("rope_parameters") or {}
+    key = "rope_parameters.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
+    value = _number(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)), f"{source}: {key}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{source}: {key}={value!r} must lie in (0, 1]")
+    return value
 
 
 def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:

@@ -1,5 +1,5 @@
-"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE/Mixtral (pure tensor
-code).
+"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE/Mixtral/GLM-4.5 (pure
+tensor code).
 
 Why hand-written and not mbridge 0.15.1: mbridge targets Transformer Engine's layer spec. On
 Megatron's local spec (what runs on CPU) it needs four overrides (local spec instead of its
@@ -18,13 +18,15 @@ HF tensors it is made of. Layouts, TP size ``T``, rank ``r``:
 - ``fc1``: ``[gate_r; up_r]`` per rank (SwiGLU: ``silu(first half) * second half``).
 - ``row`` (``linear_proj``, ``linear_fc2``): split along the input dim (1).
 - ``vocab`` (embedding, output layer): rows, after padding the vocab to Megatron's size.
-- ``replicated``: norms, QK norms, the MoE router (``mlp.gate``), the shared expert's gate.
+- ``replicated``: norms, QK norms, the MoE router (``mlp.gate``) and its expert bias, the shared expert's gate.
 
 MoE layers (:class:`~hybridrl.hf.arch.MoE`): the router and one ``fc1``/``row`` unit pair per expert
 (``mlp.experts.local_experts.<global expert>``, HF ``mlp.experts.<e>.{gate,up,down}_proj`` — Mixtral's
 ``block_sparse_moe.experts.<e>.{w1,w3,w2}``, :data:`~hybridrl.hf.arch.EXPERT_NAMES` — split over the expert TP ranks
-like a dense MLP of the experts' size) and Qwen2-MoE's shared expert (``mlp.shared_experts``, a dense MLP of
-``shared_expert_intermediate_size`` plus its gate).
+like a dense MLP of the experts' size) and the shared expert (``mlp.shared_experts``, a dense MLP: Qwen2-MoE's
+``mlp.shared_expert`` of ``shared_expert_intermediate_size`` plus its gate, GLM-4.5's ungated ``mlp.shared_experts``).
+Sigmoid routers (GLM-4.5) add the router's ``expert_bias``, HF ``mlp.gate.e_score_correction_bias``: a buffer, not a
+parameter, that both sides keep in float32 whatever the model's dtype (:attr:`Unit.fp32`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Unit:
     layer: int | None  # global layer index; None for embedding / final norm / output layer
     ffn: int = 0  # fc1 / MLP row units: the MLP's intermediate size (0: the dense one, arch.ffn_hidden_size)
     shape: tuple[int, ...] | None = None  # replicated units other than norms: the tensor's shape
+    fp32: bool = False  # a float32 buffer in any model dtype (the router's expert bias), not a parameter
 
 
 def _mlp_units(m: str, h: str, layer: int, *, ffn: int = 0,
@@ -78,11 +81,14 @@ def _moe_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
     assert moe is not None
     units = [Unit(m + "mlp.router.weight", (f"{h}{names.block}.gate.weight",), "replicated", layer,
                   shape=(moe.num_experts, arch.hidden_size))]
+    if moe.expert_bias:
+        units.append(Unit(m + "mlp.router.expert_bias", (f"{h}{names.block}.gate.e_score_correction_bias",),
+                          "replicated", layer, shape=(moe.num_experts,), fp32=True))
     for e in range(moe.num_experts):
         units += _mlp_units(f"{m}mlp.experts.local_experts.{e}.", f"{h}{names.block}.experts.{e}.", layer,
                             ffn=moe.ffn_hidden_size, names=(names.gate, names.up, names.down))
     if moe.shared_ffn_hidden_size:
-        units += _mlp_units(m + "mlp.shared_experts.", h + "mlp.shared_expert.", layer,
+        units += _mlp_units(m + "mlp.shared_experts.", f"{h}{names.block}.{names.shared}.", layer,
                             ffn=moe.shared_ffn_hidden_size)
     if moe.shared_expert_gate:
         units.append(Unit(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "replicated",

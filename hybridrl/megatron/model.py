@@ -1,8 +1,9 @@
 """Build megatron-core ``GPTModel``s (this rank's pipeline stage or model chunks) from a Hugging Face config.
 
 Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
-[gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling), QKV bias (Qwen2), per-head
-QK RMSNorm (Qwen3), tied or untied embeddings. Transformer Engine's layer spec is used when
+[gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling; over part of each head for GLM-4.5),
+QKV bias (Qwen2, GLM-4.5's ``attention_bias``), per-head QK RMSNorm (Qwen3, GLM-4.5's ``use_qk_norm``), tied or
+untied embeddings; the MoE families add :func:`moe_config_kwargs`. Transformer Engine's layer spec is used when
 ``transformer_engine`` imports (GPU), Megatron's local spec otherwise (CPU), whose core
 attention is :class:`~hybridrl.megatron.context_parallel.ContextParallelAttention` when CP > 1.
 
@@ -150,8 +151,10 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
 
 
 def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Megatron's MoE settings for ``arch`` (none for a dense model): Qwen's routing (:class:`~hybridrl.hf.arch.MoE`:
-    fp32 softmax router, top-k, renormalised or not), no load-balancing or z-loss unless ``overrides``
+    """Megatron's MoE settings for ``arch`` (none for a dense model): its routing (:class:`~hybridrl.hf.arch.MoE`:
+    an fp32 softmax router, top-k, renormalised or not; or GLM-4.5's sigmoid one with the expert bias, grouped
+    top-k and scaled weights, the bias kept as the checkpoint's — ``moe_router_bias_update_rate`` 0 — unless
+    ``overrides`` set a rate for Megatron's aux-loss-free balancing), no load-balancing or z-loss unless ``overrides``
     (``override_transformer_config``) set their weights (the RL default: off, as the peers run it; a
     ``moe_aux_loss_coeff`` > 0 turns on Megatron's ``aux_loss`` unless ``moe_router_load_balancing_type`` says
     which), the experts as one MLP each (``SequentialMLP``); the all-gather token dispatcher on CPU (the
@@ -162,8 +165,12 @@ def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) 
     overrides = overrides or {}
     balancing = "aux_loss" if (overrides.get("moe_aux_loss_coeff") or 0) > 0 else "none"
     return dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
-                moe_layer_freq=moe.layer_freq, moe_router_pre_softmax=not moe.norm_topk_prob,
-                moe_router_score_function="softmax", moe_router_dtype="fp32",
+                moe_layer_freq=moe.layer_freq,
+                moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
+                moe_router_score_function=moe.score_function, moe_router_dtype="fp32",
+                moe_router_enable_expert_bias=moe.expert_bias, moe_router_bias_update_rate=0.0,
+                moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
+                moe_router_topk_scaling_factor=moe.scaling_factor,
                 moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
                 moe_shared_expert_gate=moe.shared_expert_gate, moe_router_load_balancing_type=balancing,
                 moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
@@ -229,7 +236,7 @@ def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,  # the leading dims, rotate-half (HF's partial_rotary_factor)
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # annotated int, used as a float
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,

@@ -12,6 +12,7 @@ more than one bucket plus the unit being converted. Layout rules live in :mod:`h
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -70,10 +71,11 @@ def _tp(unit: Unit) -> tuple[int, int]:
 
 
 def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch,
-                skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
+                skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.Tensor]]:
     """This rank's parameters (over all its model chunks) by canonical name (global layer numbers,
     local-spec names) with units; parameters whose Megatron name starts with one of ``skip`` are left out
-    (the critic's value head, which no causal-LM tensor fills).
+    (the critic's value head, which no causal-LM tensor fills). The routers' expert biases (sigmoid routing) are
+    buffers, listed here too: the checkpoint holds them.
 
     With tied embeddings the last PP stage holds a copy of the embedding as ``output_layer.weight``;
     it maps to ``model.embed_tokens.weight``.
@@ -82,16 +84,17 @@ def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch,
     if arch.tie_word_embeddings:
         units["output_layer.weight"] = Unit("output_layer.weight", ("model.embed_tokens.weight",),
                                             "vocab", None)
-    out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
+    out: dict[str, tuple[Unit, torch.Tensor]] = {}
     for chunk in chunks:
         out.update(_chunk_units(unwrap_model(chunk), arch, units, skip))
     return out
 
 
 def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
-                 skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.nn.Parameter]]:
-    out: dict[str, tuple[Unit, torch.nn.Parameter]] = {}
-    for name, param in gpt.named_parameters():
+                 skip: tuple[str, ...] = ()) -> dict[str, tuple[Unit, torch.Tensor]]:
+    out: dict[str, tuple[Unit, torch.Tensor]] = {}
+    biases = ((n, b) for n, b in gpt.named_buffers() if n.endswith(".router.expert_bias"))
+    for name, param in itertools.chain(gpt.named_parameters(), biases):
         if name.startswith(skip) or is_lora_name(name):  # adapters: hybridrl.megatron.lora
             continue
         canonical = name
@@ -115,6 +118,8 @@ def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: 
     with SafetensorsReader(model_dir) as reader:
         for name, (unit, param) in local_units(chunks, arch, skip).items():
             tp_rank, tp_size = _tp(unit)
+            if unit.fp32:  # Float16Module cast the buffer down; Megatron's router keeps it float32 (router.py:
+                param.data = param.data.float()  # TopKRouter._maintain_float32_expert_bias), transformers too
             shard = shard_from_hf(unit, arch, reader.read, tp_rank=tp_rank, tp_size=tp_size,
                                   padded_vocab=padded_vocab)
             if shard.shape != param.shape:
@@ -141,9 +146,9 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
 
     Every rank gets the same buckets in the same order (HF order: embedding, layers, norm, lm_head).
     A tensor larger than ``bucket_bytes`` travels alone in its bucket. Each yielded tensor owns its
-    storage (never a view of a parameter) and has the model's dtype and device. The stream runs TP
-    all-gathers, EP broadcasts (each expert from the rank that holds it) and PP broadcasts: every rank of the
-    model's TP×EP×PP group must consume it to the end.
+    storage (never a view of a parameter) and has the model's dtype (a router's expert bias: float32) and device.
+    The stream runs TP all-gathers, EP broadcasts (each expert from the rank that holds it) and PP broadcasts: every
+    rank of the model's TP×EP×PP group must consume it to the end.
     Memory: one bucket plus the unit in flight (its TP-gathered tensor and HF pieces).
     ``merge(hf_name, tensor)`` (LoRA: :meth:`hybridrl.megatron.lora.LoRAModel.merger`) replaces each tensor.
     """
@@ -177,7 +182,7 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
                      else parallel_state.get_tensor_model_parallel_group())
             full = _tp_gather(unit, arch, local[unit.megatron_name][1], group, tp_size)
         else:
-            full = torch.empty(full_shape(unit, arch), dtype=dtype, device=device)
+            full = torch.empty(full_shape(unit, arch), dtype=torch.float32 if unit.fp32 else dtype, device=device)
         expert = expert_of(unit)
         if expert is not None and ep_size > 1 and unit.layer in layers:  # from the EP rank that holds it
             ep_group = parallel_state.get_expert_model_parallel_group()

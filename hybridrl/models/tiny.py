@@ -2,8 +2,9 @@
 
 ``make_tiny_model`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model, or a Qwen3-MoE /
-Qwen2-MoE / Mixtral one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
-``moe_intermediate_size``; Mixtral's ``num_local_experts``, its experts ``intermediate``-wide). Weights are drawn
+Qwen2-MoE / Mixtral / GLM-4.5 one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``; Mixtral's ``num_local_experts``, its experts ``intermediate``-wide; any GLM-4.5 key, e.g.
+``use_qk_norm``, ``n_group``). Weights are drawn
 here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the transformers version:
 every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator, norms = 1, biases = 0.
 ``make_tiny_reward_model`` writes the same family's one-label ``*ForSequenceClassification`` (a reward model).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -24,6 +26,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     GenerationConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -37,7 +40,7 @@ from transformers import (
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, PAD_TOKEN, make_char_tokenizer
 
-Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral"]
+Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
@@ -45,10 +48,17 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3_moe": Qwen3MoeConfig,
     "qwen2_moe": Qwen2MoeConfig,
     "mixtral": MixtralConfig,
+    "glm4_moe": Glm4MoeConfig,
 }
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                                 "decoder_sparse_step": 1, "mlp_only_layers": []}
 MIXTRAL_DEFAULTS: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2}  # every layer the MoE
+# every GLM-4.5 feature on but QK norm: layer 0 dense, 8 experts in 2 groups of which 1 is chosen, top-2, a shared
+# expert, scaled weights, q/k/v bias, RoPE over half of each head (moe_intermediate_size defaults to hidden)
+GLM4_MOE_DEFAULTS: dict[str, Any] = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                                     "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                                     "norm_topk_prob": True, "partial_rotary_factor": 0.5, "attention_bias": True,
+                                     "use_qk_norm": False}
 INIT_STD = 0.02
 
 
@@ -98,7 +108,8 @@ def make_tiny_model(
     """Write a random-weight HF checkpoint with ``tokenizer`` (default: the char tokenizer) to ``out_dir``;
     return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens.
     ``moe``: an MoE family's config keys over :data:`MOE_DEFAULTS` (``moe_intermediate_size`` defaults to
-    hidden; ``num_experts`` is written under the family's own name), Mixtral's over :data:`MIXTRAL_DEFAULTS`."""
+    hidden; ``num_experts`` is written under the family's own name), Mixtral's over :data:`MIXTRAL_DEFAULTS`, GLM-4.5's
+    over :data:`GLM4_MOE_DEFAULTS`."""
     spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                          intermediate=intermediate, vocab=vocab, max_positions=max_positions,
                          tie=tie, seed=seed)
@@ -141,8 +152,14 @@ def make_tiny_model(
             raise ValueError(f"moe={moe!r}: {unknown} are not Mixtral config keys (valid e.g. num_local_experts, "
                              "num_experts_per_tok; the experts' size is intermediate)")
         fields |= {**MIXTRAL_DEFAULTS, **(moe or {})}
+    elif spec.arch == "glm4_moe":
+        unknown = sorted(set(moe or {}) - set(Glm4MoeConfig().to_dict()))
+        if unknown:
+            raise ValueError(f"moe={moe!r}: {unknown} are not GLM-4.5 config keys (valid e.g. n_routed_experts, "
+                             "n_group, topk_group, use_qk_norm, partial_rotary_factor)")
+        fields |= {**GLM4_MOE_DEFAULTS, "moe_intermediate_size": spec.hidden, **(moe or {})}
     elif moe:
-        raise ValueError(f"moe={moe!r} is for arch qwen3_moe, qwen2_moe or mixtral, not {spec.arch!r}")
+        raise ValueError(f"moe={moe!r} is for arch qwen3_moe, qwen2_moe, mixtral or glm4_moe, not {spec.arch!r}")
     config = CONFIG_CLASSES[spec.arch](**fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed=spec.seed)
@@ -205,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
     out = make_tiny_model(
         args.out, arch=args.arch, hidden=args.hidden, layers=args.layers, heads=args.heads,
         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=vocab,
-        max_positions=args.max_positions, tie=args.tie, seed=args.seed,
+        max_positions=args.max_positions, tie=args.tie, seed=args.seed, moe=_parse_moe(args.moe) or None,
     )
     config = PretrainedConfig.from_json_file(str(out / "config.json"))
     n_params = _count_params(out / "model.safetensors")
@@ -218,6 +235,20 @@ def main(args: argparse.Namespace) -> int:
     for path in sorted(out.iterdir()):
         print(f"  {path.name}  {path.stat().st_size:,} bytes")
     return 0
+
+
+def _parse_moe(items: list[str]) -> dict[str, Any]:
+    """``--moe KEY=VALUE`` (VALUE read as JSON, else as a string) → ``make_tiny_model(moe=...)``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--moe {item!r}: expected KEY=VALUE, e.g. --moe use_qk_norm=true")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
 
 
 def _parse_vocab(text: str) -> int:
