@@ -2,7 +2,8 @@
 
 Who does what (every rank runs this same code):
 - Megatron actor, ref, critic and distillation teacher span the whole world with the actor's TP/PP/(CP)/DP layout
-  (the others share the actor's process groups; the teacher is its own checkpoint, frozen like the ref). With LoRA
+  (the others share the actor's process groups; the teacher is its own checkpoint, frozen like the ref, unless it
+  runs on engine ranks of its own: ``teacher.inference``, :mod:`hybridrl.rollout.teacher_service`). With LoRA
   (``model.lora_rank`` > 0) the ref is the actor's own frozen base with its adapters off, and the weight sync sends
   the merged W + (alpha/r)·B·A. With ``rollout.placement=disaggregated`` they span the trainer ranks only.
 - The rollout engines are not here: the rollout owns them (:mod:`hybridrl.rollout.workers`) and asks this class for
@@ -33,14 +34,16 @@ from hybridrl.lora.config import LoRAConfig
 from hybridrl.megatron.critic import MegatronCritic
 from hybridrl.megatron.offload import PolicyOffload
 from hybridrl.megatron.policy import MegatronPolicy, reference_log_probs, reference_policy
+from hybridrl.rollout.teacher_service import RemoteTeacher
 
 
 class ActorRolloutRef:
     def __init__(self, config: ActorRolloutRefConfig, *, plan: Plan, objective: ActorObjective,
                  pad_token_id: int, critic: CriticConfig | None = None, seed: int = 1,
-                 balance_batch: bool = True) -> None:
+                 balance_batch: bool = True, remote_teacher: RemoteTeacher | None = None) -> None:
         """``critic``: its config, when the plan has one (``seed`` draws its fresh value head);
-        ``balance_batch``: ``trainer.balance_batch`` (:mod:`hybridrl.distributed.dp_batches`)."""
+        ``balance_batch``: ``trainer.balance_batch`` (:mod:`hybridrl.distributed.dp_batches`); ``remote_teacher``:
+        the teacher's engines, when it runs on ranks of its own (the plan's ``teacher_engines``)."""
         self.config, self.plan, self.objective = config, plan, objective
         self.balance_batch = balance_batch
         a, model_dir = config.actor, config.model.path
@@ -62,6 +65,7 @@ class ActorRolloutRef:
             self.teacher = MegatronPolicy(model_dir=config.teacher.model.path, megatron=a.megatron, optim=None,
                                           total_steps=0, pad_token_id=pad_token_id)
             self.teacher_offload = PolicyOffload(self.teacher, params=config.teacher.megatron.param_offload)
+        self.remote_teacher = remote_teacher
         self.teacher_loss = config.teacher.loss  # a supervised distillation term's (top-k: the teacher's pass)
         self.critic_config, self.critic, self.critic_offload = critic, None, None
         if "critic" in plan.roles:
@@ -74,6 +78,14 @@ class ActorRolloutRef:
                                                 optimizer=cm.optimizer_offload)
         r = config.rollout
         self.logprob_temperature = r.temperature if r.temperature > 0 else 1.0  # engines: T=0 is untempered
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.teacher is not None or self.remote_teacher is not None
+
+    def close(self) -> None:
+        if self.remote_teacher is not None:
+            self.remote_teacher.shutdown()
 
     # ---- what the rollout needs of the trainer (hybridrl.rollout.workers.TrainerSide) ----
     def offload_for_generation(self) -> None:
@@ -114,10 +126,15 @@ class ActorRolloutRef:
 
     def compute_teacher_log_probs(self, batch: RolloutBatch) -> None:
         """Fill ``batch.teacher_logprobs``: the distillation teacher's log-prob of every sampled token; with a top-k
-        distillation loss (``teacher.loss``) ``batch.teacher_topk_{ids,logprobs}`` too, from the same pass."""
+        distillation loss (``teacher.loss``) ``batch.teacher_topk_{ids,logprobs}`` too, from the same pass (on the
+        teacher's own engines when it has them)."""
+        loss, temperature = self.teacher_loss, self.logprob_temperature
+        if self.remote_teacher is not None:
+            self.remote_teacher.score(batch, topk=loss.topk if loss.uses_topk else 0, temperature=temperature)
+            return
         assert self.teacher is not None and self.teacher_offload is not None and self.plan.batch.teacher_log_prob
         self.teacher_offload.reload()
-        batching, temperature, loss = self.plan.batch.teacher_log_prob, self.logprob_temperature, self.teacher_loss
+        batching = self.plan.batch.teacher_log_prob
         if loss.uses_topk:
             sampled_BT, topk_BTK, ids_BTK = self.teacher.compute_topk_log_probs(batch, loss.topk, batching=batching,
                                                                                 temperature=temperature)

@@ -82,6 +82,18 @@ class EngineMemory:
     kv_released: bool  # release_memory frees the KV pool
 
 
+@dataclass(slots=True, kw_only=True)
+class TokenScores:
+    """A model's view of the tokens ``starts[i]..len(sequence) − 1`` of one scored sequence (teacher-forced): the
+    log-prob of each token given the ones before it under softmax(logits / temperature), and, with ``topk`` > 0, the
+    ``topk`` most likely tokens at each of those positions (most likely first) with their log-probs. A rollout
+    engine's optional ``score`` returns one per sequence."""
+
+    logprobs: torch.Tensor  # [n] float32, n = len(sequence) − start
+    topk_ids: torch.Tensor | None = None  # [n, K] long
+    topk_logprobs: torch.Tensor | None = None  # [n, K] float32
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses from token ids; holds its own copy of the policy weights.
@@ -106,6 +118,9 @@ class RolloutEngine(Protocol):
     # called from another thread, makes the running ``generate`` (and any started before ``resume()``) return soon,
     # each unfinished sample with the tokens it has and ``finish_reason="abort"``; ``resume()`` ends that. The
     # weights may be updated in between (hybridrl.rollout.partial continues the samples on them).
+    # Optional scoring (a distillation teacher served by the engine on ranks of its own,
+    # ``actor_rollout_ref.teacher.inference``): ``score(sequences, *, starts, topk, temperature) -> list[TokenScores]``,
+    # see :class:`TokenScores`; an engine without it cannot be a teacher's (validation says so).
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,

@@ -30,6 +30,11 @@ is seeded per prompt, so the samples do not depend on this split (the same rollo
 launched world run the engines (one per rollout-TP group of them) and nothing else; the first W − k ranks
 train, and the trainer's layout (TP/PP/CP/DP) spans only those. Prompts and samples travel between the two
 groups over a bridge group (:mod:`hybridrl.rollout.disaggregated`).
+
+**Teacher engines** (``actor_rollout_ref.teacher.inference.name`` set, ``inference.num_ranks`` = m): the last m
+ranks of the launch (after a disaggregated rollout's) serve the distillation teacher with that engine, one per
+``inference.tensor_model_parallel_size`` of them, and nothing else; the rollout and the trainer are placed over the
+first W − m ranks as above (:mod:`hybridrl.rollout.teacher_service`).
 """
 
 from __future__ import annotations
@@ -79,17 +84,26 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     placement: str = "colocated"  # actor_rollout_ref.rollout.placement
     num_engine_ranks: int = 0  # disaggregated: the last ranks of the world, which run the engines only
+    num_teacher_ranks: int = 0  # a teacher on engines of its own: the very last ranks (teacher.inference)
+    teacher_engines: tuple[EnginePlacement, ...] = ()
     teacher_model: HFArch | None = None  # the distillation teacher's architecture (actor_rollout_ref.teacher)
     waits_for_build: bool = False  # validate(before_bootstrap=True): a file the run builds first was not checked
 
     @property
     def trainer_world_size(self) -> int:
         """The ranks that train (Megatron's world): all of them when colocated."""
-        return self.world_size - self.num_engine_ranks
+        return self.world_size - self.num_engine_ranks - self.num_teacher_ranks
 
     def is_engine_rank(self, rank: int) -> bool:
-        """Whether ``rank`` (of the launched world) runs an engine only (disaggregated placement)."""
-        return rank >= self.trainer_world_size
+        """Whether ``rank`` (of the launched world) runs a rollout engine only (disaggregated placement)."""
+        return self.trainer_world_size <= rank < self.world_size - self.num_teacher_ranks
+
+    def is_teacher_rank(self, rank: int) -> bool:
+        """Whether ``rank`` serves the distillation teacher only (``teacher.inference.name`` set)."""
+        return rank >= self.world_size - self.num_teacher_ranks
+
+    def teacher_engine_of(self, rank: int) -> EnginePlacement:
+        return next(e for e in self.teacher_engines if rank in e.ranks)
 
     @classmethod
     def build(cls, cfg: RLConfig, *, world_size: int, device_type: str, model: HFArch | None = None,
@@ -100,6 +114,8 @@ class Plan:
         issues: list[ConfigIssue] = []
         aor, world = cfg.actor_rollout_ref, max(world_size, 1)
         per_node = ranks_per_node or max(world // max(cfg.trainer.nnodes, 1), 1)
+        teacher_ranks = teacher_engine_ranks(cfg, world)
+        world_size, world = world, world - teacher_ranks  # the rollout and the trainer share the first ranks
         engine_ranks = disaggregated_ranks(cfg, world)
         trainers = world - engine_ranks
         roles = {"actor": RoleLayout.of(aor.actor.megatron, trainers)}
@@ -107,7 +123,7 @@ class Plan:
             roles["ref"] = roles["actor"]  # one Megatron parallel_state per process: the actor's
         if critic_needed(cfg):
             roles["critic"] = roles["actor"]  # likewise
-        if aor.teacher.enabled:
+        if aor.teacher.enabled and not aor.teacher.inference.on_engine:
             roles["teacher"] = roles["actor"]  # likewise
         rtp = max(aor.rollout.tensor_model_parallel_size, 1)
         issues += _placement_problems(cfg, world=world, per_node=per_node, model=model)
@@ -116,6 +132,12 @@ class Plan:
             EnginePlacement(index=e, ranks=tuple(first + r for r in ranks),
                             devices=tuple(_device(device_type, first + r, per_node) for r in ranks))
             for e, ranks in enumerate(shares(span, span // rtp)) if span % rtp == 0)
+        ttp = max(aor.teacher.inference.tensor_model_parallel_size, 1)
+        teacher_engines = tuple(
+            EnginePlacement(index=e, ranks=tuple(world + r for r in ranks),
+                            devices=tuple(_device(device_type, world + r, per_node) for r in ranks))
+            for e, ranks in enumerate(shares(teacher_ranks, teacher_ranks // ttp)
+                                      if teacher_ranks and teacher_ranks % ttp == 0 else []))
         batch = batch_plan(cfg, roles, issues, device_type=device_type)
         memory, engine_note = None, ""
         if model is not None:
@@ -124,12 +146,15 @@ class Plan:
                 engine_note = (f"an engine rank holds its engine only, estimated: weights "
                                f"{memory.engine_weights / GB:.1f} GB + KV {memory.engine_kv / GB:.1f} GB")
                 memory = replace(memory, engine_weights=0.0, engine_kv=0.0, engine_kept=0.0, pooled=False)
-        plan = cls(config=cfg, world_size=world, ranks_per_node=per_node, device_type=device_type, roles=roles,
+        plan = cls(config=cfg, world_size=world_size, ranks_per_node=per_node, device_type=device_type, roles=roles,
                    rollout_tp=rtp, engines=engines, batch=batch, model=model, memory=memory,
                    placement="disaggregated" if engine_ranks else "colocated", num_engine_ranks=engine_ranks,
-                   teacher_model=teacher_model if "teacher" in roles else None)
+                   teacher_model=teacher_model if aor.teacher.enabled else None,
+                   num_teacher_ranks=teacher_ranks, teacher_engines=teacher_engines)
         if engine_ranks and model is not None:
             plan.notes.append(engine_note)
+        if teacher_ranks and teacher_model is not None:
+            plan.notes.append(teacher_engine_note(cfg, teacher_model, ttp))
         return plan, issues
 
     # ---- what the runtime reads ----
@@ -164,6 +189,12 @@ class Plan:
             lines.append(f"rollout {len(self.engines)} engine(s) × TP={self.rollout_tp}, colocated: each takes "
                          f"{self.rollout_tp} consecutive rank(s) and their devices; its first rank starts it")
         lines += [f"  {e}" for e in self.engines]
+        if self.teacher_engines:
+            i = self.config.actor_rollout_ref.teacher.inference
+            lines.append(f"teacher {len(self.teacher_engines)} {i.name} engine(s) × TP={i.tensor_model_parallel_size} "
+                         f"on ranks {self.world_size - self.num_teacher_ranks}..{self.world_size - 1} of their own: "
+                         "they score each step's samples (token ids over a gloo bridge)")
+            lines += [f"  {e}" for e in self.teacher_engines]
         for what, m in (("model  ", self.model), ("teacher", self.teacher_model)):
             if m is not None:
                 lines.append(f"{what} {m.family}: {m.num_layers} layers, hidden {m.hidden_size}, heads "
@@ -204,6 +235,11 @@ class Plan:
         lines.append("ranks:")
         for rank in range(self.world_size):
             parts = []
+            if self.is_teacher_rank(rank):
+                e = self.teacher_engine_of(rank)
+                lines.append(f"  rank {rank}: {self.device_of(rank)} "
+                             f"teacher(engine {e.index}{', leader' if e.leader == rank else ''}) only")
+                continue
             if self.is_engine_rank(rank):
                 e = self.engine_of(rank)
                 lines.append(f"  rank {rank}: {self.device_of(rank)} "
@@ -312,6 +348,24 @@ def disaggregated_ranks(cfg: RLConfig, world: int) -> int:
     if r.placement != "disaggregated" or r.num_ranks is None or not 1 <= r.num_ranks < world:
         return 0
     return r.num_ranks
+
+
+def teacher_engine_ranks(cfg: RLConfig, world: int) -> int:
+    """How many (last) ranks serve the teacher only: ``teacher.inference.num_ranks`` when the teacher runs on an
+    engine and that leaves a rank to train; 0 otherwise (Megatron's teacher, or invalid: validation reports it)."""
+    t = cfg.actor_rollout_ref.teacher
+    if not t.enabled or not t.inference.on_engine or not 1 <= t.inference.num_ranks < world:
+        return 0
+    return t.inference.num_ranks
+
+
+def teacher_engine_note(cfg: RLConfig, teacher: HFArch, tp: int) -> str:
+    from hybridrl.config.memory import parameter_count
+
+    layer, embedding, output = parameter_count(teacher)
+    gb = (layer * teacher.num_layers + embedding + output) * 2 / tp / GB
+    return (f"a teacher rank holds its {cfg.actor_rollout_ref.teacher.inference.name} engine only, estimated: "
+            f"weights {gb:.1f} GB (bf16, 1/{tp} of the teacher) + its KV cache")
 
 
 def _device(device_type: str, rank: int, per_node: int) -> str:

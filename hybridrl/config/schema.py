@@ -106,6 +106,25 @@ class TeacherModelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TeacherInferenceConfig:
+    """Where the teacher runs. ``name`` null: Megatron, in the actor's layout on the trainer ranks. A rollout engine
+    plugin's name (``hf``, ``sglang``, ``vllm``): that engine serves the teacher on ``num_ranks`` ranks of its own
+    (the last of the launch, after any disaggregated rollout's), one engine per ``tensor_model_parallel_size`` of
+    them, and scores each step's samples there (verl's ``distillation.teacher_models.*.inference`` on its own
+    ``distillation.nnodes`` × ``n_gpus_per_node`` GPUs): :mod:`hybridrl.rollout.teacher_service`."""
+
+    name: str | None = None
+    num_ranks: int = 1
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  # as rollout.gpu_memory_utilization, for the teacher's engine
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the engine plugin's Config
+
+    @property
+    def on_engine(self) -> bool:
+        return self.name is not None
+
+
+@dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     """A frozen model that scores every sampled token (on-policy distillation: ``algorithm.adv_estimator=opd`` or
     ``grpo_opd``, or a supervised distillation term in the actor's loss: ``loss``), built like the ref: no gradients,
@@ -114,6 +133,7 @@ class TeacherConfig:
 
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+    inference: TeacherInferenceConfig = field(default_factory=TeacherInferenceConfig)
     megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool | None = None  # null: actor.use_dynamic_bsz

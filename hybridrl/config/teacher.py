@@ -107,6 +107,9 @@ def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Probl
     """The teacher shares the actor's process groups: its explicit sizes equal the actor's, its architecture splits
     over them; its top-k fits its vocabulary."""
     t, actor = cfg.actor_rollout_ref.teacher, cfg.actor_rollout_ref.actor.megatron
+    if t.inference.on_engine:  # on engines of its own: their checks are inference_problems'
+        return ([(f"{KEY}.loss.topk", t.loss.topk, f"at most the teacher's vocabulary ({teacher.vocab_size} tokens)")]
+                if teacher is not None and t.loss.uses_topk and t.loss.topk > teacher.vocab_size else [])
     out: list[Problem] = [
         (f"{KEY}.megatron.{size}", mine, f"must equal {AOR}.actor.megatron.{size}={theirs} (the teacher shares the "
          "actor's Megatron process groups); leave it null to follow the actor")
@@ -143,3 +146,74 @@ def tokenizer_problems(cfg: RLConfig) -> list[Problem]:
                  f"{len(tv)} and {len(sv)} tokens, differing at e.g. {differ}; the teacher must score the student's "
                  "token ids, so distill from a teacher with the student's tokenizer")]
     return []
+
+
+def inference_problems(cfg: RLConfig, *, world: int, ranks_per_node: int, device_type: str,
+                       teacher: HFArch | None) -> list[Problem]:
+    """The teacher on engine ranks of its own (``teacher.inference.name`` set): an installed engine plugin that can
+    score sequences, with a valid ``engine_kwargs``, on ``num_ranks`` ranks that split into whole engines on one
+    node each and leave ranks to train; its TP divides the teacher's heads; the engine can serve the checkpoint."""
+    from hybridrl.registry import PluginError, Registry
+
+    t = cfg.actor_rollout_ref.teacher
+    i, key = t.inference, f"{KEY}.inference"
+    if not t.enabled or not i.on_engine:
+        return []
+    out: list[Problem] = []
+    registry = Registry("rollout_engines")
+    try:
+        cls = registry.load(i.name, key=f"{key}.name")
+    except PluginError as e:
+        return [(f"{key}.name", i.name, str(e))]
+    if not callable(getattr(cls, "score", None)):
+        scoring = [n for n in registry.names() if callable(getattr(_load(registry, n), "score", None))]
+        out.append((f"{key}.name", i.name, f"the {i.name} engine cannot score sequences (its plugin has no "
+                    f"`score`), so it cannot serve a teacher; engines that can: {', '.join(scoring)}; or null (the "
+                    "teacher in Megatron on the trainer ranks)"))
+    try:
+        registry.make_config(i.name, i.engine_kwargs, key=f"{key}.engine_kwargs")
+    except PluginError as e:
+        out.append((f"{key}.engine_kwargs", i.engine_kwargs, str(e)))
+    tp, n = i.tensor_model_parallel_size, i.num_ranks
+    if tp < 1:
+        return [*out, (f"{key}.tensor_model_parallel_size", tp, "must be ≥ 1")]
+    if tp > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        out.append((f"{key}.tensor_model_parallel_size", tp, f"the {i.name} engine has no tensor parallelism: 1"))
+    if not 1 <= n < world:
+        out.append((f"{key}.num_ranks", n, f"must be 1..{world - 1}: the last num_ranks of the {world} launched "
+                    "ranks serve the teacher and at least one must train (launch more ranks: trainer.n_gpus_per_node "
+                    "counts both)"))
+    elif n % tp:
+        out.append((f"{key}.num_ranks", n, f"must be a multiple of {key}.tensor_model_parallel_size={tp} (one "
+                    "engine per TP group of teacher ranks)"))
+    else:
+        first = world - n
+        crossing = [g for g in range(first, world, tp) if g // ranks_per_node != (g + tp - 1) // ranks_per_node]
+        if crossing:
+            where = f"{crossing[0]}..{crossing[0] + tp - 1}"
+            out.append((f"{key}.num_ranks", n, f"puts the teacher engine of ranks {where} "
+                        f"on two nodes ({ranks_per_node} ranks per node): an engine's devices are on one node"))
+    if teacher is not None and teacher.num_attention_heads % tp:
+        out.append((f"{key}.tensor_model_parallel_size", tp, f"must divide the teacher's "
+                    f"{teacher.num_attention_heads} attention heads"))
+    r = cfg.actor_rollout_ref.rollout
+    if not getattr(cls, "scores_tempered", True) and r.temperature not in (0.0, 1.0):
+        out.append((f"{AOR}.rollout.temperature", r.temperature, f"the {i.name} engine scores a teacher's tokens "
+                    f"under the untempered softmax only, and the actor's log-probs are tempered by it: 1.0 (or 0), "
+                    "or another teacher engine (hf, or null: Megatron)"))
+    if not 0 < i.gpu_memory_utilization <= 1:
+        out.append((f"{key}.gpu_memory_utilization", i.gpu_memory_utilization, "a share of each GPU: in (0, 1]"))
+    model_problem = getattr(cls, "model_problem", None)
+    if callable(model_problem) and t.model.path is not None and (Path(t.model.path) / "config.json").is_file():
+        if (problem := model_problem(t.model.path, device_type=device_type)) is not None:
+            out.append((f"{key}.name", i.name, problem))
+    return out
+
+
+def _load(registry: object, name: str) -> object:
+    from hybridrl.registry import PluginError
+
+    try:
+        return registry.load(name)  # type: ignore[attr-defined]
+    except PluginError:
+        return None

@@ -113,9 +113,11 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                                    device_type=device_type(t.device, planning=planning) if t.device in DEVICES
                                    else "cpu")
     issues += plan_issues
+    for key, value, message in teacher.inference_problems(cfg, world=world, ranks_per_node=plan.ranks_per_node,
+                                                          device_type=plan.device_type, teacher=teacher_arch):
+        issues.add(key, value, message)
     check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, plan.trainer_world_size, model, issues, planning=planning,
-                  world_note=f" (the {plan.trainer_world_size} trainer ranks: the world size {world} less "
-                             f"{AOR}.rollout.num_ranks={plan.num_engine_ranks})" if plan.num_engine_ranks else "")
+                  world_note=_trainer_world_note(plan))
     for key, value, message in megatron_config_problems(aor.actor.megatron.dtype,
                                                         aor.actor.megatron.override_transformer_config,
                                                         key=f"{AOR}.actor.megatron"):
@@ -220,3 +222,11 @@ def world_from_env() -> tuple[int, int | None]:
     """``(world size, ranks per node)`` of this torchrun launch (1 and None outside torchrun)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     return int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None
+
+
+def _trainer_world_note(plan: Plan) -> str:
+    """Why the trainer's world is smaller than the launch's (ranks of their own for the rollout or the teacher)."""
+    less = [f"{AOR}.rollout.num_ranks={plan.num_engine_ranks}"] if plan.num_engine_ranks else []
+    less += [f"{AOR}.teacher.inference.num_ranks={plan.num_teacher_ranks}"] if plan.num_teacher_ranks else []
+    return (f" (the {plan.trainer_world_size} trainer ranks: the world size {plan.world_size} less "
+            f"{' and '.join(less)})" if less else "")

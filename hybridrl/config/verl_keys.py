@@ -231,8 +231,9 @@ _MCORE_ONLY = "hybridrl converts HF ↔ Megatron with its own exact converters (
 _PADDING = "micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"
 _FSDP_NOTE = "verl's FSDP engine's setting"
 _TEACHER = "distillation.teacher_models.teacher_model"
-_TEACHER_ENGINE = ("the teacher scores in Megatron, in the actor's layout on the trainer's ranks "
-                   f"({AOR}.teacher), not in an inference engine")
+_TEACHER_ENGINE = (f"{AOR}.teacher.inference: nnodes ≥ 1 puts the teacher on an engine on nnodes × n_gpus_per_node "
+                   "ranks of its own, added to the launch; 0 (verl's default): in Megatron on the trainer's ranks")
+_TEACHER_ENGINE_DEFAULTS = "the teacher engine's own defaults (its plugin's, set by teacher.inference.engine_kwargs)"
 
 # keys of verl's current scripts (verl 1dda039b: model_engine, the new lora/policy_loss/checkpoint_engine/reward
 # layouts, distillation, one-step-off placement)
@@ -359,10 +360,17 @@ _CURRENT = [
     *[VerlKey(key=f"distillation.distillation_loss.{k}", status="ignored", allowed=(0.2,),
               note="the actor's clip ratios (actor_rollout_ref.actor.clip_ratio*) apply")
       for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")],
-    VerlKey(key="distillation.n_gpus_per_node", status="ignored", note=_TEACHER_ENGINE),
-    VerlKey(key="distillation.nnodes", status="ignored", note=_TEACHER_ENGINE),
-    VerlKey(key=f"{_TEACHER}.inference.*", status="ignored", note=_TEACHER_ENGINE),
-    VerlKey(key=f"{_TEACHER}.num_replicas", status="ignored", note=_TEACHER_ENGINE),
+    VerlKey(key="distillation.n_gpus_per_node", status="joint", group="distillation", note=_TEACHER_ENGINE),
+    VerlKey(key="distillation.nnodes", status="joint", group="distillation", note=_TEACHER_ENGINE),
+    VerlKey(key=f"{_TEACHER}.inference.name", status="joint", group="distillation",
+            note=f"{AOR}.teacher.inference.name (default: the rollout's engine)"),
+    VerlKey(key=f"{_TEACHER}.inference.tensor_model_parallel_size", status="joint", group="distillation",
+            note=f"{AOR}.teacher.inference.tensor_model_parallel_size"),
+    VerlKey(key=f"{_TEACHER}.inference.gpu_memory_utilization", status="joint", group="distillation",
+            note=f"{AOR}.teacher.inference.gpu_memory_utilization"),
+    VerlKey(key=f"{_TEACHER}.inference.*", status="ignored", note=_TEACHER_ENGINE_DEFAULTS),
+    VerlKey(key=f"{_TEACHER}.num_replicas", status="ignored",
+            note="one teacher engine per inference.tensor_model_parallel_size of its ranks"),
     VerlKey(key=f"{_TEACHER}.key", status="ignored", allowed=(None,), note="one teacher for every sample"),
     VerlKey(key="distillation.teacher_key", status="ignored", note="one teacher for every sample"),
     VerlKey(key="distillation.teacher_models.*", status="refused",

@@ -36,14 +36,14 @@ class Bridge:
     """``launch_ranks[b]``: the launched world's rank of bridge rank ``b`` (for messages)."""
 
     def __init__(self, *, rank: int, launch_ranks: list[int], timeout_s: float,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None, prefix: str = PREFIX) -> None:
         self.rank, self.size, self.launch_ranks = rank, len(launch_ranks), launch_ranks
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=timeout)
         try:
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, self.size, timeout)
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, self.size, timeout)
         except RuntimeError as e:
             raise BridgeError(f"launch rank {launch_ranks[rank]}: the bridge to ranks {launch_ranks} did not "
                               f"form within {timeout_s:.0f} s (trainer.dist_timeout_s): {e}") from e

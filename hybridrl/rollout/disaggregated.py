@@ -49,17 +49,17 @@ def launch_rank() -> int:
 def split_world(plan: Plan) -> bool:
     """Take this rank's side of a disaggregated launch; True on an engine rank (which then runs :func:`serve`).
     On a trainer rank the process group to come spans the trainer ranks (``WORLD_SIZE`` := W − k)."""
-    if not plan.num_engine_ranks:
+    if plan.trainer_world_size == plan.world_size:
         return False
     if plan.is_engine_rank(launch_rank()):
         return True
-    os.environ["WORLD_SIZE"] = str(plan.trainer_world_size)
+    os.environ["WORLD_SIZE"] = str(plan.trainer_world_size)  # (a teacher rank never gets here: teacher_service)
     return False
 
 
 def bridge_ranks(plan: Plan) -> list[int]:
     """The bridge's members as launch ranks: trainer rank 0, then every engine rank."""
-    return [0, *range(plan.trainer_world_size, plan.world_size)]
+    return [0, *range(plan.trainer_world_size, plan.trainer_world_size + plan.num_engine_ranks)]
 
 
 class RemoteEngines(EngineRouting):

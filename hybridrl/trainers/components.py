@@ -29,6 +29,7 @@ from hybridrl.registry import Registry
 from hybridrl.rewards.execution import RewardRunner
 from hybridrl.rollout.build import build_rollout
 from hybridrl.rollout.episodes import tool_schemas
+from hybridrl.rollout.teacher_service import RemoteTeacher
 from hybridrl.rollout.workers import EngineWorkers, build_engines
 from hybridrl.run_lock import hold_output_dir
 from hybridrl.tracking import Tracker, say
@@ -81,6 +82,7 @@ class Components:
     def close(self) -> None:
         self.reward.close()
         self.rollout.shutdown()
+        self.hybrid.close()
         self.tracker.close()
 
 
@@ -104,8 +106,10 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                                        shuffle=d.shuffle,
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
     val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
+    teacher = RemoteTeacher(plan, timeout_s=cfg.trainer.dist_timeout_s) if plan.teacher_engines else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
-                             critic=cfg.critic, seed=cfg.trainer.seed, balance_batch=cfg.trainer.balance_batch)
+                             critic=cfg.critic, seed=cfg.trainer.seed, balance_batch=cfg.trainer.balance_batch,
+                             remote_teacher=teacher)
     workers = EngineWorkers(build_engines(cfg, plan, pad_token_id=loader.pad_token_id), trainer=hybrid,
                             bucket_megabytes=aor.rollout.update_weights_bucket_megabytes)
     reward = RewardRunner.build(cfg.reward, tokenizer=tokenizer, tokenizer_path=tokenizer_path,

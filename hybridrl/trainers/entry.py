@@ -104,8 +104,11 @@ def run_rl(cfg: RLConfig) -> dict[str, float]:
 
 
 def _run_rl(cfg: RLConfig, plan: Plan) -> dict[str, float]:
-    from hybridrl.rollout import disaggregated
+    from hybridrl.rollout import disaggregated, teacher_service
 
+    if plan.is_teacher_rank(rank := disaggregated.launch_rank()):  # serves the teacher, builds nothing else
+        teacher_service.serve(cfg, plan, rank)
+        return {}
     if disaggregated.split_world(plan):  # an engine rank: serves the trainer, builds nothing of it
         disaggregated.serve(cfg, plan)
         return {}

@@ -90,7 +90,7 @@ def log_prob_passes(c: Components, batch: RolloutBatch, timer: Timer, *, old_pas
     if hybrid.ref is not None:
         with timer("ref"):
             hybrid.compute_ref_log_probs(batch)
-    if hybrid.teacher is not None:
+    if hybrid.has_teacher:
         with timer("teacher"):
             hybrid.compute_teacher_log_probs(batch)
     if hybrid.critic is not None:

@@ -111,3 +111,32 @@ def test_a_valid_teacher_is_planned_with_its_pass_and_its_weights(base: list[str
     # 6 layers of hidden 64 (+ a tied embedding): the teacher's fp32 weights in the estimate, resident when training
     assert 6 * 4 * 64 * 64 * 4 < plan.memory.teacher < 4 * plan.memory.params * 8
     assert plan.memory.train - without.memory.train == pytest.approx(plan.memory.teacher)
+
+
+def test_a_teacher_on_engine_ranks_of_its_own_is_checked_and_planned(base: list[str],  # noqa: F811
+                                                                     teachers: dict[str, Path]) -> None:
+    """``teacher.inference.name`` puts the teacher on an engine of the last ``num_ranks`` ranks: an engine that can
+    score, TP that its plugin has and that splits its ranks and the teacher's heads, ranks left to train; the plan
+    places it there and the trainer's layout spans the rest."""
+    use = [f"{T}.model.path={teachers['three_heads']}", f"{T}.loss.loss_mode=forward_kl_topk"]
+    plan = validate(compose_config([*base, *use, f"{T}.inference.name=hf", f"{T}.inference.num_ranks=1"]),
+                    world_size=3)
+    assert (plan.trainer_world_size, plan.num_teacher_ranks, plan.roles["actor"].dp) == (2, 1, 2)
+    assert [e.ranks for e in plan.teacher_engines] == [(2,)] and "teacher" not in plan.roles
+    assert plan.is_teacher_rank(2) and not plan.is_engine_rank(2) and not plan.is_teacher_rank(1)
+    assert "rank 2: cpu teacher(engine 0, leader) only" in plan.render()
+    # the Megatron teacher would have to split its 3 heads over TP = 2; on its own engine it does not
+    assert issues(base, *use, f"{T}.inference.name=hf", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                  "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2", world=3) == []
+    assert issues(base, *use, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                  "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2", world=2) != []
+    found = issues(base, *use, f"{T}.inference.name=hf", f"{T}.inference.num_ranks=2",
+                   f"{T}.inference.tensor_model_parallel_size=2", world=2)
+    assert any(f.startswith(f"{T}.inference.num_ranks=2: must be 1..1") for f in found), found
+    assert any(f.startswith(f"{T}.inference.tensor_model_parallel_size=2: the hf engine has no tensor parallel")
+               for f in found), found
+    assert any("must divide the teacher's 3 attention heads" in f for f in found), found
+    unknown = issues(base, *use, f"{T}.inference.name=nope", world=2)
+    assert len(unknown) == 1 and unknown[0].startswith(f"{T}.inference.name='nope'"), unknown
+    bad_kwargs = issues(base, *use, f"{T}.inference.name=hf", f"+{T}.inference.engine_kwargs.dtyp=float32", world=2)
+    assert len(bad_kwargs) == 1 and "dtyp" in bad_kwargs[0] and f"{T}.inference.engine_kwargs" in bad_kwargs[0]

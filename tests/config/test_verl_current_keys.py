@@ -32,6 +32,12 @@ def plan(*overrides: str, model: str = "qwen3-8b", **kw: object):  # type: ignor
     return validate(cfg, model_config=MODELS / f"{model}.json", world_size=t.nnodes * t.n_gpus_per_node, **kw)
 
 
+def plan_refused(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as e:
+        plan(*overrides)
+    return {i.key: str(i) for i in e.value.issues}
+
+
 def test_model_engine_and_strategy_take_megatron_and_refuse_fsdp_in_one_line(capsys: pytest.CaptureFixture[str]
                                                                            ) -> None:
     compose_config([*BASE, "model_engine=megatron", f"{AOR}.actor.strategy=megatron", "critic.strategy=megatron",
@@ -164,7 +170,8 @@ def test_distillation_is_the_teacher_and_the_distillation_estimators(capsys: pyt
     cfg = compose_config([*BASE, *pg, "distillation.distillation_loss.distillation_loss_coef=0.5"])
     assert cfg.actor_rollout_ref.teacher.model.path == "/models/Qwen3-32B"
     assert cfg.algorithm.adv_estimator == "grpo_opd" and cfg.algorithm.adv_estimator_kwargs["distill_coef"] == 0.5
-    assert "the teacher scores in Megatron, in the actor's layout" in capsys.readouterr().out
+    assert cfg.actor_rollout_ref.teacher.inference.name is None  # distillation.nnodes=0 (verl's default): Megatron
+    assert "teacher.inference" not in capsys.readouterr().out
     alone = compose_config([*BASE, *pg, "distillation.distillation_loss.use_task_rewards=False"]).algorithm
     assert (alone.adv_estimator, alone.adv_estimator_kwargs["distill_coef"]) == ("opd", 1.0)
     # verl's defaults: a supervised k3 loss beside the task's policy loss (use_policy_gradient=false)
@@ -191,6 +198,38 @@ def test_distillation_is_the_teacher_and_the_distillation_estimators(capsys: pyt
     assert with_32b.memory is not None and student.memory is not None
     assert with_32b.memory.teacher == pytest.approx(4 * student.memory.teacher, rel=0.05)  # 32.8 B vs 8.2 B
     assert any("teacher planned with the student's architecture" in n for n in student.notes)
+
+
+def test_distillation_nodes_put_the_teacher_on_engine_ranks_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """verl's teacher on GPUs of its own (on-policy distillation's script: distillation.nnodes=1 × n_gpus_per_node=4,
+    a vLLM teacher at TP 2 beside 8 trainer GPUs) is ``teacher.inference``: 12 ranks, the last 4 two vLLM engines;
+    the teacher is then not in the trainer ranks' memory."""
+    teacher = "distillation.teacher_models.teacher_model"
+    own = ["distillation.enabled=True", f"{teacher}.model_path=/models/Qwen3-32B", "distillation.nnodes=1",
+           "distillation.n_gpus_per_node=4", f"{teacher}.inference.tensor_model_parallel_size=2",
+           f"{teacher}.inference.name=vllm", f"{teacher}.inference.gpu_memory_utilization=0.4",
+           f"{teacher}.inference.max_model_len=3073", "distillation.distillation_loss.loss_mode=forward_kl_topk",
+           "distillation.distillation_loss.use_task_rewards=False"]
+    p = plan(*own, teacher_config=MODELS / "qwen3-32b.json")
+    i = p.config.actor_rollout_ref.teacher.inference
+    assert (i.name, i.num_ranks, i.tensor_model_parallel_size, i.gpu_memory_utilization) == ("vllm", 4, 2, 0.4)
+    assert (p.world_size, p.trainer_world_size, p.num_teacher_ranks) == (12, 8, 4)
+    assert [e.ranks for e in p.teacher_engines] == [(8, 9), (10, 11)] and "teacher" not in p.roles
+    assert p.memory is not None and p.memory.teacher == 0
+    assert any("a teacher rank holds its vllm engine only" in n for n in p.notes)
+    assert "rank 11: cuda:11 teacher(engine 1)" in p.render()
+    assert "the last 4 serve the teacher" in capsys.readouterr().out
+    # the rollout's engine by default; an engine that cannot score is refused, naming those that can
+    default = plan(*[o for o in own if ".inference.name=" not in o]).config.actor_rollout_ref.teacher.inference
+    assert default.name == plan().config.actor_rollout_ref.rollout.name
+    sglang = plan_refused(*own, f"{teacher}.inference.name=sglang")
+    assert "cannot score sequences" in sglang[f"{AOR}.teacher.inference.name"]
+    assert "hf, vllm" in sglang[f"{AOR}.teacher.inference.name"]
+    # vLLM's prompt log-probs are untempered: a tempered rollout's actor log-probs would not match
+    tempered = plan_refused(*own, f"{AOR}.rollout.temperature=0.7")
+    assert "untempered softmax only" in tempered[f"{AOR}.rollout.temperature"]
+    odd = refused(*own, "distillation.nnodes=2", "distillation.n_gpus_per_node=3")
+    assert "the teacher's GPUs go on the trainer's nodes" in odd["distillation.nnodes"]
 
 
 def test_moe_overrides_pass_to_megatron_and_grouped_gemm_is_noted() -> None:

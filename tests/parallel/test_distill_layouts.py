@@ -115,3 +115,23 @@ def test_topk_distillation_loss_in_other_layouts(torchrun, run: dict[str, Path],
     out = run["tmp"] / f"topk_{name}"
     torchrun([TRAIN, *overrides(run, out, *_topk_loss(topk_teacher), *layout)], nproc=nproc, timeout=300)
     _same_run(out, topk_tp1)
+
+
+TEACHER_ENGINE = ["actor_rollout_ref.teacher.inference.name=hf", "actor_rollout_ref.teacher.inference.num_ranks=1"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "nproc"), [("engine", 2), ("engine_dp2", 3)])
+def test_topk_distillation_with_the_teacher_on_its_own_engine_rank(torchrun, run: dict[str, Path],  # noqa: F811
+                                                                   topk_teacher: Path, topk_tp1: Path, name: str,
+                                                                   nproc: int) -> None:
+    """The teacher served by the hf engine on a rank of its own (``teacher.inference``, verl's teacher on its own
+    GPUs), scoring the samples of one trainer rank and of two DP ranks (each sends its own share, each gets its own
+    scores back), trains as the Megatron teacher in the actor's layout does: the same samples, the same top-k loss,
+    masses and gradient norms. Time: ~25 s each."""
+    out = run["tmp"] / f"topk_{name}"
+    proc = torchrun([TRAIN, *overrides(run, out, *_topk_loss(topk_teacher), *TEACHER_ENGINE)], nproc=nproc,
+                    timeout=300)
+    assert f"rank {nproc - 1}: teacher engine 0: ranks [{nproc - 1}]" in proc.stdout + proc.stderr
+    _same_run(out, topk_tp1)
+    assert all("timing/teacher" in r for r in read_metrics(out))

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
-from hybridrl.interfaces import Generation, SamplingParams, WeightBucket, check_limits
+from hybridrl.interfaces import Generation, SamplingParams, TokenScores, WeightBucket, check_limits
 from hybridrl.rollout.engines.hf_compat import RoutingRecorder, checkpoint_views
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -161,6 +161,42 @@ class HFRolloutEngine:
                                       logprobs=lp_BT[b, :length].tolist(), finish_reason=finish,
                                       weight_version=self.version, routed_experts=routed))
         return results
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[list[int]], *, starts: Sequence[int], topk: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        """Teacher-forced scores of ``sequences[i][starts[i]:]`` (:class:`~hybridrl.interfaces.TokenScores`): one
+        forward pass per chunk of ``max_batch_size`` right-padded sequences; log-probs under
+        softmax(logits / temperature) in float32, over the model's whole vocabulary."""
+        out: list[TokenScores] = []
+        for first in range(0, len(sequences), self.config.max_batch_size):
+            chunk = range(first, min(first + self.config.max_batch_size, len(sequences)))
+            out += self._score_chunk([sequences[i] for i in chunk], [starts[i] for i in chunk], topk, temperature)
+        return out
+
+    def _score_chunk(self, seqs: list[list[int]], starts: list[int], topk: int,
+                     temperature: float) -> list[TokenScores]:
+        for seq, start in zip(seqs, starts, strict=True):
+            if not 1 <= start <= len(seq):
+                raise ValueError(f"hf engine: score start {start} outside 1..{len(seq)} (a token is scored given "
+                                 "the ones before it, so the first cannot be)")
+        B, S = len(seqs), max(len(s) for s in seqs)
+        ids_BS = torch.full((B, S), self.pad_id, dtype=torch.long)
+        mask_BS = torch.zeros((B, S), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids_BS[b, :len(seq)] = torch.tensor(seq)
+            mask_BS[b, :len(seq)] = 1
+        logits_BSV = self.model(input_ids=ids_BS.to(self.device), attention_mask=mask_BS.to(self.device)).logits
+        out = []
+        for b, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
+            logp_NV = torch.log_softmax(logits_BSV[b, start - 1:len(seq) - 1].float() / temperature, dim=-1)
+            tokens_N = ids_BS[b, start:len(seq)].to(self.device)
+            scores = TokenScores(logprobs=logp_NV.gather(-1, tokens_N[:, None]).squeeze(-1).cpu())
+            if topk > 0:
+                values_NK, ids_NK = torch.topk(logp_NV, min(topk, logp_NV.shape[-1]), dim=-1)
+                scores.topk_ids, scores.topk_logprobs = ids_NK.cpu(), values_NK.cpu()
+            out.append(scores)
+        return out
 
     def abort(self) -> None:
         """Make the running ``generate`` (and any until :meth:`resume`) return its samples as they stand."""

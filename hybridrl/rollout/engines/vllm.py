@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import processes
 from hybridrl.rollout.engines import vllm_compat as compat
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
@@ -57,6 +57,7 @@ class VLLMEngineError(RuntimeError):
 
 class VLLMRolloutEngine(ServerEngine):
     label: ClassVar[str] = "vLLM"
+    scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (vllm_compat item 12)
     error: ClassVar[type[RuntimeError]] = VLLMEngineError
     # abort(): the step loop aborts its unfinished requests, keeping their tokens
 
@@ -222,6 +223,25 @@ class VLLMRolloutEngine(ServerEngine):
                                                weight_version=self.version)
                 for i in range(len(prompts)) for j in range(params.n)]
 
+    def score(self, sequences: Sequence[list[int]], *, starts: Sequence[int], topk: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        """Teacher-forced scores of ``sequences[i][starts[i]:]`` (:class:`~hybridrl.interfaces.TokenScores`): one
+        request per sequence with vLLM's ``prompt_logprobs`` (the ``topk`` most likely tokens at each position, and
+        the sequence's own), one token generated and dropped."""
+        if temperature != 1.0:
+            raise VLLMEngineError(f"the vLLM engine scores prompts under the untempered softmax only "
+                                  f"(temperature={temperature} asked; {compat.PROMPT_LOGPROBS_UNTEMPERED})")
+        self._check_alive()
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
+        sampling = [VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk, detokenize=False)
+                    for _ in sequences]
+        outs = self._run(requests, sampling)
+        return [_token_scores(out.prompt_logprobs, seq, start, topk)
+                for out, seq, start in zip(outs, sequences, starts, strict=True)]
+
     def _run(self, requests: list[Any], sampling: list[Any]) -> list[Any]:
         """``LLM.generate``'s engine loop, stepped here so that :meth:`abort` can stop it between steps: each
         request's latest (cumulative) output, in request order; None for one cut short before its first token."""
@@ -312,6 +332,20 @@ class VLLMRolloutEngine(ServerEngine):
         if dead:
             raise VLLMEngineError(f"vLLM engine process(es) {dead} died (see their log above); "
                                   f"engine config: {self.describe()}")
+
+
+def _token_scores(prompt_logprobs: list[Any], seq: list[int], start: int, topk: int) -> TokenScores:
+    """A request's ``prompt_logprobs`` (one dict of token id → Logprob per prompt position, None at the first) as
+    the scores of ``seq[start:]``: each token's own log-prob and the ``topk`` of rank 1..topk, most likely first."""
+    positions = prompt_logprobs[start:len(seq)]
+    logprobs = torch.tensor([float(d[t].logprob) for d, t in zip(positions, seq[start:], strict=True)])
+    scores = TokenScores(logprobs=logprobs)
+    if topk > 0:
+        ranked = [sorted((v.rank, tid, v.logprob) for tid, v in d.items() if v.rank <= topk)[:topk]
+                  for d in positions]
+        scores.topk_ids = torch.tensor([[tid for _, tid, _ in r] for r in ranked], dtype=torch.long)
+        scores.topk_logprobs = torch.tensor([[float(lp) for _, _, lp in r] for r in ranked])
+    return scores
 
 
 def _visible_devices(device: torch.device, tp_size: int) -> str:

@@ -55,6 +55,11 @@ needed (it fails once upstream changes, so the item can go).
     :func:`begin_layerwise_reload` makes every such layer's method run the experts' processing after its own on
     every update (:func:`_repack_cpu_experts_on_update`), so the layerwise reload copies padded, prepacked weights
     into the kernel's storage.
+12. **Prompt log-probs ignore the temperature.** ``SamplingParams.prompt_logprobs`` are log_softmax(logits) whatever
+    the request's ``temperature`` and ``logprobs_mode``: a T = 0.7 request's prompt log-probs equal the untempered
+    ones. A teacher served by vLLM (``score``) therefore scores at T = 1 only; validation refuses a vLLM teacher
+    beside a rollout temperature other than 1 (the actor's log-probs are tempered), naming
+    ``actor_rollout_ref.rollout.temperature``.
 
 Nothing here imports vllm at module import time.
 """
@@ -69,6 +74,7 @@ from typing import Any
 import torch
 
 LOGPROBS_MODE = "processed_logprobs"  # item 3
+PROMPT_LOGPROBS_UNTEMPERED = "item 12 of hybridrl.rollout.engines.vllm_compat"
 CPU_KV_CACHE_BYTES = 256 << 20  # item 6: 256 MiB (a tiny model's 8k tokens take ~4 MiB per layer)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # item 7: vLLM's CPU attention
 

@@ -55,6 +55,29 @@ def test_logprobs_match_a_full_forward(models: tuple[Path, Path], temperature: f
         assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-5), (g.logprobs, want)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_score_is_a_teacher_forced_full_forward(models: tuple[Path, Path], temperature: float) -> None:
+    """``score`` (a teacher on its own engine): each sequence's tokens from ``start`` on, given the ones before, under
+    softmax(logits / T), and the top-k there — sequences of different lengths in one chunk (padding must not leak)."""
+    eng = engine(models[0], max_batch_size=2)  # three sequences: two chunks
+    seqs, starts = [[5, 6, 7, 8, 9, 20, 21], [10, 11, 30], [12, 13, 14, 40, 41, 42, 43, 44]], [5, 2, 1]
+    ref = AutoModelForCausalLM.from_pretrained(models[0]).eval()
+    got = eng.score(seqs, starts=starts, topk=4, temperature=temperature)
+    for s, start, g in zip(seqs, starts, got, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(torch.tensor([s])).logits[0, start - 1:-1].float() / temperature, -1)
+        want = logp.gather(-1, torch.tensor(s[start:])[:, None]).squeeze(-1)
+        assert g.logprobs.shape == (len(s) - start,) and torch.allclose(g.logprobs, want, atol=1e-5)
+        assert g.topk_ids is not None and g.topk_logprobs is not None
+        assert torch.equal(g.topk_ids, logp.topk(4, -1).indices)
+        assert torch.allclose(g.topk_logprobs, logp.topk(4, -1).values, atol=1e-5)
+    plain = eng.score(seqs[:1], starts=starts[:1])  # topk 0: the sampled tokens' only
+    assert plain[0].topk_ids is None and torch.allclose(plain[0].logprobs, got[0].logprobs, atol=1e-5) == (
+        temperature == 1.0)
+    with pytest.raises(ValueError, match="score start 0 outside 1..3"):
+        eng.score([[1, 2, 3]], starts=[0])
+
+
 def test_n_samples_seed_and_stop(models: tuple[Path, Path]) -> None:
     eng = engine(models[0])
     params = SamplingParams(temperature=1.0, max_new_tokens=5, n=3)

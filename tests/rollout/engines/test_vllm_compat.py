@@ -199,3 +199,18 @@ def test_item11_moe_experts_are_not_repacked_after_a_swap_on_cpu(tmp_path: Path,
             engine.update_weights(iter([_weights(a)]), version=2)
     finally:
         engine.shutdown()
+
+
+def test_item12_prompt_logprobs_ignore_the_temperature(vllm_engine: Any, vllm_models: tuple[Path, Path]) -> None:
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hybridrl.rollout.engines.hf import HFRolloutEngine
+
+    seq = [5, 6, 7, 8, 9, 20, 21, 22]
+    [out] = vllm_engine._run([TokensPrompt(prompt_token_ids=seq)],
+                             [VLLMSamplingParams(max_tokens=1, temperature=0.7, prompt_logprobs=0, detokenize=False)])
+    got = torch.tensor([out.prompt_logprobs[i][seq[i]].logprob for i in range(5, 8)])
+    hf = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(vllm_models[0]))
+    untempered, tempered = (hf.score([seq], starts=[5], temperature=t)[0].logprobs for t in (1.0, 0.7))
+    assert torch.allclose(got, untempered, atol=1e-5) and not torch.allclose(got, tempered, atol=1e-3)
