@@ -39,7 +39,9 @@ def fit(c: Components) -> dict[str, float]:
         c.tracker.log(evaluate(c), step=0)
     metrics, skips = {}, SkipCounter(limit=t.max_consecutive_skipped_steps)
     profiler = StepProfiler(t.profile_steps, t.output_dir)
-    last = time.perf_counter()  # timing/step: the wall time between consecutive steps (evaluation, saving included)
+    # timing/step: the wall time between consecutive steps (evaluation, saving included); timing_cpu/step this
+    # process's CPU seconds over the same span (all its threads; an engine's own processes are not counted)
+    last, last_cpu = time.perf_counter(), time.process_time()
     saved = c.resume_step
     for step in range(c.resume_step + 1, t.total_training_steps + 1):
         if stop_if_preempted(c, done=step - 1, saved=saved):
@@ -67,9 +69,9 @@ def fit(c: Components) -> dict[str, float]:
         metrics = step_metrics(c, step, batch, timer, rolled.metrics | adv_metrics, update,
                                entropy_BT=entropy_BT if old_pass else update.entropy_BT, scores_B=scores_B,
                                reward_errors=reward_errors, old_pass=old_pass, skipped=skips.total)
-        now = time.perf_counter()
-        metrics |= timer.times | {"timing/step": now - last}
-        last = now
+        now, now_cpu = time.perf_counter(), time.process_time()
+        metrics |= timer.times | {"timing/step": now - last, "timing_cpu/step": now_cpu - last_cpu}
+        last, last_cpu = now, now_cpu
         c.tracker.log(metrics, step=step)
         if t.rollout_data_dir is not None:
             rollout_dump.dump(t.rollout_data_dir, step, batch, scores_B, c.tokenizer)

@@ -39,6 +39,9 @@ def test_grpo_tiny_runs_and_engine_actor_sync_agree(torchrun, tiny: dict[str, Pa
     assert "timing/eval" in rows[3] and not any("timing/eval" in r for r in rows[1:3])
     assert rows[3]["timing/step"] >= rows[3]["timing/eval"] + sum(rows[3][k] for k in stages)
     assert all(r["timing/step"] >= sum(r[k] for k in stages) for r in rows[1:])
+    # timing_cpu/step: the process's CPU over the same span, at least its stages' (1 thread: about the wall time)
+    cpu = tuple(k.replace("timing/", "timing_cpu/") for k in stages)
+    assert all(r["timing_cpu/step"] >= sum(r[k] for k in cpu) - 1e-3 > 0 for r in rows[1:])
     # the engine reports the weights it sampled with: version k-1 at step k (synced after each update)
     assert [r["rollout/weight_version"] for r in rows[1:]] == [0.0, 1.0, 2.0]
     # actor == ref on the first of step 1's two mini-batches; the KL grows with the updates
