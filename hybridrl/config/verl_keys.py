@@ -233,7 +233,6 @@ _FSDP_NOTE = "verl's FSDP engine's setting"
 _TEACHER = "distillation.teacher_models.teacher_model"
 _TEACHER_ENGINE = (f"{AOR}.teacher.inference: nnodes ≥ 1 puts the teacher on an engine on nnodes × n_gpus_per_node "
                    "ranks of its own, added to the launch; 0 (verl's default): in Megatron on the trainer's ranks")
-_TEACHER_ENGINE_DEFAULTS = "the teacher engine's own defaults (its plugin's, set by teacher.inference.engine_kwargs)"
 
 # keys of verl's current scripts (verl 1dda039b: model_engine, the new lora/policy_loss/checkpoint_engine/reward
 # layouts, distillation, one-step-off placement)
@@ -332,8 +331,7 @@ _CURRENT = [
             note=f"a teacher ({AOR}.teacher) and its distillation: a supervised loss term ({AOR}.teacher.loss, "
                  "verl's use_policy_gradient=false) or the reverse-KL advantage (algorithm.adv_estimator=opd / "
                  "grpo_opd, use_policy_gradient=true)"),
-    VerlKey(key=f"{_TEACHER}.model_path", status="joint", group="distillation",
-            note=f"{AOR}.teacher.model.path"),
+    VerlKey(key=f"{_TEACHER}.model_path", status="joint", group="distillation", note=f"{AOR}.teacher.model.path"),
     VerlKey(key="distillation.distillation_loss.loss_mode", status="joint", group="distillation",
             note=f"use_policy_gradient=false: {AOR}.teacher.loss.loss_mode (forward_kl_topk, k1/kl, k2/mse, "
                  "k3/low_var_kl, abs); use_policy_gradient=true: k1 only, the reverse KL as the (negated) advantage "
@@ -360,17 +358,13 @@ _CURRENT = [
     *[VerlKey(key=f"distillation.distillation_loss.{k}", status="ignored", allowed=(0.2,),
               note="the actor's clip ratios (actor_rollout_ref.actor.clip_ratio*) apply")
       for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")],
-    VerlKey(key="distillation.n_gpus_per_node", status="joint", group="distillation", note=_TEACHER_ENGINE),
-    VerlKey(key="distillation.nnodes", status="joint", group="distillation", note=_TEACHER_ENGINE),
-    VerlKey(key=f"{_TEACHER}.inference.name", status="joint", group="distillation",
-            note=f"{AOR}.teacher.inference.name (default: the rollout's engine)"),
-    VerlKey(key=f"{_TEACHER}.inference.tensor_model_parallel_size", status="joint", group="distillation",
-            note=f"{AOR}.teacher.inference.tensor_model_parallel_size"),
-    VerlKey(key=f"{_TEACHER}.inference.gpu_memory_utilization", status="joint", group="distillation",
-            note=f"{AOR}.teacher.inference.gpu_memory_utilization"),
-    VerlKey(key=f"{_TEACHER}.inference.*", status="ignored", note=_TEACHER_ENGINE_DEFAULTS),
-    VerlKey(key=f"{_TEACHER}.num_replicas", status="ignored",
-            note="one teacher engine per inference.tensor_model_parallel_size of its ranks"),
+    *[VerlKey(key=f"distillation.{k}", status="joint", group="distillation", note=_TEACHER_ENGINE)
+      for k in ("n_gpus_per_node", "nnodes")],
+    *[VerlKey(key=f"{_TEACHER}.inference.{k}", status="joint", group="distillation",
+              note=f"{AOR}.teacher.inference.{k}" + (" (default: the rollout's engine)" if k == "name" else ""))
+      for k in ("name", "tensor_model_parallel_size", "gpu_memory_utilization")],
+    VerlKey(key=f"{_TEACHER}.inference.*", status="ignored", note="the engine's own (teacher.inference.engine_kwargs)"),
+    VerlKey(key=f"{_TEACHER}.num_replicas", status="ignored", note="one teacher engine per inference TP group"),
     VerlKey(key=f"{_TEACHER}.key", status="ignored", allowed=(None,), note="one teacher for every sample"),
     VerlKey(key="distillation.teacher_key", status="ignored", note="one teacher for every sample"),
     VerlKey(key="distillation.teacher_models.*", status="refused",
@@ -380,8 +374,8 @@ _CURRENT = [
                          ("use_remove_padding", _PADDING), ("seed", "Megatron's RNG is seeded from trainer.seed"))
       for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     VerlKey(key=f"{AOR}.model.trust_remote_code", status="ignored", allowed=(False,),
-            note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE, Mixtral) without "
-                 "remote code"),
+            note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE, Mixtral, GLM-4.5) "
+                 "without remote code"),
     VerlKey(key=f"{AOR}.ref.megatron.dist_checkpointing_path", status="refused",
             note="the ref starts from the HF checkpoint at actor_rollout_ref.model.path"),
     VerlKey(key="critic.model.use_remove_padding", status="ignored", note=_PADDING),

@@ -150,13 +150,20 @@ def test_verify_model_is_exact_for_glm4_moe(glm: dict[str, Path], layout: str) -
         assert r.n_tensors == len(load_file(glm[name] / "model.safetensors")), (name, layout)
 
 
-def test_the_hf_engine_generates_what_transformers_generates(glm: dict[str, Path]) -> None:
-    """(Its weight sync does not take GLM-4.5 yet: the router's e_score_correction_bias is a buffer, not among the
-    parameters the engine copies into.)"""
+def test_the_hf_engine_generates_what_transformers_generates(glm: dict[str, Path], tmp_path: Path,
+                                                              discriminate: Callable[[Path, int], Path]) -> None:
+    """And takes the trainer's weight stream in place, the router's ``e_score_correction_bias`` (a buffer, not a
+    parameter) included: after a swap to another draw of the same shape it serves that draw."""
+    import shutil
+
     from hybridrl.rollout.engines.hf import HFRolloutEngine
 
     for path in glm.values():
         assert _serves_as_transformers(HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(path)), path) < 1e-5
+    other = _decisive_routing(discriminate(Path(shutil.copytree(glm["plain"], tmp_path / "other")), 9))
+    engine = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(glm["plain"]))
+    engine.update_weights(iter([sorted(load_file(other / "model.safetensors").items())]), version=1)
+    assert _serves_as_transformers(engine, other) < 1e-5
 
 
 @pytest.mark.vllm

@@ -235,10 +235,12 @@ class HFRolloutEngine:
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by name, and its fused MoE experts by the checkpoint's per-expert names too
-    (:mod:`hybridrl.rollout.engines.hf_compat` item 1): what ``update_weights`` copies into."""
+    """The model's parameters by name, the checkpoint tensors it keeps as buffers (a sigmoid router's
+    ``e_score_correction_bias``: GLM-4.5, DeepSeek-V3), and its fused MoE experts by the checkpoint's per-expert names
+    too (:mod:`hybridrl.rollout.engines.hf_compat` item 1): what ``update_weights`` copies into."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    return {**params, **checkpoint_views(params, model.config.model_type)}
+    biases = {n: b for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")}
+    return {**params, **biases, **checkpoint_views(params, model.config.model_type)}
 
 
 _MASK64 = (1 << 64) - 1
