@@ -349,6 +349,21 @@ def test_the_moe_scale_recipe_plans_its_experts_and_fits_80_gb(capsys: pytest.Ca
     assert code == 2 and "expert_model_parallel_size" in err and "valid: [1, 2, 4, 8]" in err
 
 
+def test_the_glm45_recipe_plans_355b_on_64_h200_and_not_on_80_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    """grpo_glm45 with GLM-4.5's architecture (recipes/model_configs/glm-4.5.json: 92 layers, 3 dense, 160 experts
+    top-8 + a shared one): TP=8 × PP=4 × DP=2, EP=16 at expert TP 1 on 8 × 8 H200, within 141 GB in both phases;
+    on 80 GB GPUs a node's TP=8 engine alone (355B bf16 / 8 = 88 GB a GPU) cannot fit, and the plan says what would."""
+    glm = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "glm-4.5.json")
+    code, out, err = cli(capsys, "recipe=grpo_glm45", "--model-config", glm)
+    assert code == 0, err
+    assert "actor   TP=8 PP=4 CP=1 DP=2 EP=16 ETP=1" in out and "EP=16: 10 experts per rank" in out
+    assert "89 of 92 layers" in out and "a shared expert of 1536" in out
+    memory = re.search(r"→ generate ([\d.]+) GB, train ([\d.]+) GB", out)
+    assert memory and max(float(memory[1]), float(memory[2])) < 141, out
+    code, _, err = cli(capsys, "recipe=grpo_glm45", "--model-config", glm, "trainer.device_memory_gb=80")
+    assert code == 2 and "engine weights 88.2" in err and "rollout.tensor_model_parallel_size" in err, err
+
+
 def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
     """A rank waits in a collective while its engine generates or its reward scores: those limits must fire
     first, with their own clear errors, not the process group's."""
