@@ -30,10 +30,13 @@ def peft_state_dict(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> d
     return out
 
 
-def peft_config(cfg: LoRAConfig, *, base_model: str) -> dict[str, object]:
+def peft_config(cfg: LoRAConfig, *, base_model: str, modules: list[str] | None = None) -> dict[str, object]:
+    """``modules``: the adapted HF module paths (their last names are the targets: an expert's checkpoint names, e.g.
+    Mixtral's ``w1``, included); default the configured projections."""
+    targets = sorted({m.rsplit(".", 1)[-1] for m in modules}) if modules else sorted(cfg.projections)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-            "target_modules": sorted(cfg.projections), "bias": "none", "fan_in_fan_out": False,
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
             "rank_pattern": {}, "alpha_pattern": {}}
@@ -44,4 +47,5 @@ def write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], c
     """The adapter folder at ``out_dir`` (created; the caller checks it may be written)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(peft_state_dict(adapters), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config(cfg, base_model=base_model), indent=2) + "\n")
+    config = peft_config(cfg, base_model=base_model, modules=list(adapters))
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

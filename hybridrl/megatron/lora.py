@@ -31,6 +31,16 @@ The adapters live as a child module ``<linear>_lora`` of the attention / MLP mod
 and a forward hook on the linear adds the delta to its output. CP and PP need nothing special (per token,
 per layer); sequence parallel and Transformer Engine's fused norm+linear are refused (no CPU path to test).
 
+MoE layers: ``gate_proj``/``up_proj``/``down_proj`` adapt every routed expert (each its own (A, B): peft's
+per-expert modules, ``model.layers.L.mlp.experts.E.gate_proj``, Mixtral's ``w1``/``w3``/``w2``) and the shared expert
+(``mlp.shared_expert(s)``), as peft's ``target_modules`` matching by name does; the dense MLP of a dense layer as
+before. Separate adapters per expert, not one shared by all: an expert is its own function of its own tokens, and a
+shared adapter would add the same delta to experts that the router keeps apart (and could not be written as a peft
+adapter vLLM loads). Under EP each rank holds its experts' adapters, marked expert-parallel like their weights
+(``allreduce = False``: Megatron's DDP reduces their gradients over the expert-DP group, its optimizer counts them in
+the expert grad norm), and the checkpoint keeps them under Megatron's global expert index. An MoE model at TP > 1
+trains with sequence parallelism, which LoRA refuses, so expert adapters are never TP-sharded.
+
 Base weights are frozen (``requires_grad=False``): Megatron's DDP builds grad buffers and its optimizer
 (plain or distributed) param groups only from parameters that require grad, so only the adapters are
 trained and hold optimizer state.
@@ -59,7 +69,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-from hybridrl.hf.arch import HFArch
+from hybridrl.hf.arch import EXPERT_NAMES, HFArch
 from hybridrl.lora.config import HF_PROJECTIONS, MEGATRON_LINEARS, LoRAConfig
 from hybridrl.megatron.convert import all_units, full_shape
 from hybridrl.megatron.model import unwrap_model
@@ -77,17 +87,52 @@ def is_lora_name(name: str) -> bool:
     return any(f"{linear}{LORA_SUFFIX}." in name for linear in MEGATRON_LINEARS)
 
 
-def hf_module_name(layer: int, projection: str) -> str:
-    """The HF (and peft) module path of ``projection`` in ``layer``: ``model.layers.3.self_attn.q_proj``."""
-    return f"model.layers.{layer}.{_HF_MODULE[projection]}.{projection}"
+@dataclass(frozen=True, slots=True)
+class _Site:
+    """Which MLP of a layer an adapter sits on: the dense one, routed expert ``expert``, or the shared expert."""
+
+    kind: str = "dense"  # dense | expert | shared
+    expert: int = -1
+
+    @property
+    def key(self) -> int:  # folds into the adapters' seeds
+        return {"dense": 0, "shared": 1}.get(self.kind, 2 + self.expert)
 
 
-def _full_shapes(arch: HFArch, projection: str) -> tuple[int, int]:
-    """``(in_features, out_features)`` of the HF projection."""
+DENSE = _Site()
+
+
+def hf_module_name(layer: int, projection: str, site: _Site = DENSE, arch: HFArch | None = None) -> str:
+    """The HF (and peft) module path of ``projection`` in ``layer``: ``model.layers.3.self_attn.q_proj``; an expert's
+    by the checkpoint's names (``model.layers.3.mlp.experts.5.gate_proj``, Mixtral's ``block_sparse_moe…w1``)."""
+    if site.kind == "dense":
+        return f"model.layers.{layer}.{_HF_MODULE[projection]}.{projection}"
+    assert arch is not None
+    names = EXPERT_NAMES[arch.family]
+    if site.kind == "shared":
+        return f"model.layers.{layer}.{names.block}.{names.shared}.{projection}"
+    own = {"gate_proj": names.gate, "up_proj": names.up, "down_proj": names.down}[projection]
+    return f"model.layers.{layer}.{names.block}.experts.{site.expert}.{own}"
+
+
+def _full_shapes(arch: HFArch, projection: str, site: _Site = DENSE) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the HF projection (of the MLP at ``site``)."""
     h, f, q, kv = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads * arch.head_dim, \
         arch.num_query_groups * arch.head_dim
+    if site.kind != "dense":
+        assert arch.moe is not None
+        f = arch.moe.ffn_hidden_size if site.kind == "expert" else arch.moe.shared_ffn_hidden_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
             "up_proj": (h, f), "down_proj": (f, h)}[projection]
+
+
+def _sites(arch: HFArch, layer: int) -> list[_Site]:
+    """The MLPs of ``layer`` that MLP projections adapt: the dense one, or every routed expert and the shared one."""
+    moe = arch.moe
+    if moe is None or not moe.sparse_layers[layer]:
+        return [DENSE]
+    return ([_Site("expert", e) for e in range(moe.num_experts)]
+            + ([_Site("shared")] if moe.shared_ffn_hidden_size else []))
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +147,9 @@ class LoRAAdapter(torch.nn.Module):
     """The adapters of one Megatron linear of one layer: one (A, B) pair per adapted HF projection it holds."""
 
     def __init__(self, *, linear: str, layer: int, arch: HFArch, cfg: LoRAConfig, projections: Sequence[str],
-                 like: torch.Tensor, seed: int) -> None:
+                 like: torch.Tensor, seed: int, site: _Site = DENSE) -> None:
         super().__init__()
-        self.linear, self.layer, self.arch, self.scaling = linear, layer, arch, cfg.scaling
+        self.linear, self.layer, self.arch, self.scaling, self.site = linear, layer, arch, cfg.scaling, site
         self.row = linear in ("linear_proj", "linear_fc2")
         self.projections = tuple(projections)  # adapted ones, in the linear's output order
         self.enabled = True
@@ -114,10 +159,11 @@ class LoRAAdapter(torch.nn.Module):
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         self.factors: dict[str, tuple[_Factor, _Factor]] = {}
         for p in self.projections:
-            n_in, n_out = _full_shapes(arch, p)
+            n_in, n_out = _full_shapes(arch, p, site)
             a_axis, b_axis = (1, None) if self.row else (None, 0)
             self.factors[p] = (_Factor((cfg.rank, n_in), a_axis), _Factor((n_out, cfg.rank), b_axis))
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + list(HF_PROJECTIONS).index(p))
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + list(HF_PROJECTIONS).index(p)
+                                                + site.key * 7_919)
             bound = 1.0 / math.sqrt(n_in)  # peft: kaiming_uniform_(a=√5) on [r, in]
             a_full = torch.rand(cfg.rank, n_in, generator=gen, dtype=torch.float32) * (2 * bound) - bound
             b_full = torch.zeros(n_out, cfg.rank)
@@ -128,10 +174,13 @@ class LoRAAdapter(torch.nn.Module):
             for param, axis in ((self.lora_A[p], a_axis), (self.lora_B[p], b_axis)):
                 if axis is not None:  # the grad norm counts sharded params on every TP rank, replicated ones once
                     set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis, stride=1)
+                if site.kind == "expert":  # as the expert's own weights: reduced over expert-DP, not all of DP
+                    param.allreduce = False
         tp_groups = arch.num_query_groups // tp
+        ffn = _full_shapes(arch, "gate_proj", site)[1]
         self._local_out = {"q_proj": tp_groups * arch.heads_per_group * arch.head_dim,
                            "k_proj": tp_groups * arch.head_dim, "v_proj": tp_groups * arch.head_dim,
-                           "gate_proj": arch.ffn_hidden_size // tp, "up_proj": arch.ffn_hidden_size // tp}
+                           "gate_proj": ffn // tp, "up_proj": ffn // tp}
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' contribution to the linear's (TP-local) output for its input ``x`` ``[s, b, in_local]``."""
@@ -211,27 +260,30 @@ class LoRAModel:
         """Adapter parameters of the whole model (all TP/PP ranks; replicated factors counted once)."""
         return sum(math.prod(f.full_shape) for _, factors in self._all_factors() for f in factors)
 
-    def _all_factors(self) -> list[tuple[tuple[int, str], tuple[_Factor, _Factor]]]:
-        """Every adapter of the whole model, ``((global layer, projection), (A, B))``, in HF order."""
+    def _all_factors(self) -> list[tuple[tuple[int, str, _Site], tuple[_Factor, _Factor]]]:
+        """Every adapter of the whole model, ``((global layer, projection, site), (A, B))``, in HF order."""
         r = self.cfg.rank
         out = []
         for layer in range(self.arch.num_layers):
             for p in self.cfg.projections:
-                n_in, n_out = _full_shapes(self.arch, p)
-                row = HF_PROJECTIONS[p] in ("linear_proj", "linear_fc2")
-                a, b = _Factor((r, n_in), 1 if row else None), _Factor((n_out, r), None if row else 0)
-                out.append(((layer, p), (a, b)))
+                for site in _sites(self.arch, layer) if HF_PROJECTIONS[p] in ("linear_fc1", "linear_fc2") else [DENSE]:
+                    n_in, n_out = _full_shapes(self.arch, p, site)
+                    row = HF_PROJECTIONS[p] in ("linear_proj", "linear_fc2")
+                    a, b = _Factor((r, n_in), 1 if row else None), _Factor((n_out, r), None if row else 0)
+                    out.append(((layer, p, site), (a, b)))
         return out
 
     @torch.no_grad()
     def gather(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{hf module name: (A [r, in], B [out, r])}`` of the whole model, on every rank (collective over the
-        TP and PP groups: every rank must call it). Small: rank × (in + out) per projection."""
+        TP, EP and PP groups: every rank must call it). Small: rank × (in + out) per projection (and expert)."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        local = {(a.layer, p): (a.lora_A[p], a.lora_B[p]) for a in self.adapters for p in a.projections}
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        local = {(a.layer, p, a.site): (a.lora_A[p], a.lora_B[p]) for a in self.adapters for p in a.projections}
         owners: dict[int, int] = {}
         if pp > 1:
             layers: list[list[int] | None] = [None] * pp
@@ -239,11 +291,12 @@ class LoRAModel:
             owners = {layer: s for s, ls in enumerate(layers) for layer in ls or []}
         like = next(iter(self.parameters()))
         out = {}
-        for (layer, p), factors in self._all_factors():
+        per_rank = self.arch.moe.num_experts // ep if self.arch.moe is not None else 0
+        for (layer, p, site), factors in self._all_factors():
             full = []
             for i, factor in enumerate(factors):
-                if (layer, p) in local:
-                    shard = local[(layer, p)][i].detach()
+                if (layer, p, site) in local:
+                    shard = local[(layer, p, site)][i].detach()
                     if factor.axis is None or tp == 1:
                         t = shard.clone()
                     else:
@@ -252,10 +305,12 @@ class LoRAModel:
                         t = torch.cat(parts, dim=factor.axis)
                 else:
                     t = torch.empty(factor.full_shape, dtype=like.dtype, device=like.device)
+                if ep > 1 and site.kind == "expert":  # from the EP rank that holds the expert, in its stage
+                    dist.broadcast(t, src=dist.get_global_rank(ep_group, site.expert // per_rank), group=ep_group)
                 if pp > 1:
                     dist.broadcast(t, src=dist.get_global_rank(pp_group, owners[layer]), group=pp_group)
                 full.append(t)
-            out[hf_module_name(layer, p)] = (full[0], full[1])
+            out[hf_module_name(layer, p, site, self.arch)] = (full[0], full[1])
         return out
 
     def summary(self, *, optimizer: str, dtype: torch.dtype) -> str:
@@ -302,15 +357,33 @@ def apply_lora(chunks: Sequence[torch.nn.Module], arch: HFArch, cfg: LoRAConfig,
                 chosen = [p for p in projections if p in cfg.projections]
                 if not chosen:
                     continue
-                parent = getattr(layer, _PARENT[linear])
-                base = getattr(parent, linear)
-                if type(base) not in (ColumnParallelLinear, RowParallelLinear):
-                    raise NotImplementedError(
-                        f"LoRA needs Megatron's local layer spec; {linear} is a {type(base).__name__} (Transformer "
-                        "Engine fuses the norm into it, so its input is not the adapter's)")
-                adapter = LoRAAdapter(linear=linear, layer=global_layer, arch=arch, cfg=cfg, projections=chosen,
-                                      like=base.weight, seed=seed)
-                parent.add_module(linear + LORA_SUFFIX, adapter)
-                base.register_forward_hook(adapter.hook)
-                adapters.append(adapter)
+                for site, parent in _parents(layer, linear, global_layer, arch):
+                    base = getattr(parent, linear)
+                    if type(base) not in (ColumnParallelLinear, RowParallelLinear):
+                        raise NotImplementedError(
+                            f"LoRA needs Megatron's local layer spec; {linear} is a {type(base).__name__} (Transformer "
+                            "Engine fuses the norm into it, so its input is not the adapter's)")
+                    adapter = LoRAAdapter(linear=linear, layer=global_layer, arch=arch, cfg=cfg, projections=chosen,
+                                          like=base.weight, seed=seed, site=site)
+                    parent.add_module(linear + LORA_SUFFIX, adapter)
+                    base.register_forward_hook(adapter.hook)
+                    adapters.append(adapter)
     return LoRAModel(adapters, cfg, arch)
+
+
+def _parents(layer: torch.nn.Module, linear: str, global_layer: int,
+             arch: HFArch) -> list[tuple[_Site, torch.nn.Module]]:
+    """The modules holding ``linear`` in ``layer``: its attention or dense MLP, or an MoE layer's local experts
+    (Megatron's SequentialMLP: one MLP each, global index from the EP rank) and its shared expert."""
+    parent = getattr(layer, _PARENT[linear])
+    if _PARENT[linear] != "mlp" or _sites(arch, global_layer) == [DENSE]:
+        return [(DENSE, parent)]
+    experts = parent.experts
+    if not hasattr(experts, "local_experts"):
+        raise NotImplementedError(f"LoRA on experts needs Megatron's SequentialMLP experts (moe_grouped_gemm off); "
+                                  f"layer {global_layer} has {type(experts).__name__}")
+    first = parallel_state.get_expert_model_parallel_rank() * len(experts.local_experts)
+    out = [(_Site("expert", first + i), mlp) for i, mlp in enumerate(experts.local_experts)]
+    if getattr(parent, "shared_experts", None) is not None:
+        out.append((_Site("shared"), parent.shared_experts))
+    return out

@@ -19,6 +19,14 @@ still needed (it fails once upstream changes, so the item can go).
    data-parallel group, so the experts' gradients are reduced over the same ranks as before; only the grad norm is
    summed in two parts (the chain's), as at EP > 1.
 
+3. **A chain with an empty part cannot be saved.** A ``ChainedOptimizer`` part with no trainable parameters is a
+   stub whose ``optimizer`` is None, and the chain's ``sharded_state_dict`` (every checkpoint save) reads every part:
+   ``_synchronize_steps`` its ``optimizer.param_groups``, the part's own ``sharded_state_dict`` its
+   ``optimizer.state_dict()`` — ``AttributeError: 'NoneType' object has no attribute 'param_groups'``. That is the
+   dense part under LoRA on the experts of a model whose every layer is MoE (every adapter is an expert's).
+   :func:`drop_empty_parts` takes such parts out of the chain (they have nothing to step, clip or save) while
+   another part remains.
+
 Not an adaptation but a choice (:func:`hybridrl.megatron.model.moe_config_kwargs`): the all-to-all token dispatcher
 makes a ``torch.cuda.Stream`` when built, so CPU runs use the all-gather one.
 """
@@ -49,3 +57,16 @@ def mark_expert_weights(model: torch.nn.Module) -> int:
                 param.allreduce = False  # type: ignore[attr-defined]
                 marked += 1
     return marked
+
+
+def drop_empty_parts(optimizer: object) -> int:
+    """Item 3: the stub parts (no trainable parameters) of a ``ChainedOptimizer``, removed while a real part remains.
+    Returns how many were dropped."""
+    parts = getattr(optimizer, "chained_optimizers", None)
+    if not parts:
+        return 0
+    real = [p for p in parts if getattr(p, "optimizer", None) is not None]
+    if not real or len(real) == len(parts):
+        return 0
+    optimizer.chained_optimizers = real  # type: ignore[attr-defined]
+    return len(parts) - len(real)

@@ -66,6 +66,7 @@ from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, split_to_count, token_budget_partition
 from hybridrl.megatron.hidden_states import returning_hidden_states
 from hybridrl.megatron.model import TORCH_DTYPES
+from hybridrl.megatron.moe_compat import drop_empty_parts
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
 from hybridrl.megatron.rope_positions import positioned_rope
@@ -154,6 +155,7 @@ class MegatronRunner:
                                 **_mixed_precision_kwargs(self.dtype)),
                 self.chunks,
             )
+            drop_empty_parts(self.optimizer)  # LoRA on the experts only (moe_compat item 3)
             self.config.grad_scale_func = self.optimizer.scale_loss  # × the loss scale (1 unless float16)
             self.scheduler = OptimizerParamScheduler(
                 self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=0.0,

@@ -129,6 +129,29 @@ def test_the_router_without_transformer_engine_still_needs_its_adaptation() -> N
         moe_utils.te_general_gemm = saved
 
 
+def test_a_chained_optimizer_with_an_empty_part_still_needs_it_dropped() -> None:
+    """``moe_compat`` item 3: a chain whose dense part has no trainable parameters (LoRA on the experts of an all-MoE
+    model) holds a stub part (``optimizer`` None), and the chain's step sync — run by every checkpoint save — reads
+    its param groups. Dropped, the real part syncs alone. Fails once upstream skips stub parts (the item can go).
+    The chain is Megatron's class with two parts standing in for its optimizers (only their ``optimizer`` is read)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    from hybridrl.megatron.moe_compat import drop_empty_parts
+
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    adam.param_groups[0]["step"] = 3
+    chain = ChainedOptimizer.__new__(ChainedOptimizer)
+    chain.chained_optimizers = [SimpleNamespace(optimizer=None), SimpleNamespace(optimizer=adam)]
+    with pytest.raises(AttributeError, match="param_groups"):
+        chain._synchronize_steps()
+    assert drop_empty_parts(chain) == 1 and [p.optimizer for p in chain.chained_optimizers] == [adam]
+    chain._synchronize_steps()
+    assert adam.param_groups[0]["step"] == 3
+    assert drop_empty_parts(chain) == 0
+
+
 def test_the_plan_shows_the_expert_layout_and_refuses_one_that_does_not_split(models: dict[str, Path],
                                                                               tmp_path: Path) -> None:
     from hybridrl.config.compose import compose_config

@@ -147,3 +147,42 @@ def test_an_ep1_moe_checkpoint_with_one_optimizer_is_refused_naming_the_way_out(
     _check_expert_layout(tmp_path / "nowhere", SimpleNamespace(arch=SimpleNamespace(moe=None), optimizer=None))  # type: ignore[arg-type]
     policy.optimizer = SimpleNamespace()  # one optimizer (LoRA: the experts frozen): nothing to compare
     _check_expert_layout(tmp_path / "nowhere", policy)  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+def test_lora_on_the_experts_syncs_and_exports_an_adapter_with_expert_weights(torchrun,
+                                                                              tiny: dict[str, Path]) -> None:  # noqa: F811
+    """LoRA on the MLP projections of an MoE actor at EP=2 (``target_modules: [gate_proj, up_proj, down_proj]``):
+    the experts' adapters train, the engine receives every expert's merged weights (its log-probs agree with the
+    actor's at each step), and ``export-hf --adapter`` writes a peft adapter with each expert's A and B, read back
+    from the EP=2 checkpoint on one process. ~60 s: a 2-rank launch and an export."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    moe = {**tiny, "model": make_tiny_model(tiny["tmp"] / "moe_lora_model", arch="qwen3_moe", hidden=64, layers=2,
+                                            heads=4, kv_heads=2, max_positions=128,
+                                            moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))}
+    out = tiny["tmp"] / "moe_lora"
+    args = [*KEYWORD, "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.total_training_steps=2",
+            "trainer.save_freq=2", "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.model.target_modules=[gate_proj,up_proj,down_proj]",
+            "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]
+    torchrun([TRAIN, *overrides(moe, out, *args)], nproc=2, timeout=600)
+    rows = _learned(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["actor/grad_norm"] > 0
+    assert all(r["rollout/logprob_abs_diff"] <= 1e-5 for r in rows), rows
+    adapter = tiny["tmp"] / "moe_lora_adapter"
+    done = subprocess.run([sys.executable, "-m", "hybridrl.cli", "export-hf",
+                           str(out / "checkpoints" / "step_00000002"), str(adapter), "--adapter"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = load_file(adapter / "adapter_model.safetensors")
+    for layer in (0, 1):
+        for e in range(4):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                b = saved[f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{p}.lora_B.weight"]
+                assert b.shape[1] == 4
+    assert any(float(t.abs().max()) > 0 for k, t in saved.items() if k.endswith("lora_B.weight"))

@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc-per-node N lora_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-A layout is ``tp<a>pp<b>cp<c>[vpp<d>][-distopt][-qv]``; DP is what remains of the world; ``-qv`` adapts only
-``q_proj`` and ``v_proj`` (peft's usual pick, a subset of the fused ``linear_qkv``), else ``all-linear``.
+A layout is ``tp<a>pp<b>cp<c>[vpp<d>][ep<e>][-distopt][-qv|-mlp]``; DP is what remains of the world; ``-qv`` adapts only
+``q_proj`` and ``v_proj`` (peft's usual pick, a subset of the fused ``linear_qkv``), ``-mlp`` only the MLP's
+(an MoE model's experts), else ``all-linear``.
 Each layout builds a
 :class:`MegatronPolicy` with LoRA (rank 4, alpha 8, Adam lr 1e-2), takes 2 optimizer steps of token-mean NLL
 on a fixed batch of 8 rows (DP rank r: the r-th contiguous block; the loss is normalised over the whole
@@ -35,7 +36,7 @@ from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.trainers.sft import nll_loss
 
 torch.set_num_threads(1)
-LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-qv)?")
+LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(?:ep(\d+))?(-distopt)?(-qv|-mlp)?")
 B, P, T, MICRO = 8, 6, 8, 2
 
 
@@ -59,11 +60,13 @@ def fixed_batch(pad_token_id: int) -> RolloutBatch:
 def run_layout(model_dir: str, out_dir: Path, name: str, pad_token_id: int) -> None:
     match = LAYOUT.fullmatch(name)
     assert match, name
-    tp, pp, cp, vpp, distopt, qv = match.groups()
-    targets = ["q_proj", "v_proj"] if qv else ["all-linear"]
+    tp, pp, cp, vpp, ep, distopt, pick = match.groups()
+    targets = {"-qv": ["q_proj", "v_proj"], "-mlp": ["gate_proj", "up_proj", "down_proj"]}.get(pick or "",
+                                                                                            ["all-linear"])
     megatron = MegatronConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
                               context_parallel_size=int(cp),
                               virtual_pipeline_model_parallel_size=int(vpp) if vpp else None,
+                              expert_model_parallel_size=int(ep) if ep else 1,
                               use_distributed_optimizer=bool(distopt))
     from hybridrl.megatron.policy import parallel_config
 
