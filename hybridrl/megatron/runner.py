@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -356,6 +357,10 @@ class MegatronRunner:
         self.optimizer.zero_grad()
         micros = self._micro_batches(batch, batching)
         outputs = self._run(micros, head, forward_only=False)
+        # the schedule's finalize_model_grads moved a sigmoid router's expert bias by this mini-batch's expert loads
+        # (aux-loss-free balancing, override_transformer_config.moe_router_bias_update_rate); the loads start again
+        # from 0 for the next one, as Megatron-LM's train step resets them
+        reset_model_temporary_tensors(self.config, self.chunks)
         # float16: Megatron's loss scaler finds inf/NaN gradients itself, skips the update and halves the scale
         # (an overflow is routine there); else a non-finite loss or gradient never reaches the weights
         # (guards.py): fp32/bf16 Adam would step on it

@@ -37,7 +37,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 # Megatron's load-balancing losses that leave routing as it is (sinkhorn changes it; global_aux_loss keeps CUDA
 # buffers)
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
-MOE_LOSS_COEFFS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+MOE_LOSS_COEFFS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate")
 MOE_ROUTER_DTYPES = ("fp32", "fp64")  # Megatron's moe_router_dtype (null: the model's dtype)
 
 OVERRIDES = {
@@ -55,6 +55,9 @@ OVERRIDES = {
                                       "(default: aux_loss when moe_aux_loss_coeff > 0, else none)",
     "moe_router_dtype": f"null | {' | '.join(MOE_ROUTER_DTYPES)}: the precision of the router's logits and "
                         "softmax (null: the model's dtype)",
+    "moe_router_bias_update_rate": "a number ≥ 0: aux-loss-free balancing of a sigmoid router with an expert bias "
+                                   "(GLM-4.5, DeepSeek-V3): after each optimizer step each expert's bias moves by "
+                                   "this × sign(mean load − its load) (0, the default: the checkpoint's bias)",
 }
 
 # Megatron's kernel-fusion switches (booleans, verl's scripts set them): speed only, the same math up to kernel
