@@ -4,7 +4,7 @@ b_e += u · sign(mean load − load_e), u = ``override_transformer_config.moe_ro
 update, in its ``finalize_model_grads``). On by config: 0 (the default here, as in slime's GLM-4.5 script) keeps the
 checkpoint's bias. Checked on a tiny GLM-4.5 (the bias DeepSeek-V3 shares), one rank: each entry moves by exactly
 ±u or 0 per step, each step counts only its own loads (Megatron-LM's train step resets them; so does hybridrl's),
-and the weight stream carries the moved bias to the engine. ~40 s: two torchrun launches."""
+and the weight stream carries the moved bias to the engine. ~25 s: one torchrun launch."""
 
 from __future__ import annotations
 
@@ -52,6 +52,4 @@ def test_the_expert_bias_moves_by_the_sign_of_each_steps_own_loads(torchrun, mod
             moved += sum(d != 0 for d in deltas)
         assert all(c == 0 for counts in s["counts_left"] for c in counts)  # the next step counts afresh
         assert sorted(s["exported"].values()) == sorted(s["after"])  # the engine receives the moved bias
-    assert moved > 0
-    off = _run(torchrun, model, tmp_path / "off.json", 0.0)
-    assert all(s["before"] == s["after"] for s in off)  # rate 0: the checkpoint's bias stays
+    assert moved > 0  # (rate 0 keeps the checkpoint's bias: test_glm4_moe's actor check)
