@@ -113,6 +113,25 @@ class ActorRolloutRef:
         out, self.actor.replay_metrics = self.actor.replay_metrics, {}
         return out
 
+    def take_padding_metrics(self) -> dict[str, float]:
+        """``perf/padding_share/<pass>``: the share of the positions each Megatron pass since the last call computed
+        that were padding (over all DP ranks), once: ``old_log_prob``, ``update_actor``, ``ref``, ``teacher``,
+        ``values``, ``update_critic`` (an evaluation's greedy pass counts with the actor's forward passes)."""
+        names = {("actor", "forward"): "old_log_prob", ("actor", "update"): "update_actor", ("ref", "forward"): "ref",
+                 ("teacher", "forward"): "teacher", ("critic", "forward"): "values",
+                 ("critic", "update"): "update_critic"}
+        runners = {"actor": self.actor, "ref": self.ref if self.ref is not self.actor else None,
+                   "teacher": self.teacher, "critic": self.critic}
+        out = {}
+        for role, runner in runners.items():
+            for kind, (real, computed) in sorted((runner.padding_tally if runner is not None else {}).items()):
+                t = torch.tensor([real, computed], dtype=torch.float64, device=self.actor.device)
+                dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+                out[f"perf/padding_share/{names[role, kind]}"] = 1.0 - float(t[0] / t[1].clamp(min=1))
+            if runner is not None:
+                runner.padding_tally = {}
+        return out
+
     def compute_ref_log_probs(self, batch: RolloutBatch) -> None:
         assert self.ref is not None
         if self.ref_offload is None:  # LoRA: the actor's own base (megatron.policy.reference_policy)

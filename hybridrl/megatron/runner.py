@@ -137,6 +137,9 @@ class MegatronRunner:
         self.optimizer = None
         self.scheduler: OptimizerParamScheduler | None = None
         self._causal_masks: dict[int, torch.Tensor | None] = {}
+        # "forward" / "update" -> [real token positions, computed positions] of the passes since it was last read
+        # (perf/padding_share/*: ActorRolloutRef.take_padding_metrics)
+        self.padding_tally: dict[str, list[int]] = {}
         if optim is None:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -169,6 +172,10 @@ class MegatronRunner:
     # ---- forward passes through Megatron's schedule ----
     def _run(self, micros: list[_Micro], head: Head, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         shapes = {tuple(m.rows.tokens_BS.shape) for m in micros}
+        tally = self.padding_tally.setdefault("forward" if forward_only else "update", [0, 0])
+        for m in micros:
+            tally[0] += m.rows.real_positions(m.index >= 0)
+            tally[1] += m.rows.tokens_BS.numel()
         for s in {m.rows.seq_len for m in micros if not m.rows.shared_prompts}:  # kept from step to step
             if s not in self._causal_masks:
                 self._causal_masks[s] = causal_attention_mask(s, self.device)

@@ -49,6 +49,17 @@ class PackedRows:
         idx_BT = torch.where(t_1T == 0, self.prompt_len_B[:, None] - 1, start_B[:, None] - 1 + t_1T)
         return idx_BT.clamp(max=self.seq_len - 2)
 
+    def real_positions(self, valid_B: torch.Tensor) -> int:
+        """How many of the ``R·S`` computed positions hold a real token of a ``valid_B`` sample (a filler row's are
+        padding): each sample's response, and its prompt once per row (the shared-prompt layout's samples share it)."""
+        valid_B = valid_B.bool()
+        responses = int(self.response_mask_BT.sum(-1)[valid_B].sum())
+        if self.row_B is None:
+            return responses + int(self.prompt_len_B[valid_B].sum())
+        rows = {int(r): int(p) for r, p in zip(self.row_B[valid_B].tolist(), self.prompt_len_B[valid_B].tolist(),
+                                              strict=True)}
+        return responses + sum(rows.values())
+
     def flat_response_index_BT(self) -> torch.Tensor:
         """:meth:`response_index_BT` into the ``R·S`` positions of all rows (row-major)."""
         row_B = self.row_B if self.row_B is not None else torch.arange(len(self.prompt_len_B),

@@ -145,7 +145,7 @@ def step_metrics(c: Components, step: int, batch: RolloutBatch, timer: Timer, ex
     work = timer.times.pop("timing/work")  # generate … weight sync: what perf/tokens_per_s counts
     timer.times.pop("timing_cpu/work")
     metrics = (m.reduce() | extra | (actor_metrics(update.actor) if update.actor else {}) | update.critic
-               | c.hybrid.take_routing_metrics() | distill_metrics(batch))
+               | c.hybrid.take_routing_metrics() | c.hybrid.take_padding_metrics() | distill_metrics(batch))
     metrics["actor/old_logprob_pass"] = float(old_pass)
     metrics["training/skipped_steps"] = skipped
     metrics |= {"perf/tokens_per_s": metrics.pop("perf/tokens") / work, "perf/weight_sync_mb": update.sync_mb}
