@@ -96,13 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
     sp.add_argument("out", help="output directory")
-    sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"],
+    sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
+                                       "deepseek_v3"],
                     default="qwen2",
                     help="the MoE families get 4 experts, top-2, moe_intermediate_size = hidden (tiny.MOE_DEFAULTS; "
-                         "mixtral: experts of --intermediate, tiny.MIXTRAL_DEFAULTS; glm4_moe: tiny.GLM4_MOE_DEFAULTS)")
+                         "mixtral: experts of --intermediate, tiny.MIXTRAL_DEFAULTS; glm4_moe: tiny.GLM4_MOE_DEFAULTS; "
+                         "deepseek_v3: tiny.DEEPSEEK_V3_DEFAULTS)")
     sp.add_argument("--moe", action="append", default=[], metavar="KEY=VALUE",
                     help="an MoE family's config.json key over its defaults, VALUE read as JSON (repeatable), e.g. "
-                         "--moe use_qk_norm=true --moe n_group=4")
+                         "--moe use_qk_norm=true --moe n_group=4 --moe q_lora_rank=null")
     sp.add_argument("--hidden", type=int, default=128)
     sp.add_argument("--layers", type=int, default=4)
     sp.add_argument("--heads", type=int, default=4)

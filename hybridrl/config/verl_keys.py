@@ -374,8 +374,8 @@ _CURRENT = [
                          ("use_remove_padding", _PADDING), ("seed", "Megatron's RNG is seeded from trainer.seed"))
       for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     VerlKey(key=f"{AOR}.model.trust_remote_code", status="ignored", allowed=(False,),
-            note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE, Mixtral, GLM-4.5) "
-                 "without remote code"),
+            note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE, Mixtral, GLM-4.5, "
+                 "DeepSeek-V3) without remote code"),
     VerlKey(key=f"{AOR}.ref.megatron.dist_checkpointing_path", status="refused",
             note="the ref starts from the HF checkpoint at actor_rollout_ref.model.path"),
     VerlKey(key="critic.model.use_remove_padding", status="ignored", note=_PADDING),

@@ -10,11 +10,12 @@ Its tensors are :mod:`hybridrl.hf.tensors`; writing a checkpoint is :mod:`hybrid
 Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNorm) and Llama
 (RMSNorm, SwiGLU, GQA, RoPE, tied or untied embeddings), and the mixtures of experts Qwen3-MoE
 (``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways), Qwen2-MoE (its gated shared
-expert), Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window) and GLM-4.5 (``glm4_moe``:
+expert), Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window), GLM-4.5 (``glm4_moe``:
 DeepSeek-V3's routing — sigmoid scores, a selection bias, grouped top-k, scaled weights — a shared expert, dense first
-layers, attention bias, optional QK norm, partial RoPE): :class:`MoE`, and where each family's checkpoint keeps a
-layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error
-that names the file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
+layers, attention bias, optional QK norm, partial RoPE) and DeepSeek-V3 (``deepseek_v3``, also Moonlight's: that
+routing with multi-latent attention, :class:`~hybridrl.hf.mla.MLA`): :class:`MoE`, and where each family's
+checkpoint keeps a layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error that names the file,
+the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
 Importing this module imports neither torch nor transformers (static validation runs without them).
@@ -27,15 +28,25 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
+from hybridrl.hf.mla import MLA, read_mla
+from hybridrl.hf.values import divisors as _divisors
+from hybridrl.hf.values import number as _number
+from hybridrl.hf.values import positive_int as _size
 
-    pass
-
-Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
-FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
-MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
+                                "deepseek_v3")
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+SIGMOID_MOE_FAMILIES: tuple[Family, ...] = ("glm4_moe", "deepseek_v3")
+# what transformers assumes where a sigmoid-routed family's config.json leaves a key out (its config class's defaults)
+_SIGMOID_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(norm_topk_prob=True, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                     routed_scaling_factor=1.0),
+    "deepseek_v3": dict(norm_topk_prob=True, n_group=8, topk_group=4, first_k_dense_replace=3, n_shared_experts=1,
+                        routed_scaling_factor=2.5),
+}
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -82,6 +93,8 @@ EXPERT_NAMES: dict[str, ExpertNames] = {  # by model_type
     "qwen2_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "mixtral": ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
     "glm4_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_experts"),
+    "deepseek_v3": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",
+                               shared="shared_experts"),
 }
 
 
@@ -140,6 +153,7 @@ class HFArch:
     qk_layernorm: bool  # Qwen3: RMSNorm over each head of q and k
     moe: MoE | None = None  # the MoE families; None: every layer's MLP is dense (ffn_hidden_size)
     rotary_percent: float = 1.0  # the leading part of each head that RoPE rotates (HF partial_rotary_factor)
+    mla: MLA | None = None  # DeepSeek-V3's attention; None: GQA over q/k/v projections
 
     @property
     def heads_per_group(self) -> int:
@@ -161,6 +175,12 @@ class HFArch:
             out.append((_TP, tp, f"must divide the model's {heads} attention heads (valid: {_divisors(heads)})"))
         if tp >= 1 and kv % tp:
             out.append((_TP, tp, f"must divide the model's {kv} KV heads (GQA groups) (valid: {_divisors(kv)})"))
+        if self.mla is not None and tp >= 1:  # the latent down projections: column-parallel, gathered
+            for key, size in (("q_lora_rank", self.mla.q_lora_rank),
+                              ("kv_lora_rank + qk_rope_head_dim", self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)):
+                if size is not None and size % tp:
+                    out.append((_TP, tp, f"must divide the model's {key}={size} (Megatron splits the latent down "
+                                        f"projection's rows over TP) (valid: {_divisors(size)})"))
         moe = self.moe
         sizes = [] if moe is not None and all(moe.sparse_layers) else [("intermediate_size", ffn)]  # dense MLPs
         if moe is not None and etp is not None and etp != tp:  # the experts split over their own TP
@@ -234,7 +254,7 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
     expect("use_sliding_window", False, False)
     expect("mlp_bias", False, False)
     if family not in ("qwen2", "glm4_moe"):  # Qwen2's q/k/v bias is fixed in its code; this key adds o_proj's
-        expect("attention_bias", False, False)
+        expect("attention_bias", False, False)  # DeepSeek-V3: q_a, kv_a and o_proj's
     if family == "mixtral":  # no use_sliding_window switch: a window is on when set
         expect("sliding_window", None, None)
         expect("router_jitter_noise", 0.0, 0.0)  # training-time noise on the router's input
@@ -245,6 +265,7 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
+    mla = read_mla(cfg, source, heads, kv_heads, need) if family == "deepseek_v3" else None
     theta, scaling = _rope(cfg, source)
     layers = _size(need("num_hidden_layers"), f"{source}: num_hidden_layers")
     moe = _moe(cfg, source, family, layers, need) if family in MOE_FAMILIES else None
@@ -256,7 +277,7 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=kv_heads,
-        head_dim=_size(cfg.get("head_dim") or hidden // heads, f"{source}: head_dim"),
+        head_dim=mla.q_head_dim if mla else _size(cfg.get("head_dim") or hidden // heads, f"{source}: head_dim"),
         rms_norm_eps=_number(need("rms_norm_eps"), f"{source}: rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -267,15 +288,16 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         qk_layernorm=family in ("qwen3", "qwen3_moe") or family == "glm4_moe" and bool(cfg.get("use_qk_norm", False)),
         moe=moe,
         rotary_percent=_rotary_percent(cfg, source) if family == "glm4_moe" else 1.0,
+        mla=mla,
     )
 
 
 def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: Any) -> MoE:
     """Qwen3-MoE / Qwen2-MoE: layer i's MLP is the MoE unless i is in ``mlp_only_layers`` or
     (i + 1) % ``decoder_sparse_step`` ≠ 0 (transformers' rule). Mixtral: every layer's, experts of
-    ``intermediate_size``, the top-k weights renormalised. GLM-4.5: :func:`_sigmoid_moe`."""
-    if family == "glm4_moe":
-        return _sigmoid_moe(cfg, source, layers, need)
+    ``intermediate_size``, the top-k weights renormalised. GLM-4.5, DeepSeek-V3: :func:`_sigmoid_moe`."""
+    if family in SIGMOID_MOE_FAMILIES:
+        return _sigmoid_moe(cfg, source, layers, need, _SIGMOID_DEFAULTS[family])
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"  # transformers ≥ 5.x: num_local_experts
     experts = _size(need(key), f"{source}: {key}")
     top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
@@ -299,23 +321,25 @@ def _moe(cfg: Mapping[str, Any], source: str, family: str, layers: int, need: An
                shared_expert_gate=bool(shared), sparse_layers=sparse)
 
 
-def _sigmoid_moe(cfg: Mapping[str, Any], source: str, layers: int, need: Any) -> MoE:
+def _sigmoid_moe(cfg: Mapping[str, Any], source: str, layers: int, need: Any, defaults: Mapping[str, Any]) -> MoE:
     """DeepSeek-V3-style MoE by its config keys (GLM-4.5's; DeepSeek-V3 names them the same): layers
     ``< first_k_dense_replace`` dense (``intermediate_size``), the rest the MoE: ``n_routed_experts`` experts of
     ``moe_intermediate_size``, sigmoid routing with ``e_score_correction_bias``, ``n_group``/``topk_group`` grouped
     top-k, ``routed_scaling_factor``, and ``n_shared_experts`` × ``moe_intermediate_size`` of ungated shared expert.
-    What Megatron's router computes otherwise than transformers is refused, naming the key."""
+    What Megatron's router computes otherwise than transformers is refused, naming the key. ``defaults``: the
+    family's config class's values for absent keys."""
+    cfg = {**defaults, **cfg}
     experts = _size(need("n_routed_experts"), f"{source}: n_routed_experts")
     top_k = _size(need("num_experts_per_tok"), f"{source}: num_experts_per_tok")
     if top_k > experts:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
-    norm = bool(cfg.get("norm_topk_prob", True))
+    norm = bool(cfg["norm_topk_prob"])
     if norm != (top_k > 1):  # topk_routing_with_score_function: probs = s / sum(s) iff topk > 1
         raise NotImplementedError(f"{source}: norm_topk_prob={norm} with num_experts_per_tok={top_k} is not "
                                   f"supported; valid: {top_k > 1} (Megatron renormalises sigmoid top-k weights "
                                   "exactly when more than one expert is chosen)")
-    groups = _size(cfg.get("n_group", 1), f"{source}: n_group")
-    group_topk = _size(cfg.get("topk_group", 1), f"{source}: topk_group")
+    groups = _size(cfg["n_group"], f"{source}: n_group")
+    group_topk = _size(cfg["topk_group"], f"{source}: topk_group")
     if experts % groups or group_topk > groups:
         raise ValueError(f"{source}: n_group={groups} must divide n_routed_experts={experts} and topk_group="
                          f"{group_topk} must not exceed it")
@@ -326,12 +350,12 @@ def _sigmoid_moe(cfg: Mapping[str, Any], source: str, layers: int, need: Any) ->
             f"supported: transformers scores an expert group by its 2 best experts, Megatron by its "
             f"num_experts_per_tok // topk_group = {top_k // group_topk}; valid: a topk_group that makes it 2, or "
             f"topk_group = n_group")
-    dense = cfg.get("first_k_dense_replace", 1)
+    dense = cfg["first_k_dense_replace"]
     if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= layers:
         raise ValueError(f"{source}: first_k_dense_replace={dense!r} must be an integer in [0, {layers}]")
     ffn = _size(need("moe_intermediate_size"), f"{source}: moe_intermediate_size")
-    shared = cfg.get("n_shared_experts", 1)  # absent keys here: Glm4MoeConfig's defaults
-    scale = _number(cfg.get("routed_scaling_factor", 1.0), f"{source}: routed_scaling_factor")
+    shared = cfg["n_shared_experts"]
+    scale = _number(cfg["routed_scaling_factor"], f"{source}: routed_scaling_factor")
     return MoE(num_experts=experts, top_k=top_k, ffn_hidden_size=ffn, norm_topk_prob=norm,
                shared_ffn_hidden_size=_size(shared, f"{source}: n_shared_experts") * ffn if shared else 0,
                shared_expert_gate=False, sparse_layers=tuple(i >= dense for i in range(layers)),
@@ -386,23 +410,6 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling
         return theta, scaling
     raise NotImplementedError(f"{source}: {key}.rope_type={rope_type!r} is not supported; "
                               "valid: 'default', 'llama3'")
-
-
-def _size(value: Any, where: str) -> int:
-    whole = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
-    if not whole or value < 1:
-        raise ValueError(f"{where}={value!r} must be an integer ≥ 1")
-    return int(value)
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}={value!r} must be a number")
-    return float(value)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE/Mixtral/GLM-4.5 (pure
-tensor code).
+"""HF <-> Megatron tensor layouts for the Qwen2/Qwen3/Llama families and Qwen3-MoE/Qwen2-MoE/Mixtral/GLM-4.5/
+DeepSeek-V3 (pure tensor code).
 
 Why hand-written and not mbridge 0.15.1: mbridge targets Transformer Engine's layer spec. On
 Megatron's local spec (what runs on CPU) it needs four overrides (local spec instead of its
@@ -17,6 +17,7 @@ HF tensors it is made of. Layouts, TP size ``T``, rank ``r``:
   group ``g``; rank ``r`` holds groups ``[r·G/T, (r+1)·G/T)`` whole. Same for the biases.
 - ``fc1``: ``[gate_r; up_r]`` per rank (SwiGLU: ``silu(first half) * second half``).
 - ``row`` (``linear_proj``, ``linear_fc2``): split along the input dim (1).
+- ``column`` (multi-latent attention's projections): split along the output dim (0), HF's row order kept.
 - ``vocab`` (embedding, output layer): rows, after padding the vocab to Megatron's size.
 - ``replicated``: norms, QK norms, the MoE router (``mlp.gate``) and its expert bias, the shared expert's gate.
 
@@ -27,6 +28,14 @@ like a dense MLP of the experts' size) and the shared expert (``mlp.shared_exper
 ``mlp.shared_expert`` of ``shared_expert_intermediate_size`` plus its gate, GLM-4.5's ungated ``mlp.shared_experts``).
 Sigmoid routers (GLM-4.5) add the router's ``expert_bias``, HF ``mlp.gate.e_score_correction_bias``: a buffer, not a
 parameter, that both sides keep in float32 whatever the model's dtype (:attr:`Unit.fp32`).
+
+Multi-latent attention (DeepSeek-V3, :class:`~hybridrl.hf.arch.MLA`) is one ``column`` unit per HF projection, both
+sides laying out a head's rows alike (q: ``[nope; rope]``, kv_b: ``[k_nope; v]``, kv_a: ``[latent; k_rope]``):
+``linear_q_down_proj`` / ``linear_q_up_proj`` = ``q_a_proj`` / ``q_b_proj`` (or ``linear_q_proj`` = ``q_proj``
+when ``q_lora_rank`` is null), ``linear_kv_down_proj`` / ``linear_kv_up_proj`` = ``kv_a_proj_with_mqa`` /
+``kv_b_proj``, ``q_layernorm`` / ``kv_layernorm`` = ``q_a_layernorm`` / ``kv_a_layernorm``, ``linear_proj`` =
+``o_proj`` (``row``). Megatron's local spec makes the down projections column-parallel too (each rank computes a
+slice of the latent, then gathers it); :func:`hybridrl.megatron.model.layer_spec` makes TE's do the same.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import torch
 
 from hybridrl.hf.arch import EXPERT_NAMES, HFArch
 
-Kind = Literal["replicated", "row", "vocab", "qkv", "fc1"]
+Kind = Literal["replicated", "row", "vocab", "qkv", "fc1", "column"]
 # Reads part of an HF tensor: ``read(name, (slice(lo, hi),))`` rows, ``(slice(None), slice(lo, hi))``
 # columns, ``()`` all of it. A safetensors reader reads only that part from disk.
 Read = Callable[[str, tuple[slice, ...]], torch.Tensor]
@@ -53,6 +62,8 @@ def _rows(lo: int, hi: int) -> tuple[slice, ...]:
 TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",  # MLA's latent norms
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
@@ -63,7 +74,7 @@ class Unit:
     kind: Kind
     layer: int | None  # global layer index; None for embedding / final norm / output layer
     ffn: int = 0  # fc1 / MLP row units: the MLP's intermediate size (0: the dense one, arch.ffn_hidden_size)
-    shape: tuple[int, ...] | None = None  # replicated units other than norms: the tensor's shape
+    shape: tuple[int, ...] | None = None  # replicated units other than norms, MLA's: the (HF) tensor's shape
     fp32: bool = False  # a float32 buffer in any model dtype (the router's expert bias), not a parameter
 
 
@@ -96,13 +107,42 @@ def _moe_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
     return units
 
 
+def _mla_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
+    mla, hidden, heads = arch.mla, arch.hidden_size, arch.num_attention_heads
+    assert mla is not None
+    m, h = m + "self_attention.", h + "self_attn."
+
+    def unit(megatron: str, hf: str, kind: Kind, *shape: int) -> Unit:
+        return Unit(f"{m}{megatron}.weight", (f"{h}{hf}.weight",), kind, layer, shape=shape)
+
+    q_rows = heads * mla.q_head_dim
+    if mla.q_lora_rank is None:
+        units = [unit("linear_q_proj", "q_proj", "column", q_rows, hidden)]
+    else:
+        units = [unit("linear_q_down_proj", "q_a_proj", "column", mla.q_lora_rank, hidden),
+                 unit("q_layernorm", "q_a_layernorm", "replicated", mla.q_lora_rank),
+                 unit("linear_q_up_proj", "q_b_proj", "column", q_rows, mla.q_lora_rank)]
+    return units + [
+        unit("linear_kv_down_proj", "kv_a_proj_with_mqa", "column", mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
+        unit("kv_layernorm", "kv_a_layernorm", "replicated", mla.kv_lora_rank),
+        unit("linear_kv_up_proj", "kv_b_proj", "column", heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+             mla.kv_lora_rank),
+        unit("linear_proj", "o_proj", "row", hidden, heads * mla.v_head_dim),
+    ]
+
+
 def layer_units(arch: HFArch, layer: int) -> list[Unit]:
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    units = [Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", layer)]
+    if arch.mla is not None:
+        units += _mla_units(arch, m, h, layer)
+        units.append(Unit(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated",
+                          layer))
+        if arch.moe is not None and arch.moe.sparse_layers[layer]:
+            return units + _moe_units(arch, m, h, layer)
+        return units + _mlp_units(m + "mlp.", h + "mlp.", layer)
     attn = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
-    units = [
-        Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", layer),
-        Unit(m + "self_attention.linear_qkv.weight", attn, "qkv", layer),
-    ]
+    units.append(Unit(m + "self_attention.linear_qkv.weight", attn, "qkv", layer))
     if arch.qkv_bias:
         bias = tuple(f"{h}self_attn.{p}_proj.bias" for p in "qkv")
         units.append(Unit(m + "self_attention.linear_qkv.bias", bias, "qkv", layer))
@@ -136,6 +176,8 @@ def all_units(arch: HFArch) -> list[Unit]:
 
 
 def hf_shapes(unit: Unit, arch: HFArch) -> list[tuple[int, ...]]:
+    if unit.shape is not None:
+        return [unit.shape]
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     if unit.kind == "qkv":
@@ -149,8 +191,6 @@ def hf_shapes(unit: Unit, arch: HFArch) -> list[tuple[int, ...]]:
         return [(arch.vocab_size, h)]
     if unit.kind == "row":
         return [(h, q)] if "linear_proj" in unit.megatron_name else [(h, f)]
-    if unit.shape is not None:
-        return [unit.shape]
     suffix = unit.megatron_name.rsplit(".", 2)[-2]
     return [(d,)] if suffix in ("q_layernorm", "k_layernorm") else [(h,)]
 
@@ -172,6 +212,9 @@ def shard_from_hf(unit: Unit, arch: HFArch, read: Read, *, tp_rank: int, tp_size
     if unit.kind == "row":
         n = hf_shapes(unit, arch)[0][1] // t
         return read(unit.hf_names[0], (slice(None), slice(r * n, (r + 1) * n)))
+    if unit.kind == "column":
+        n = hf_shapes(unit, arch)[0][0] // t
+        return read(unit.hf_names[0], _rows(r * n, (r + 1) * n))
     if unit.kind == "vocab":
         n = padded_vocab // t
         lo, hi = r * n, min((r + 1) * n, arch.vocab_size)

@@ -3,8 +3,9 @@
 Qwen2/Qwen2.5, Qwen3 and Llama map onto one Megatron configuration: RMSNorm, SwiGLU (``fc1 =
 [gate; up]``), GQA (``num_query_groups``), RoPE θ (+ Llama-3 scaling; over part of each head for GLM-4.5),
 QKV bias (Qwen2, GLM-4.5's ``attention_bias``), per-head QK RMSNorm (Qwen3, GLM-4.5's ``use_qk_norm``), tied or
-untied embeddings; the MoE families add :func:`moe_config_kwargs`. Transformer Engine's layer spec is used when
-``transformer_engine`` imports (GPU), Megatron's local spec otherwise (CPU), whose core
+untied embeddings; the MoE families add :func:`moe_config_kwargs`; DeepSeek-V3 replaces the attention with Megatron's
+multi-latent attention (``MLATransformerConfig``, :func:`mla_config_kwargs`). Transformer Engine's layer spec is used
+when ``transformer_engine`` imports (GPU), Megatron's local spec otherwise (CPU), whose core
 attention is :class:`~hybridrl.megatron.context_parallel.ContextParallelAttention` when CP > 1.
 
 The vocabulary is padded to a multiple of ``vocab_multiple × TP`` (VocabParallelEmbedding needs equal
@@ -53,12 +54,16 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.config import expert_tp
 from hybridrl.megatron.context_parallel import ContextParallelAttention
-from hybridrl.megatron.cpu import cpu_model_parallel_kwargs
+from hybridrl.megatron.cpu import (
+    MLADotProductAttention,
+    cpu_model_parallel_kwargs,
+    use_mla_without_transformer_engine,
+)
 from hybridrl.megatron.moe_compat import apply_moe_adaptations, mark_expert_weights
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
@@ -103,6 +108,9 @@ def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
             raise NotImplementedError(
                 "sequence_parallel=True is not supported with Megatron's torch norms (no Transformer "
                 "Engine here); use sequence_parallel=False")
+    if arch.mla is not None and parallel.context_parallel_size > 1:
+        raise NotImplementedError(f"context_parallel_size={parallel.context_parallel_size} is not supported for "
+                                  f"{arch.family} (multi-latent attention) yet; valid: 1")
 
 
 def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "float32",
@@ -146,8 +154,23 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         **cpu_model_parallel_kwargs(),
     )
     kwargs.update(moe_config_kwargs(arch, overrides))
+    kwargs.update(mla_config_kwargs(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.mla is not None else TransformerConfig)(**kwargs)
+
+
+def mla_config_kwargs(arch: HFArch) -> dict[str, Any]:
+    """``MLATransformerConfig``'s fields for DeepSeek-V3's attention (none for the others): the latent ranks and head
+    dims, plain RoPE θ over the rope dims (``rope_type="rope"``; MLA de-interleaves them as transformers'
+    ``rope_interleave`` does), softmax scale 1/sqrt(nope + rope) (no YaRN mscale), the latent norms
+    (``qk_layernorm``), ``kv_channels`` = ``v_head_dim`` (the context's head width)."""
+    mla = arch.mla
+    if mla is None:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+                kv_channels=mla.v_head_dim, qk_layernorm=True, rope_type="rope", rotary_base=arch.rope_theta,
+                rotary_percent=1.0, apply_rope_fusion=False)
 
 
 def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -186,9 +209,12 @@ def layer_spec(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
         assert config is not None, "an MoE model's block spec is built from its TransformerConfig"
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm",
                                            vp_stage=vp_stage)
-        if parallel.context_parallel_size > 1 and not te:
-            for spec in block.layer_specs:
-                spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention  # type: ignore[union-attr]
+        for spec in block.layer_specs:
+            attention = spec.submodules.self_attention.submodules  # type: ignore[union-attr]
+            if arch.mla is not None:
+                _mla_submodules(attention, te)
+            elif parallel.context_parallel_size > 1 and not te:
+                attention.core_attention = ContextParallelAttention
         return block
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
@@ -196,6 +222,20 @@ def layer_spec(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
     if parallel.context_parallel_size > 1:  # the local DotProductAttention refuses CP
         spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention  # type: ignore[union-attr]
     return spec
+
+
+def _mla_submodules(attention: Any, te: bool) -> None:
+    """One layout of MLA's weights on both specs (:mod:`hybridrl.megatron.convert`): the latent down projections
+    column-parallel (TE's spec has them duplicated on every TP rank, the local one column-parallel; MLA takes either),
+    and on the local spec a core attention that accepts MLA's head widths (:class:`MLADotProductAttention`) and no
+    check for TE's layers (:func:`use_mla_without_transformer_engine`)."""
+    if te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = TEColumnParallelLinear
+    else:
+        attention.core_attention = MLADotProductAttention
+        use_mla_without_transformer_engine()
 
 
 def build_model_chunks(

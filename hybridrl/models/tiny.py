@@ -2,9 +2,9 @@
 
 ``make_tiny_model`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
 char tokenizer of :mod:`hybridrl.models.char_tokenizer` for a Qwen2, Qwen3 or Llama model, or a Qwen3-MoE /
-Qwen2-MoE / Mixtral / GLM-4.5 one (``moe=``: its config.json keys, e.g. ``num_experts``, ``num_experts_per_tok``,
-``moe_intermediate_size``; Mixtral's ``num_local_experts``, its experts ``intermediate``-wide; any GLM-4.5 key, e.g.
-``use_qk_norm``, ``n_group``). Weights are drawn
+Qwen2-MoE / Mixtral / GLM-4.5 / DeepSeek-V3 one (``moe=``: its config.json keys, e.g. ``num_experts``,
+``num_experts_per_tok``, ``moe_intermediate_size``; Mixtral's ``num_local_experts``, its experts ``intermediate``-wide;
+any GLM-4.5 or DeepSeek-V3 key, e.g. ``use_qk_norm``, ``n_group``, ``q_lora_rank``). Weights are drawn
 here, not by transformers' ``_init_weights``, so a seed gives the same checkpoint whatever the transformers version:
 every matrix ~ N(0, 0.02²) in parameter-name order from one seeded generator, norms = 1, biases = 0.
 ``make_tiny_reward_model`` writes the same family's one-label ``*ForSequenceClassification`` (a reward model).
@@ -25,6 +25,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    DeepseekV3Config,
     GenerationConfig,
     Glm4MoeConfig,
     LlamaConfig,
@@ -40,7 +41,7 @@ from transformers import (
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, PAD_TOKEN, make_char_tokenizer
 
-Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
+Arch = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
@@ -49,6 +50,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2_moe": Qwen2MoeConfig,
     "mixtral": MixtralConfig,
     "glm4_moe": Glm4MoeConfig,
+    "deepseek_v3": DeepseekV3Config,
 }
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                                 "decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -59,6 +61,17 @@ GLM4_MOE_DEFAULTS: dict[str, Any] = {"n_routed_experts": 8, "num_experts_per_tok
                                      "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                      "norm_topk_prob": True, "partial_rotary_factor": 0.5, "attention_bias": True,
                                      "use_qk_norm": False}
+# GLM-4.5's routing and multi-latent attention with a query LoRA (q_lora_rank null: q_proj), rope dims interleaved, no
+# RoPE scaling (YaRN is refused); heads are nope 16 + rope 8 wide, values 16 (KV heads = heads, as MLA has them)
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                                        "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 32,
+                                        "kv_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                                        "v_head_dim": 16, "rope_interleave": True,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                        # not DeepseekV3Config's, but DeepSeek-V3's config.json has them and vLLM
+                                        # reads the router's bias only with them (transformers ignores them)
+                                        "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 INIT_STD = 0.02
 
 
@@ -109,7 +122,8 @@ def make_tiny_model(
     return its path. A given tokenizer needs :data:`PAD_TOKEN` and :data:`EOS_TOKEN` among its tokens.
     ``moe``: an MoE family's config keys over :data:`MOE_DEFAULTS` (``moe_intermediate_size`` defaults to
     hidden; ``num_experts`` is written under the family's own name), Mixtral's over :data:`MIXTRAL_DEFAULTS`, GLM-4.5's
-    over :data:`GLM4_MOE_DEFAULTS`."""
+    over :data:`GLM4_MOE_DEFAULTS`, DeepSeek-V3's over :data:`DEEPSEEK_V3_DEFAULTS` (``kv_heads`` ignored: MLA's KV
+    heads are its heads)."""
     spec = TinyModelSpec(arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                          intermediate=intermediate, vocab=vocab, max_positions=max_positions,
                          tie=tie, seed=seed)
@@ -158,8 +172,17 @@ def make_tiny_model(
             raise ValueError(f"moe={moe!r}: {unknown} are not GLM-4.5 config keys (valid e.g. n_routed_experts, "
                              "n_group, topk_group, use_qk_norm, partial_rotary_factor)")
         fields |= {**GLM4_MOE_DEFAULTS, "moe_intermediate_size": spec.hidden, **(moe or {})}
+    elif spec.arch == "deepseek_v3":
+        unknown = sorted(set(moe or {}) - set(DeepseekV3Config().to_dict()))
+        if unknown:
+            raise ValueError(f"moe={moe!r}: {unknown} are not DeepSeek-V3 config keys (valid e.g. n_routed_experts, "
+                             "n_group, topk_group, q_lora_rank, kv_lora_rank, qk_rope_head_dim)")
+        fields |= {**DEEPSEEK_V3_DEFAULTS, "moe_intermediate_size": spec.hidden, **(moe or {}),
+                   "num_key_value_heads": spec.heads}
+        del fields["head_dim"]  # DeepseekV3Config's is qk_rope_head_dim (its rotary embedding's width)
     elif moe:
-        raise ValueError(f"moe={moe!r} is for arch qwen3_moe, qwen2_moe, mixtral or glm4_moe, not {spec.arch!r}")
+        raise ValueError(f"moe={moe!r} is for arch qwen3_moe, qwen2_moe, mixtral, glm4_moe or deepseek_v3, not "
+                         f"{spec.arch!r}")
     config = CONFIG_CLASSES[spec.arch](**fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed=spec.seed)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
+from hybridrl.interfaces import RolloutEngine, SamplingParams
 from hybridrl.models.tiny import make_tiny_model
 
 MODELS: dict[str, Callable[[Path], Path]] = {
@@ -78,3 +79,48 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory,
         if name in SHARDED:
             shard(out[name], parts=3)
     return out
+
+
+def serves_as_transformers(engine: RolloutEngine, path: Path) -> float:
+    """Greedy: ``engine`` generates transformers' tokens from ``path``; returns the worst |Δ log-prob| of them."""
+    prompts = [[5, 17, 33, 8, 21], [40, 2]]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    worst = 0.0
+    for gen in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10)):
+        prompt = prompts[gen.prompt_index]
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
+            logits = hf(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+        assert gen.token_ids == expected.tolist(), (path.name, prompt)
+        want = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(gen.logprobs) - want).abs().max()))
+    return worst
+
+
+@pytest.fixture(scope="session")
+def serves() -> Callable[[RolloutEngine, Path], float]:
+    """:func:`serves_as_transformers`, for the MoE families' engine checks."""
+    return serves_as_transformers
+
+
+MOE_LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # tp, ep: the MoE families' verify-model layouts
+
+
+def verify_exact(models: dict[str, Path], layout: str) -> None:
+    """``verify-model`` on ``models`` at one of :data:`MOE_LAYOUTS`, all in one launch: logits ≤ 1e-4 of transformers'
+    (fp32) and every exported tensor bit-identical to the checkpoint's; prints each max logit diff."""
+    from hybridrl.megatron.verify import run_verification
+
+    tp, ep = MOE_LAYOUTS[layout]
+    reports = run_verification(list(models.values()), tp=tp, ep=ep, bucket_bytes=20_000)
+    for name, r in zip(models, reports, strict=True):
+        print(f"{name} {layout}: max_abs_logit_diff={r.max_abs_logit_diff:.3g}")
+        assert r.max_abs_logit_diff <= 1e-4, (name, layout, r)
+        assert r.roundtrip_exact, (name, layout, r.mismatches)
+        assert r.n_tensors == len(load_file(models[name] / "model.safetensors")), (name, layout)
+
+
+@pytest.fixture(scope="session")
+def verified() -> Callable[[dict[str, Path], str], None]:
+    """:func:`verify_exact`, for the MoE families' tests."""
+    return verify_exact

@@ -31,13 +31,11 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.cli import main as cli
 from hybridrl.hf.arch import HFArch
-from hybridrl.interfaces import RolloutEngine, SamplingParams
+from hybridrl.interfaces import RolloutEngine
 from hybridrl.megatron.convert import all_units
-from hybridrl.megatron.verify import run_verification
 from hybridrl.models.tiny import make_tiny_model
 
 WORKER = Path(__file__).parent / "workers" / "glm4_moe_step.py"
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # tp, ep
 SHAPE = dict(hidden=48, layers=3, heads=6, kv_heads=2, intermediate=40, max_positions=64, seed=11)
 
 
@@ -48,22 +46,6 @@ def _decisive_routing(path: Path) -> Path:
         state[key] = state[key] * 10
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     return path
-
-
-def _serves_as_transformers(engine: RolloutEngine, path: Path) -> float:
-    """Greedy: ``engine`` generates transformers' tokens from ``path``; returns the worst |Δ log-prob| of them."""
-    prompts = [[5, 17, 33, 8, 21], [40, 2]]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    worst = 0.0
-    for gen in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10)):
-        prompt = prompts[gen.prompt_index]
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
-            logits = hf(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
-        assert gen.token_ids == expected.tolist(), (path.name, prompt)
-        want = logits.log_softmax(-1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
-        worst = max(worst, float((torch.tensor(gen.logprobs) - want).abs().max()))
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +119,17 @@ def test_what_megatron_does_not_model_is_refused_naming_the_key(glm: dict[str, P
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_verify_model_is_exact_for_glm4_moe(glm: dict[str, Path], layout: str) -> None:
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
+def test_verify_model_is_exact_for_glm4_moe(glm: dict[str, Path], layout: str,
+                                            verified: Callable[[dict[str, Path], str], None]) -> None:
     """Logits ≤ 1e-4 of transformers' (fp32) and every exported tensor bit-identical to the checkpoint's, QK norm
     on and off. ~15–25 s per layout: one launch of its 1 or 2 ranks for both checkpoints."""
-    tp, ep = LAYOUTS[layout]
-    reports = run_verification(list(glm.values()), tp=tp, ep=ep, bucket_bytes=20_000)
-    for name, r in zip(glm, reports, strict=True):
-        print(f"glm4_moe {name} {layout}: max_abs_logit_diff={r.max_abs_logit_diff:.3g}")
-        assert r.max_abs_logit_diff <= 1e-4, (name, layout, r)
-        assert r.roundtrip_exact, (name, layout, r.mismatches)
-        assert r.n_tensors == len(load_file(glm[name] / "model.safetensors")), (name, layout)
+    verified(glm, layout)
 
 
 def test_the_hf_engine_generates_what_transformers_generates(glm: dict[str, Path], tmp_path: Path,
-                                                              discriminate: Callable[[Path, int], Path]) -> None:
+                                                              discriminate: Callable[[Path, int], Path],
+                                                              serves: Callable[[RolloutEngine, Path], float]) -> None:
     """And takes the trainer's weight stream in place, the router's ``e_score_correction_bias`` (a buffer, not a
     parameter) included: after a swap to another draw of the same shape it serves that draw."""
     import shutil
@@ -159,16 +137,17 @@ def test_the_hf_engine_generates_what_transformers_generates(glm: dict[str, Path
     from hybridrl.rollout.engines.hf import HFRolloutEngine
 
     for path in glm.values():
-        assert _serves_as_transformers(HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(path)), path) < 1e-5
+        assert serves(HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(path)), path) < 1e-5
     other = _decisive_routing(discriminate(Path(shutil.copytree(glm["plain"], tmp_path / "other")), 9))
     engine = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(glm["plain"]))
     engine.update_weights(iter([sorted(load_file(other / "model.safetensors").items())]), version=1)
-    assert _serves_as_transformers(engine, other) < 1e-5
+    assert serves(engine, other) < 1e-5
 
 
 @pytest.mark.vllm
 def test_the_vllm_engine_serves_it_and_takes_its_weight_stream(tmp_path: Path,
-                                                               discriminate: Callable[[Path, int], Path]) -> None:
+                                                               discriminate: Callable[[Path, int], Path],
+                                                               serves: Callable[[RolloutEngine, Path], float]) -> None:
     """vLLM 0.32 on CPU (head_dim 32: its CPU attention needs ≥ 32): transformers' greedy tokens and log-probs from
     checkpoint A, then from B once B's tensors, by the names the trainer streams (e_score_correction_bias included),
     are swapped in. ~40 s: an engine start."""
@@ -182,9 +161,9 @@ def test_the_vllm_engine_serves_it_and_takes_its_weight_stream(tmp_path: Path,
     engine = Registry("rollout_engines").build("vllm", {}, key="actor_rollout_ref.rollout", model_path=str(a),
                                                device=torch.device("cpu"))
     try:
-        assert _serves_as_transformers(engine, a) < 1e-4
+        assert serves(engine, a) < 1e-4
         engine.update_weights(iter([sorted(load_file(b / "model.safetensors").items())]), version=1)
-        assert _serves_as_transformers(engine, b) < 1e-4
+        assert serves(engine, b) < 1e-4
     finally:
         engine.shutdown()
 

@@ -10,8 +10,8 @@ function's docstring names the upstream file and behaviour it works around;
 once upstream no longer needs it.
 
 The items live by what they adapt: :mod:`.device` (current device, RNG tracker), :mod:`.model` (attention
-mask, pipeline, tied embeddings, CP RoPE), :mod:`.optimizer`, :mod:`.checkpointing`; :mod:`.proxies` holds
-the stand-ins they install. Every item is importable from here, the index.
+mask, pipeline, tied embeddings, CP RoPE, MLA's local core attention), :mod:`.optimizer`, :mod:`.checkpointing`;
+:mod:`.proxies` holds the stand-ins they install. Every item is importable from here, the index.
 
 Not adapted (not used yet; it fails loudly if reached): ``torch.cuda.Event`` in the inference controller.
 (The fp32 optimizer and gradient clipping are adapted: :func:`use_cpu_in_optimizer`; the bf16/fp16 optimizer
@@ -31,12 +31,14 @@ from hybridrl.megatron.cpu.checkpointing import (
 )
 from hybridrl.megatron.cpu.device import CpuRNGStatesTracker, use_cpu_as_current_device, use_cpu_rng_tracker
 from hybridrl.megatron.cpu.model import (
+    MLADotProductAttention,
     causal_attention_mask,
     cpu_model_parallel_kwargs,
     use_cpu_in_cp_rope,
     use_cpu_in_p2p_shape_exchange,
     use_cpu_in_pipeline_schedules,
     use_cpu_in_tied_embedding_setup,
+    use_mla_without_transformer_engine,
 )
 from hybridrl.megatron.cpu.optimizer import (
     use_cpu_in_distributed_optimizer,
@@ -48,6 +50,7 @@ from hybridrl.megatron.cpu.proxies import cuda_available
 
 __all__ = [
     "CpuRNGStatesTracker",
+    "MLADotProductAttention",
     "apply_cpu_adaptations",
     "causal_attention_mask",
     "cpu_distributed_optimizer_checkpoint_metadata",
@@ -66,6 +69,7 @@ __all__ = [
     "use_cpu_in_pipeline_schedules",
     "use_cpu_in_tied_embedding_setup",
     "use_cpu_rng_tracker",
+    "use_mla_without_transformer_engine",
 ]
 
 

@@ -1,4 +1,5 @@
-"""CPU adaptations of the model's forward and backward: attention mask, pipeline, tied embeddings, CP RoPE."""
+"""CPU adaptations of the model's forward and backward: attention mask, pipeline, tied embeddings, CP RoPE, the local
+core attention under multi-latent attention."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from hybridrl.megatron.cpu.proxies import (
     _MARK,
@@ -51,7 +53,44 @@ def cpu_model_parallel_kwargs() -> dict[str, Any]:
     return {"batch_p2p_comm": False, "batch_p2p_sync": False}
 
 
+class MLADotProductAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` as multi-latent attention's core attention (the local spec's, CPU).
+
+    Works around ``transformer/multi_latent_attention.py`` (``MultiLatentAttention.__init__``), which builds its
+    core attention with ``k_channels=`` and ``v_channels=`` (query/key heads are nope + rope wide, values
+    ``v_head_dim``): TE's attention takes them, the local ``DotProductAttention.__init__`` does not (``TypeError:
+    unexpected keyword argument 'k_channels'``), so ``get_gpt_layer_local_spec(multi_latent_attention=True)`` cannot
+    be built. It needs nothing else: the scores' scale is the ``softmax_scale`` MLA passes, and the context's width
+    is ``kv_channels`` × heads, so the config's ``kv_channels`` must be ``v_head_dim``
+    (:func:`hybridrl.megatron.model.transformer_config` sets it). Installed by
+    :func:`hybridrl.megatron.model.layer_spec` in place of the spec's core attention, not patched;
+    ``tests/megatron/test_deepseek_v3.py`` fails once the local attention takes the two arguments."""
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert v_channels in (None, self.hidden_size_per_attention_head), (
+            f"kv_channels={self.hidden_size_per_attention_head} must be MLA's v_head_dim={v_channels}")
+
+
 # --- patches ------------------------------------------------------------------------------------
+
+
+def use_mla_without_transformer_engine() -> None:
+    """Let ``MLASelfAttention`` be built where Transformer Engine is missing (CPU).
+
+    ``transformer/multi_latent_attention.py`` sets its ``HAVE_TE = True`` once
+    ``from megatron.core.extensions.transformer_engine import TELinear`` imports — which it does without TE, whose
+    classes are then ``MagicMock`` stand-ins — and ``MultiLatentAttention.__init__`` runs ``HAVE_TE and
+    isinstance(self.linear_proj, TELinear)`` → ``TypeError: isinstance() arg 2 must be a type``. The module's flag is
+    set to what the extension module itself says (its ``HAVE_TE``: False without TE), which skips only that
+    fp8/fp4 branch. Installed by :func:`hybridrl.megatron.model.layer_spec` for an MLA model on the local spec;
+    ``tests/megatron/test_deepseek_v3.py`` fails once upstream's flag is right without it."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def use_cpu_in_pipeline_schedules() -> None:
