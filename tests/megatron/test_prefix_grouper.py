@@ -155,3 +155,17 @@ def test_config_refuses_transformer_engine(tmp_path: Path, monkeypatch: pytest.M
                         else real(name, *a))
     with pytest.raises(ConfigError, match="Transformer Engine"):
         _validate(tmp_path, monkeypatch)
+
+
+def test_real_positions_count_what_perf_padding_share_reads() -> None:
+    """``perf/padding_share/<pass>``: of a micro-batch's computed positions, the real ones are each sample's prompt
+    and response (a filler row's none); in shared-prompt rows the prompt counts once per row."""
+    from hybridrl.megatron.sequences import pack_rows
+
+    plain = _batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 5, 6]], owner=[0, 1])
+    rows = pack_rows(plain, seq_len=8, pad_token_id=PAD)
+    assert rows.tokens_BS.numel() == 16
+    assert rows.real_positions(torch.tensor([True, True])) == 3 + 2 + 1 + 4
+    assert rows.real_positions(torch.tensor([True, False])) == 5  # the second row a filler
+    shared = _batch([[5, 6, 7]], [[1, 2], [3], [4, 5, 6]], owner=[0, 0, 0])
+    assert pack_groups(shared, [3], pad_token_id=PAD).real_positions(torch.ones(3, dtype=torch.bool)) == 3 + 6
