@@ -219,15 +219,14 @@ def test_distillation_nodes_put_the_teacher_on_engine_ranks_of_its_own(capsys: p
     assert any("a teacher rank holds its vllm engine only" in n for n in p.notes)
     assert "rank 11: cuda:11 teacher(engine 1)" in p.render()
     assert "the last 4 serve the teacher" in capsys.readouterr().out
-    # the rollout's engine by default; an engine that cannot score is refused, naming those that can
+    # the rollout's engine by default; SGLang serves a teacher too
     default = plan(*[o for o in own if ".inference.name=" not in o]).config.actor_rollout_ref.teacher.inference
     assert default.name == plan().config.actor_rollout_ref.rollout.name
-    sglang = plan_refused(*own, f"{teacher}.inference.name=sglang")
-    assert "cannot score sequences" in sglang[f"{AOR}.teacher.inference.name"]
-    assert "hf, vllm" in sglang[f"{AOR}.teacher.inference.name"]
-    # vLLM's prompt log-probs are untempered: a tempered rollout's actor log-probs would not match
-    tempered = plan_refused(*own, f"{AOR}.rollout.temperature=0.7")
-    assert "untempered softmax only" in tempered[f"{AOR}.rollout.temperature"]
+    assert plan(*own, f"{teacher}.inference.name=sglang").config.actor_rollout_ref.teacher.inference.name == "sglang"
+    # vLLM's and SGLang's prompt log-probs are untempered: a tempered rollout's actor log-probs would not match
+    for engine in ("vllm", "sglang"):
+        tempered = plan_refused(*own, f"{teacher}.inference.name={engine}", f"{AOR}.rollout.temperature=0.7")
+        assert "untempered softmax only" in tempered[f"{AOR}.rollout.temperature"]
     odd = refused(*own, "distillation.nnodes=2", "distillation.n_gpus_per_node=3")
     assert "the teacher's GPUs go on the trainer's nodes" in odd["distillation.nnodes"]
 

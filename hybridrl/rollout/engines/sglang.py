@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, WeightBucket
+from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import sglang_compat as compat
 from hybridrl.rollout.engines import sglang_process as process
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
@@ -65,6 +65,7 @@ class SGLangRolloutEngine(ServerEngine):
     label: ClassVar[str] = "SGLang"
     error: ClassVar[type[RuntimeError]] = SGLangEngineError
     marks_last_bucket: ClassVar[bool] = True  # the cache flush and the new version come with the last bucket
+    scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (sglang_compat item 11)
     # abort(): SGLang's abort of every request, partial outputs kept
 
     @dataclass(kw_only=True, slots=True)
@@ -234,6 +235,24 @@ class SGLangRolloutEngine(ServerEngine):
         outs = outs if isinstance(outs, list) else [outs]
         return [self._generation(i, out) for (i, _), out in zip(expanded, outs, strict=True)]
 
+    def score(self, sequences: Sequence[list[int]], *, starts: Sequence[int], topk: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        """Teacher-forced scores of ``sequences[i][starts[i]:]`` (:class:`~hybridrl.interfaces.TokenScores`): one
+        request per sequence returning its input log-probs from ``starts[i]`` (and the ``topk`` most likely tokens
+        there), under the untempered softmax (sglang_compat item 11: ``temperature`` must be 1); one token generated
+        and dropped."""
+        if temperature != 1.0:
+            raise SGLangEngineError(f"the SGLang engine scores input tokens under the untempered softmax only "
+                                    f"(temperature={temperature} asked; sglang_compat item 11)")
+        self._check_alive()
+        sampling = [{"temperature": 1.0, "max_new_tokens": 1} for _ in sequences]
+        outs = self._call(self.engine.async_generate(
+            input_ids=[list(s) for s in sequences], sampling_params=sampling, return_logprob=True,
+            logprob_start_len=[int(s) - 1 for s in starts], top_logprobs_num=topk), what="score")
+        outs = outs if isinstance(outs, list) else [outs]
+        return [_token_scores(out["meta_info"], seq, start, topk)
+                for out, seq, start in zip(outs, sequences, starts, strict=True)]
+
     def _generation(self, prompt_index: int, out: dict[str, Any]) -> Generation:
         meta = out["meta_info"]
         finish = meta["finish_reason"] or {}
@@ -343,3 +362,18 @@ class SGLangRolloutEngine(ServerEngine):
             raise SGLangEngineError(f"SGLang engine process(es) {[p.pid for p in dead]} died (see their log above); "
                                     f"engine config: {self.describe()}")
 
+
+
+def _token_scores(meta: dict[str, Any], seq: list[int], start: int, topk: int) -> TokenScores:
+    """A request's input log-probs from position ``start − 1`` (SGLang reports None for the first: no token before
+    it scores it) as the scores of ``seq[start:]``."""
+    n = len(seq) - start
+    steps = meta["input_token_logprobs"][-n:] if n else []
+    if len(steps) != n or any(t != tok for (_, t, _), tok in zip(steps, seq[start:], strict=True)):
+        raise SGLangEngineError(f"SGLang scored {len(steps)} input tokens, {n} were asked for from position {start}")
+    scores = TokenScores(logprobs=torch.tensor([float(lp) for lp, _, _ in steps]))
+    if topk > 0:
+        tops = meta["input_top_logprobs"][-n:]
+        scores.topk_ids = torch.tensor([[int(t) for _, t, _ in top[:topk]] for top in tops], dtype=torch.long)
+        scores.topk_logprobs = torch.tensor([[float(lp) for lp, _, _ in top[:topk]] for top in tops])
+    return scores

@@ -62,6 +62,10 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
     log-probs are that far off would train on a wrong behaviour policy, so :func:`cpu_moe_problem` refuses an MoE
     model with the ``sglang`` engine on CPU (validation and engine start); the ``hf`` and ``vllm`` engines serve them
     (vLLM with its own item 11). GPUs take SGLang's fused kernels and are not refused (untested here).
+11. **Input log-probs ignore the temperature.** A request's ``input_token_logprobs`` / ``input_top_logprobs``
+    (``logprob_start_len``) are log_softmax(logits) whatever its sampling ``temperature``: at T = 0.7 they equal the
+    untempered ones exactly. A teacher served by SGLang (``score``) therefore scores at T = 1 only; validation refuses
+    it beside a rollout temperature other than 1, as vLLM's (its item 12).
 
 Nothing here imports sglang at module import time.
 """

@@ -90,6 +90,31 @@ def test_greedy_tokens_and_logprobs_match_the_hf_engine(engine: SGLangRolloutEng
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
 
 
+def test_score_equals_the_hf_engines_and_input_logprobs_stay_untempered(engine: SGLangRolloutEngine,
+                                                                      models: tuple[Path, Path]) -> None:
+    """A teacher served by SGLang (``score``: its input log-probs from ``logprob_start_len``) scores as the hf engine
+    does at T = 1 — each token's log-prob and the top-k ids in order. sglang_compat item 11 (still needed): a request
+    at T = 0.7 gets the untempered input log-probs, so a tempered score is refused (fails once SGLang tempers them)."""
+    from hybridrl.rollout.engines.hf import HFRolloutEngine
+
+    seqs, starts = [[5, 6, 7, 8, 9, 20, 21, 22], [10, 11, 30, 31], [12, 13, 14, 40]], [5, 2, 3]
+    hf = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(models[0]))
+    for k in (0, 4):
+        for got, want in zip(engine.score(seqs, starts=starts, topk=k), hf.score(seqs, starts=starts, topk=k),
+                             strict=True):
+            assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5)
+            assert (got.topk_ids is None) if not k else torch.equal(got.topk_ids, want.topk_ids)
+    outs = engine._call(engine.engine.async_generate(
+        input_ids=[seqs[0]], sampling_params=[{"temperature": 0.7, "max_new_tokens": 1}], return_logprob=True,
+        logprob_start_len=[4]), what="probe")
+    meta = (outs if isinstance(outs, list) else [outs])[0]["meta_info"]
+    got = torch.tensor([float(lp) for lp, _, _ in meta["input_token_logprobs"][-3:]])
+    untempered, tempered = (hf.score(seqs[:1], starts=[5], temperature=t)[0].logprobs for t in (1.0, 0.7))
+    assert torch.allclose(got, untempered, atol=1e-5) and not torch.allclose(got, tempered, atol=1e-3)
+    with pytest.raises(SGLangEngineError, match="untempered softmax only"):
+        engine.score(seqs, starts=starts, temperature=0.7)
+
+
 def test_n_samples_stop_tokens_and_finish_reasons(engine: SGLangRolloutEngine) -> None:
     out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5, n=3), seeds=[7, 8, 9])
     assert [g.prompt_index for g in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
