@@ -76,21 +76,11 @@ def test_logprobs_are_the_tempered_distribution_of_transformers(engine: VLLMRoll
 def test_score_equals_the_hf_engines(engine: VLLMRolloutEngine, models: tuple[Path, Path]) -> None:
     """A teacher served by vLLM (``score``, its prompt log-probs) scores as the hf engine does at T = 1: each
     token's log-prob and the top-k ids in order; a tempered score is refused (vllm_compat item 12)."""
-    from hybridrl.rollout.engines.hf import HFRolloutEngine
+    from score_checks import SEQS, STARTS, scores_like_hf
 
-    seqs, starts = [[5, 6, 7, 8, 9, 20, 21, 22], [10, 11, 30, 31], [12, 13, 14, 40]], [5, 2, 3]
-    hf = HFRolloutEngine(HFRolloutEngine.Config(), model_path=str(models[0]))
-    for k in (0, 4):
-        for got, want in zip(engine.score(seqs, starts=starts, topk=k), hf.score(seqs, starts=starts, topk=k),
-                             strict=True):
-            assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5)
-            if k:
-                assert torch.equal(got.topk_ids, want.topk_ids)
-                assert torch.allclose(got.topk_logprobs, want.topk_logprobs, atol=1e-5)
-            else:
-                assert got.topk_ids is None
+    scores_like_hf(engine, models[0])
     with pytest.raises(VLLMEngineError, match="untempered softmax only"):
-        engine.score(seqs, starts=starts, temperature=0.7)
+        engine.score(SEQS, starts=STARTS, temperature=0.7)
 
 
 def test_swap_to_other_weights_equals_a_fresh_load_and_resets_the_prefix_cache(engine: VLLMRolloutEngine,
