@@ -386,8 +386,8 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling
     else:
         raise KeyError(f"{source}: missing key 'rope_parameters.rope_theta' (or 'rope_theta')")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
+    if rope_type == "default" or (rope_type == "yarn" and cfg.get("model_type") == "deepseek_v3"):
+        return theta, None  # (DeepSeek-V3's YaRN is its attention's: hybridrl.hf.mla)
     if rope_type == "llama3":
         def need(name: str) -> Any:
             if name not in params:

@@ -167,10 +167,15 @@ def mla_config_kwargs(arch: HFArch) -> dict[str, Any]:
     mla = arch.mla
     if mla is None:
         return {}
+    rope: dict[str, Any] = dict(rope_type="rope")
+    if mla.yarn is not None:
+        factor, original, beta_fast, beta_slow, mscale, mscale_all_dim = mla.yarn
+        rope = dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                    beta_fast=beta_fast, beta_slow=beta_slow, mscale=mscale, mscale_all_dim=mscale_all_dim)
     return dict(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
                 qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
-                kv_channels=mla.v_head_dim, qk_layernorm=True, rope_type="rope", rotary_base=arch.rope_theta,
-                rotary_percent=1.0, apply_rope_fusion=False)
+                kv_channels=mla.v_head_dim, qk_layernorm=True, rotary_base=arch.rope_theta,
+                rotary_percent=1.0, apply_rope_fusion=False, **rope)
 
 
 def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

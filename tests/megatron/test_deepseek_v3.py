@@ -56,9 +56,18 @@ def dsv3(tmp_path_factory: pytest.TempPathFactory, discriminate: Callable[[Path,
                 *(f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items())]) == 0
     plain = make_tiny_model(root / "q_proj", arch="deepseek_v3", tie=False,
                             moe=dict(moe_intermediate_size=16, q_lora_rank=None), **SHAPE)
-    for seed, path in enumerate((lora, plain)):
+    yarn = make_tiny_model(root / "yarn", arch="deepseek_v3", tie=False, moe=dict(moe_intermediate_size=16), **SHAPE)
+    config = json.loads((yarn / "config.json").read_text())
+    config["rope_parameters"] = YARN  # past position 4 the context is "extended": every frequency band in use
+    (yarn / "config.json").write_text(json.dumps(config, indent=2))
+    for seed, path in enumerate((lora, plain, yarn)):
         _sharpen(discriminate(path, seed))
-    return {"q_lora": lora, "q_proj": plain}
+    return {"q_lora": lora, "q_proj": plain, "yarn": yarn}
+
+
+# DeepSeek-V3's own rope_scaling (factor 40, mscale = mscale_all_dim = 1 over 4096 positions), scaled to a tiny context
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def test_the_architecture_is_read_from_config_json(dsv3: dict[str, Path]) -> None:
@@ -76,7 +85,8 @@ def test_the_architecture_is_read_from_config_json(dsv3: dict[str, Path]) -> Non
         on_disk = set(load_file(path / "model.safetensors"))
         assert on_disk == {n for u in all_units(HFArch.from_hf(path)) for n in u.hf_names}, name
     assert {"model.layers.1.self_attn.q_proj.weight", "model.layers.2.self_attn.kv_b_proj.weight",
-            "model.layers.1.mlp.gate.e_score_correction_bias"} <= on_disk
+            "model.layers.1.mlp.gate.e_score_correction_bias"} <= set(load_file(dsv3["q_proj"] / "model.safetensors"))
+    assert HFArch.from_hf(dsv3["yarn"]).mla.yarn == (8.0, 4, 32.0, 1.0, 1.0, 1.0)  # type: ignore[union-attr]
 
 
 def test_the_rope_layout_and_the_latent_norms_show_in_the_logits(dsv3: dict[str, Path]) -> None:
@@ -94,15 +104,21 @@ def test_the_rope_layout_and_the_latent_norms_show_in_the_logits(dsv3: dict[str,
         unnormed = model(input_ids=ids).logits
     assert (want - halves).abs().max() > 1e-2
     assert (want - unnormed).abs().max() > 1e-2
+    # YaRN's frequencies and its softmax mscale² move them as much (the yarn checkpoint with plain RoPE)
+    model = AutoModelForCausalLM.from_pretrained(dsv3["yarn"], dtype=torch.float32).eval()
+    config = json.loads((dsv3["yarn"] / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(dsv3["yarn"], dtype=torch.float32, config=type(model.config)(**{
+        **config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})).eval()
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max() > 1e-2
 
 
 def test_what_megatron_does_not_model_is_refused_naming_the_key(dsv3: dict[str, Path]) -> None:
     cfg = json.loads((dsv3["q_lora"] / "config.json").read_text())
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 16}
-    with pytest.raises(NotImplementedError, match=r"rope_parameters.rope_type='yarn' is not supported for "
-                                                  r"deepseek_v3; valid: 'default'"):
-        HFArch.from_hf({**cfg, "rope_parameters": yarn})
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(NotImplementedError, match=r"rope_parameters.rope_type='linear' is not supported for "
+                                                  r"deepseek_v3; valid: 'default', 'yarn'"):
+        HFArch.from_hf({**cfg, "rope_parameters": linear})
     with pytest.raises(NotImplementedError, match="rope_interleave=False is not supported; valid: true"):
         HFArch.from_hf({**cfg, "rope_interleave": False})
     with pytest.raises(NotImplementedError, match="num_key_value_heads=2 is not supported for deepseek_v3; valid: "
