@@ -133,6 +133,13 @@ def layer_counts(m: HFArch) -> list[tuple[int, int]]:
     q, kv, h = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, m.hidden_size
     attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if m.qkv_bias else 0)
     attention += 2 * m.head_dim if m.qk_layernorm else 0
+    if (a := m.mla) is not None:  # DeepSeek-V3's latent projections and their norms
+        heads = m.num_attention_heads
+        query = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * a.q_head_dim if a.q_lora_rank
+                 else h * heads * a.q_head_dim)
+        latent = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+        attention = (query + latent + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+                     + heads * a.v_head_dim * h)
     dense = attention + 3 * h * m.ffn_hidden_size + 2 * h
     moe = m.moe
     if moe is None:

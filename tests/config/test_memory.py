@@ -41,6 +41,21 @@ def test_an_moe_models_parameters_are_counted_layer_by_layer(tmp_path: Path, arc
         p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_multi_latent_attention_is_counted_as_the_model_has_it(tmp_path: Path, q_lora_rank: int | None) -> None:
+    """DeepSeek-V3's latent projections (with and without the query LoRA), their norms, the experts: the model's own
+    count; and its published config is its 671 B parameters (the multi-token-prediction layer aside)."""
+    path = make_tiny_model(tmp_path / f"dsv3_{q_lora_rank}", arch="deepseek_v3", hidden=48, layers=3, heads=4,
+                           intermediate=40, tie=False, moe=dict(moe_intermediate_size=16, q_lora_rank=q_lora_rank))
+    m = HFArch.from_hf(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(a + e for a, e in layer_counts(m)) + 2 * m.vocab_size * 48 + 48 == sum(
+        p.numel() for p in model.parameters())
+    v3 = HFArch.from_hf(QWEN7B.with_name("deepseek-v3.json"))
+    assert sum(a + e for a, e in layer_counts(v3)) + 2 * v3.vocab_size * v3.hidden_size == pytest.approx(671e9,
+                                                                                                         rel=0.001)
+
+
 def test_qwen3_30b_a3b_has_30b_parameters_and_expert_parallelism_splits_its_experts() -> None:
     """Qwen3-30B-A3B's published config (30.5 B parameters): the count, and EP=8 holding 1/8 of the experts."""
     cfg = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
