@@ -107,15 +107,15 @@ def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Probl
     """The teacher shares the actor's process groups: its explicit sizes equal the actor's, its architecture splits
     over them; its top-k fits its vocabulary."""
     t, actor = cfg.actor_rollout_ref.teacher, cfg.actor_rollout_ref.actor.megatron
+    topk: list[Problem] = (
+        [(f"{KEY}.loss.topk", t.loss.topk, f"at most the teacher's vocabulary ({teacher.vocab_size} tokens)")]
+        if teacher is not None and t.loss.uses_topk and t.loss.topk > teacher.vocab_size else [])
     if t.inference.on_engine:  # on engines of its own: their checks are inference_problems'
-        return ([(f"{KEY}.loss.topk", t.loss.topk, f"at most the teacher's vocabulary ({teacher.vocab_size} tokens)")]
-                if teacher is not None and t.loss.uses_topk and t.loss.topk > teacher.vocab_size else [])
-    out: list[Problem] = [
+        return topk
+    out: list[Problem] = topk + [
         (f"{KEY}.megatron.{size}", mine, f"must equal {AOR}.actor.megatron.{size}={theirs} (the teacher shares the "
          "actor's Megatron process groups); leave it null to follow the actor")
         for size, mine, theirs in t.megatron.mismatches(actor)]
-    if teacher is not None and t.loss.uses_topk and t.loss.topk > teacher.vocab_size:
-        out.append((f"{KEY}.loss.topk", t.loss.topk, f"at most the teacher's vocabulary ({teacher.vocab_size} tokens)"))
     if teacher is not None:
         out += [(f"{AOR}.actor.megatron.{size}", value, f"{KEY}.model.path: {message}")
                 for size, value, message in teacher.split_problems(
