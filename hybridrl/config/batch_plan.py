@@ -141,9 +141,10 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
     # prompts are generated in near-equal shares per DP rank (sizes differing by one where DP does not divide
     # data.train_batch_size); the update splits each mini-batch's samples over DP (distributed/dp_batches), as verl
     dp = roles["actor"].dp
+    packed = a.megatron.use_remove_padding
     update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
                            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                           shared_prompts=a.use_prefix_grouper)
+                           shared_prompts=a.use_prefix_grouper, packed=packed)
     passes = {}
     subs = [("rollout", aor.rollout), ("ref", aor.ref)] + ([("teacher", aor.teacher)] if "teacher" in roles else [])
     for role, sub in subs:
@@ -151,11 +152,15 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
         dynamic = a.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None else sub.log_prob_use_dynamic_bsz
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-                                     if dynamic else None, shared_prompts=a.use_prefix_grouper)
+                                     if dynamic else None, shared_prompts=a.use_prefix_grouper,
+                                     packed=packed if role != "ref" or aor.ref.megatron.use_remove_padding is None
+                                     else aor.ref.megatron.use_remove_padding)
     critic = None
     if "critic" in roles:
         critic_update = MicroBatching(micro_batch_size=max(cr.ppo_micro_batch_size_per_gpu, 1),
-                                      max_tokens=cr.ppo_max_token_len_per_gpu if cr.use_dynamic_bsz else None)
+                                      max_tokens=cr.ppo_max_token_len_per_gpu if cr.use_dynamic_bsz else None,
+                                      packed=packed if cr.megatron.use_remove_padding is None
+                                      else cr.megatron.use_remove_padding)
         passes["critic"] = critic_update
         mini = max(cr.ppo_mini_batch_size, 1)
         critic = CriticBatchPlan(ppo_epochs=max(cr.ppo_epochs, 1),
@@ -217,10 +222,11 @@ def _token_budget_problems(cfg: RLConfig, actor: RoleLayout, passes: dict[str, M
             "ref": f"{AOR}.ref.log_prob_max_token_len_per_gpu", "critic": "critic.ppo_max_token_len_per_gpu",
             "teacher": f"{AOR}.teacher.log_prob_max_token_len_per_gpu"}
     dynamic = [role for role, p in passes.items() if p.max_tokens]
-    if actor.vpp is not None and dynamic and device_type == "cpu":
+    padded = [role for role in dynamic if not passes[role].packed]  # packed rows: one length per pass on gloo
+    if actor.vpp is not None and padded and device_type == "cpu":
         add(f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", actor.vpp,
-            f"token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(dynamic)}) with the interleaved "
-            f"pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")
+            f"padded token-budget micro-batches (use_dynamic_bsz, on for: {', '.join(padded)}; use_remove_padding "
+            f"off) with the interleaved pipeline schedule are {VPP_DYNAMIC_UNSUPPORTED}")
     for role in dynamic:
         budget = passes[role].max_tokens
         if budget is not None and budget < longest:

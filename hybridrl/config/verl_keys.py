@@ -85,6 +85,7 @@ def lookup(key: str) -> VerlKey | None:
 
 
 _SAME = [  # (key, note): verl's meaning, hybridrl's name
+    *[(f"{r}.megatron.use_remove_padding", "packed (THD) rows") for r in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     ("algorithm.use_kl_in_reward", "KL penalty in the token rewards"),
     ("algorithm.kl_penalty", "estimator of the in-reward KL"),
     ("algorithm.kl_ctrl.type", "fixed | adaptive β"),
@@ -228,7 +229,6 @@ _REWARD_KWARGS = [e for p in ("reward_model.reward_kwargs", "reward.reward_kwarg
     VerlKey(key=f"{p}.max_resp_len", status="ignored",
             note="the overlong penalty counts from data.max_response_length"))]
 _MCORE_ONLY = "hybridrl converts HF ↔ Megatron with its own exact converters (hybridrl verify-model)"
-_PADDING = "micro-batches are padded only to their own longest row (use_dynamic_bsz packs by tokens)"
 _FSDP_NOTE = "verl's FSDP engine's setting"
 _TEACHER = "distillation.teacher_models.teacher_model"
 _TEACHER_ENGINE = (f"{AOR}.teacher.inference: nnodes ≥ 1 puts the teacher on an engine on nnodes × n_gpus_per_node "
@@ -371,14 +371,14 @@ _CURRENT = [
             note=f"one teacher: {_TEACHER}.model_path ({AOR}.teacher.model.path)"),
     *[VerlKey(key=f"{role}.megatron.{name}", status="ignored", note=note)  # the actor's, the ref's, the critic's
       for name, note in (("use_mbridge", _MCORE_ONLY), ("vanilla_mbridge", _MCORE_ONLY),
-                         ("use_remove_padding", _PADDING), ("seed", "Megatron's RNG is seeded from trainer.seed"))
+                         ("seed", "Megatron's RNG is seeded from trainer.seed"))
       for role in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
     VerlKey(key=f"{AOR}.model.trust_remote_code", status="ignored", allowed=(False,),
             note="hybridrl reads the architectures it converts (Qwen2/Qwen3, Llama, their MoE, Mixtral, GLM-4.5, "
                  "DeepSeek-V3) without remote code"),
     VerlKey(key=f"{AOR}.ref.megatron.dist_checkpointing_path", status="refused",
             note="the ref starts from the HF checkpoint at actor_rollout_ref.model.path"),
-    VerlKey(key="critic.model.use_remove_padding", status="ignored", note=_PADDING),
+    VerlKey(key="critic.model.use_remove_padding", status="alias", target="critic.megatron.use_remove_padding"),
     VerlKey(key="critic.model.enable_gradient_checkpointing", status="ignored",
             note=f"the critic recomputes as the actor does ({AOR}.model.enable_gradient_checkpointing, "
                  "override_transformer_config)"),
@@ -431,7 +431,7 @@ _OTHER = [
     *_REWARD_KWARGS,
     VerlKey(key=f"{AOR}.rollout.calculate_log_probs", status="ignored",
             note="every engine returns the sampled tokens' log-probs (rollout/logprob_abs_diff, rollout correction)"),
-    VerlKey(key=f"{AOR}.model.use_remove_padding", status="ignored", note=_PADDING),
+    VerlKey(key=f"{AOR}.model.use_remove_padding", status="alias", target=f"{AOR}.actor.megatron.use_remove_padding"),
     VerlKey(key=f"{AOR}.actor.use_torch_compile", status="ignored", note="hybridrl does not torch.compile the actor"),
     VerlKey(key=f"{AOR}.ref.use_torch_compile", status="ignored", note="hybridrl does not torch.compile the ref"),
     VerlKey(key=f"{AOR}.actor.optim.lr_warmup_steps_ratio", status="ignored", allowed=(0, 0.0),

@@ -47,6 +47,9 @@ class MegatronConfig:
     # with the fused kernels: the policy's model returns hidden states and its head multiplies them by the LM-head
     # weight in vocabulary chunks, so the [tokens, vocab] logits never exist (recomputed in the backward)
     fused_lm_head: bool = False
+    # verl's remove padding: each micro-batch's samples end to end in one row (THD: Megatron's PackedSeqParams), so
+    # no position is computed for padding (hybridrl/megatron/sequences.py); false: a row per sample, padded
+    use_remove_padding: bool = True
     # Megatron TransformerConfig fields set verbatim, e.g. recompute_granularity: full, recompute_method:
     # uniform, recompute_num_layers: 1 (activation recompute); unknown keys are an error
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +105,7 @@ class RefMegatronConfig:
     expert_model_parallel_size: int | None = None
     expert_tensor_parallel_size: int | None = None
     param_offload: bool = False  # the ref's own: its weights wait in host memory outside its log-prob pass
+    use_remove_padding: bool | None = None  # its passes' layout (packed or padded); null: the actor's
 
     def mismatches(self, actor: MegatronConfig) -> list[tuple[str, object, object]]:
         """``(key, ref value, actor value)`` for every explicit size that differs from the actor's."""
@@ -205,12 +209,16 @@ class MicroBatching:
     """How one pass cuts a DP rank's samples: fixed-size micro-batches, or a token budget each."""
 
     micro_batch_size: int  # samples per micro-batch (unused with a token budget)
-    max_tokens: int | None = None  # use_dynamic_bsz: padded tokens per micro-batch (rows × longest row)
+    # use_dynamic_bsz: tokens per micro-batch (packed: their sum; padded: rows × longest row)
+    max_tokens: int | None = None
     shared_prompts: bool = False  # use_prefix_grouper: a prompt's samples share one row (prefix_grouper)
+    packed: bool = False  # use_remove_padding: a micro-batch's samples end to end in one row (sequences.py)
 
     def __str__(self) -> str:
-        size = f"≤ {self.max_tokens} padded tokens" if self.max_tokens else f"{self.micro_batch_size} samples"
-        return size + (", shared-prompt rows" if self.shared_prompts else "")
+        unit = "tokens" if self.packed else "padded tokens"
+        size = f"≤ {self.max_tokens} {unit}" if self.max_tokens else f"{self.micro_batch_size} samples"
+        layout = ", shared-prompt rows" if self.shared_prompts else ", packed" if self.packed else ""
+        return size + layout
 
 
 def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:

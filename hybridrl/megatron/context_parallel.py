@@ -14,11 +14,15 @@ rank: the whole sequence's K/V and an [S/CP, S] score matrix per head (TE's ring
 at a time) — the CPU/debug path, not a long-context kernel.
 
 :func:`shard_sequence` / :func:`gather_sequence` do the same split and its inverse on [B, S] tensors
-(tokens in, per-token log-probs out) for the policy.
+(tokens in, per-token log-probs out) for the policy. Packed rows (THD, :func:`~hybridrl.megatron.sequences.
+pack_sequences`) are split sequence by sequence (``cu_seqlens``: each sequence's chunks r and 2·CP−1−r, in order,
+as Transformer Engine's ``thd_get_partitioned_indices`` and Megatron's THD RoPE do), and the attention then
+gathers K/V the same way (:mod:`hybridrl.megatron.packed_attention`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -40,28 +44,40 @@ def cp_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
+def held_positions(seq_len: int, cp_rank: int, cp_size: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions of a row of ``seq_len`` held by ``cp_rank``: :func:`cp_positions`, or with packed sequences
+    (``cu_seqlens``: their ``[n + 1]`` padded boundaries) those of every sequence, offset by its start."""
+    if cu_seqlens is None:
+        return cp_positions(seq_len, cp_rank, cp_size)
+    bounds = cu_seqlens.tolist()
+    return torch.cat([start + cp_positions(end - start, cp_rank, cp_size)
+                      for start, end in zip(bounds[:-1], bounds[1:], strict=True)])
+
+
 def _cp() -> tuple[dist.ProcessGroup, int, int]:
     group = parallel_state.get_context_parallel_group()
     return group, parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
-def shard_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """This CP rank's positions of ``x`` along ``dim`` (``x`` itself when CP = 1)."""
+def shard_sequence(x: torch.Tensor, dim: int = 1, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """This CP rank's positions of ``x`` along ``dim`` (``x`` itself when CP = 1); ``cu_seqlens``: ``x`` is a packed
+    row with these padded sequence boundaries."""
     _, rank, size = _cp()
     if size == 1:
         return x
-    return x.index_select(dim, cp_positions(x.shape[dim], rank, size).to(x.device))
+    return x.index_select(dim, held_positions(x.shape[dim], rank, size, cu_seqlens).to(x.device))
 
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, sum_grads: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, sum_grads: bool, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         group, rank, size = _cp()
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         seq_len = x.shape[dim] * size
-        held = torch.cat([cp_positions(seq_len, r, size) for r in range(size)])  # of each gathered row
-        ctx.dim, ctx.sum_grads, ctx.own = dim, sum_grads, cp_positions(seq_len, rank, size).to(x.device)
+        held = torch.cat([held_positions(seq_len, r, size, cu_seqlens) for r in range(size)])  # of each gathered row
+        ctx.dim, ctx.sum_grads = dim, sum_grads
+        ctx.own = held_positions(seq_len, rank, size, cu_seqlens).to(x.device)
         return torch.cat(parts, dim).index_select(dim, held.argsort().to(x.device))
 
     @staticmethod
@@ -69,10 +85,11 @@ class _GatherSequence(torch.autograd.Function):
         if ctx.sum_grads:
             grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place
             dist.all_reduce(grad, group=_cp()[0])
-        return grad.index_select(ctx.dim, ctx.own), None, None
+        return grad.index_select(ctx.dim, ctx.own), None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int = 1, *, sum_grads: bool = False) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, dim: int = 1, *, sum_grads: bool = False,
+                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The whole sequence from every CP rank's positions of ``x`` (inverse of :func:`shard_sequence`).
 
     Backward: ``sum_grads=False`` when every CP rank computes the same function of the gathered
@@ -82,7 +99,7 @@ def gather_sequence(x: torch.Tensor, dim: int = 1, *, sum_grads: bool = False) -
     """
     if parallel_state.get_context_parallel_world_size() == 1:
         return x
-    return _GatherSequence.apply(x, dim, sum_grads)
+    return _GatherSequence.apply(x, dim, sum_grads, cu_seqlens)
 
 
 class ContextParallelAttention(MegatronModule):
@@ -92,7 +109,7 @@ class ContextParallelAttention(MegatronModule):
     (this rank's s = S/CP positions, TP-local heads), output ``[s, b, np·hn]``. The causal mask is
     built from global positions; the ``attention_mask`` argument (a causal mask over local
     positions, if any) is not used. Supports what the hybridrl model build uses: causal self
-    attention, GQA, softmax scale, attention dropout; not packed sequences or attention bias.
+    attention, GQA, softmax scale, attention dropout, packed sequences; not attention bias.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -114,7 +131,17 @@ class ContextParallelAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        assert attention_bias is None and packed_seq_params is None, "not supported by ContextParallelAttention"
+        assert attention_bias is None, "not supported by ContextParallelAttention"
+        if packed_seq_params is not None:  # packed sequences: each sequence's K/V, attended inside it
+            from hybridrl.megatron.packed_attention import packed_attention
+
+            cu = packed_seq_params.cu_seqlens_q_padded
+            _, rank, size = _cp()
+            dropout = self.dropout if self.training else 0.0
+            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+                return packed_attention(query, gather_sequence(key, dim=0, sum_grads=True, cu_seqlens=cu),
+                                        gather_sequence(value, dim=0, sum_grads=True, cu_seqlens=cu), cu,
+                                        scale=self.scale, dropout=dropout, cp_rank=rank, cp_size=size)
         s, b = query.shape[:2]
         k_Sbgh = gather_sequence(key, dim=0, sum_grads=True)
         v_Sbgh = gather_sequence(value, dim=0, sum_grads=True)

@@ -87,8 +87,9 @@ class MegatronCritic(MegatronRunner):
 
     def _values(self, loss_fn: Head | None, mb: _Micro,
                 values_BS1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        B, s, _ = values_BS1.shape  # s: this CP rank's positions (all S when CP = 1)
-        values_BT = gather_sequence(values_BS1.float().view(B, s)).gather(1, mb.rows.response_index_BT())
+        R, s, _ = values_BS1.shape  # s: this CP rank's positions (all S when CP = 1)
+        values_BT = mb.rows.at_responses(gather_sequence(values_BS1.float().view(R, s),
+                                                         cu_seqlens=mb.rows.cu_seqlens_padded))
         if loss_fn is None:
             return values_BT.sum() * 0.0, {"values": values_BT.detach()}
         return loss_fn(mb, values_BT)

@@ -17,6 +17,8 @@ micro-batch groups), on NCCL only: on gloo Megatron's variable-shape exchange fa
 expert-parallel ranks must run the same number of micro-batches (they exchange tokens in every MoE layer):
 :func:`split_to_count` splits a rank's partition up to the count the busiest rank needs, as verl's
 ``same_micro_num_in_dp`` does; a rank with fewer samples than that runs empty (fully masked) micro-batches.
+Packed micro-batches (``use_remove_padding``) cost the sum of their samples' lengths, not a rectangle:
+:func:`token_sum_partition` bins them by that sum.
 Gradients do not depend on the grouping: the loss of every micro-batch is normalised by the
 mini-batch-global normaliser, so the accumulated gradient is the mini-batch gradient whatever the
 partition (up to the order of floating-point sums). Same idea as verl's ``use_dynamic_bsz`` /
@@ -63,6 +65,29 @@ def token_budget_partition(lengths: Sequence[int], *, max_tokens: int, multiple:
             parts.append([i])
             width = padded_len(lengths[i], multiple)
     return [sorted(p) for p in parts]
+
+
+def token_sum_partition(lengths: Sequence[int], *, max_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """Packed micro-batches (no padding between samples): indices of ``lengths`` in bins whose summed lengths (each
+    rounded up to ``multiple``) are ≤ ``max_tokens`` — first-fit decreasing, at most 11/9 of the fewest bins + 6/9
+    (Dósa 2007; verl instead fixes the count and balances the bins by Karmarkar–Karp). Every bin non-empty, indices
+    ascending."""
+    if not lengths:
+        raise ValueError("token_sum_partition: no samples")
+    cost = [padded_len(n, multiple) if multiple > 1 else max(n, 1) for n in lengths]
+    if max(cost) > max_tokens:
+        raise ValueError(f"a sample of {max(lengths)} tokens does not fit the token budget of {max_tokens} per "
+                         f"micro-batch; raise the budget to at least the longest prompt + response")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-cost[i], i)):
+        k = next((k for k, r in enumerate(room) if r >= cost[i]), len(bins))
+        if k == len(bins):
+            bins.append([])
+            room.append(max_tokens)
+        bins[k].append(i)
+        room[k] -= cost[i]
+    return [sorted(b) for b in bins]
 
 
 def split_to_count(parts: Sequence[Sequence[int]], count: int) -> list[list[int]]:

@@ -65,6 +65,7 @@ from hybridrl.megatron.cpu import (
     use_mla_without_transformer_engine,
 )
 from hybridrl.megatron.moe_compat import apply_moe_adaptations, mark_expert_weights
+from hybridrl.megatron.packed_attention import PackedDotProductAttention
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
 
@@ -207,7 +208,8 @@ def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) 
 
 def layer_spec(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig | None = None,
                vp_stage: int | None = None) -> ModuleSpec | TransformerBlockSubmodules:
-    """TE's layer spec when TE imports; else the local spec, with our CP core attention when CP > 1. An MoE model
+    """TE's layer spec when TE imports; else the local spec, with our core attention (CP's when CP > 1, else one that
+    also takes packed sequences). An MoE model
     gets Megatron's block spec (its layers' MLPs differ: the MoE or a dense MLP by ``moe_layer_freq``)."""
     te = use_transformer_engine()
     if arch.moe is not None:
@@ -218,14 +220,16 @@ def layer_spec(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
             attention = spec.submodules.self_attention.submodules  # type: ignore[union-attr]
             if arch.mla is not None:
                 _mla_submodules(attention, te)
-            elif parallel.context_parallel_size > 1 and not te:
-                attention.core_attention = ContextParallelAttention
+            elif not te:  # the local DotProductAttention takes neither CP nor packed sequences
+                attention.core_attention = ContextParallelAttention if parallel.context_parallel_size > 1 \
+                    else PackedDotProductAttention
         return block
     if te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
-    if parallel.context_parallel_size > 1:  # the local DotProductAttention refuses CP
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention  # type: ignore[union-attr]
+    # the local DotProductAttention takes neither CP nor packed sequences (packed_attention.py)
+    spec.submodules.self_attention.submodules.core_attention = (  # type: ignore[union-attr]
+        ContextParallelAttention if parallel.context_parallel_size > 1 else PackedDotProductAttention)
     return spec
 
 

@@ -128,29 +128,32 @@ class MegatronPolicy(MegatronRunner):
 
     def _response_tokens(self, output: torch.Tensor, mb: _Micro, per_token: PerToken) -> list[torch.Tensor]:
         """``per_token(output, target_N, select_N)``'s values (``[N]`` or ``[N, K]`` each) at every response token,
-        ``[B, T]`` (``[B, T, K]``) each: the target of a position is the next token of its row (gathered over CP when
-        CP > 1)."""
-        # s: this CP rank's positions (all S when CP = 1)
-        B, s = (output.shape[1], output.shape[0]) if self.returns_hidden_states else output.shape[:2]
-        if mb.rows.shared_prompts:  # a row holds several samples: read each response token's position
+        ``[B, T]`` (``[B, T, K]``) each: the target of a position is the next token of its row. Rows holding several
+        samples (packed, shared-prompt) are read at the response positions only; otherwise, and with CP > 1 (each
+        rank holds its chunks of every sequence), at every position, gathered over CP."""
+        rows = mb.rows
+        if rows.shared_prompts and not (rows.packed and parallel_state.get_context_parallel_world_size() > 1):
             response_BT = mb.batch.response_ids
-            values = per_token(output, response_BT.reshape(-1), mb.rows.flat_response_index_BT().reshape(-1))
+            values = per_token(output, response_BT.reshape(-1), rows.flat_response_index_BT().reshape(-1))
             return [v.view(*response_BT.shape, *v.shape[1:]) for v in values]
-        next_BS = F.pad(mb.rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
-        values = per_token(output, shard_sequence(next_BS).reshape(-1), None)
-        idx_BT = mb.rows.response_index_BT()
-        return [_at_positions(gather_sequence(v.view(B, s, *v.shape[1:])), idx_BT) for v in values]
+        # s: this CP rank's positions (all S when CP = 1)
+        R, s = (output.shape[1], output.shape[0]) if self.returns_hidden_states else output.shape[:2]
+        cu = rows.cu_seqlens_padded
+        next_RS = F.pad(rows.tokens_BS[:, 1:], (0, 1), value=self.pad_token_id)  # last: no target
+        values = per_token(output, shard_sequence(next_RS, cu_seqlens=cu).reshape(-1), None)
+        return [rows.at_responses(gather_sequence(v.view(R, s, *v.shape[1:]), cu_seqlens=cu)) for v in values]
 
     def _positioned(self, mb: _Micro, x_BTK: torch.Tensor) -> torch.Tensor:
         """``[N, K]``: the per-response-token ``x_BTK`` at the positions ``per_token`` sees, in its order (each
         response token's at the position that predicts it; zeros elsewhere)."""
-        K = x_BTK.shape[-1]
-        if mb.rows.shared_prompts:
+        K, rows = x_BTK.shape[-1], mb.rows
+        if rows.shared_prompts and not (rows.packed and parallel_state.get_context_parallel_world_size() > 1):
             return x_BTK.reshape(-1, K)
-        out_BSK = x_BTK.new_zeros(*mb.rows.tokens_BS.shape, K)
+        R, S = rows.tokens_BS.shape
+        out_NK = x_BTK.new_zeros(R * S, K)
         b, t = mb.batch.response_mask.nonzero(as_tuple=True)
-        out_BSK[b, mb.rows.response_index_BT()[b, t]] = x_BTK[b, t]
-        return shard_sequence(out_BSK).reshape(-1, K)
+        out_NK[rows.flat_response_index_BT()[b, t]] = x_BTK[b, t]
+        return shard_sequence(out_NK.view(R, S, K), cu_seqlens=rows.cu_seqlens_padded).reshape(-1, K)
 
     def _loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
               temperature: float, mb: _Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -350,9 +353,3 @@ def reference_log_probs(ref: MegatronPolicy, batch: RolloutBatch, *, batching: M
         logp_BT, _ = ref.compute_log_probs(batch, batching=batching, temperature=temperature)
     return logp_BT
 
-
-def _at_positions(x_BS: torch.Tensor, idx_BT: torch.Tensor) -> torch.Tensor:
-    """``x_BS[b, idx_BT[b, t]]`` (``[B, T]``, or ``[B, T, K]`` for ``x_BSK``)."""
-    if x_BS.dim() == 2:
-        return x_BS.gather(1, idx_BT)
-    return x_BS.gather(1, idx_BT[:, :, None].expand(-1, -1, x_BS.shape[-1]))

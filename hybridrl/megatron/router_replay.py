@@ -19,9 +19,9 @@ Every replayed router also counts the (token, layer) pairs whose own top-k set d
 ``router_replay/engine_mismatch`` (R3, old-log-prob pass: the trainer against the engine) and
 ``router_replay/update_mismatch`` (the update against the replayed routing), over every rank's tokens.
 
-Layout: a micro-batch's rows are ``[b, S]`` (:mod:`sequences`); a router sees this rank's positions of them as
-``[s·b]`` tokens in Megatron's ``[s, b]`` order — CP's positions (:func:`shard_sequence`), then, with sequence
-parallelism, the TP rank's contiguous slice of them.
+Layout: a micro-batch's rows are ``[b, S]`` (:mod:`sequences`; one row when packed); a router sees this rank's
+positions of them as ``[s·b]`` tokens in Megatron's ``[s, b]`` order — CP's positions (:func:`shard_sequence`), then,
+with sequence parallelism, the TP rank's contiguous slice of them.
 """
 
 from __future__ import annotations
@@ -73,36 +73,26 @@ class _LayerReplay:
 
 
 def packed_routing(batch: RolloutBatch, rows: PackedRows) -> torch.Tensor:
-    """``[b, S, L, k]`` long: the batch's recorded experts in the rows' layout (real tokens first), -1 elsewhere."""
-    if rows.shared_prompts:
-        raise ValueError("router replay with shared-prompt rows (actor.use_prefix_grouper) is not supported")
+    """``[R, S, L, k]`` long: the batch's recorded experts in the rows' layout (padded or packed), -1 elsewhere."""
     assert batch.prompt_routed_experts is not None and batch.response_routed_experts is not None
     both = torch.cat([batch.prompt_routed_experts, batch.response_routed_experts], dim=1).long()
-    B, P = batch.prompt_ids.shape
-    S = rows.seq_len
-    pos_BS = torch.arange(S, device=both.device)[None, :].expand(B, S)
-    src_BS = (pos_BS + (P - rows.prompt_len_B.to(both.device))[:, None]).clamp(max=both.shape[1] - 1)
-    real_BS = pos_BS < (rows.prompt_len_B.to(both.device) + batch.response_mask.sum(-1).to(both.device))[:, None]
-    L, k = both.shape[2:]
-    out = both.gather(1, src_BS[:, :, None, None].expand(B, S, L, k))
-    return out.masked_fill(~real_BS[:, :, None, None], -1)
+    where_BL = rows.token_index_BL(batch.prompt_ids.shape[1]).to(both.device)
+    R, S = rows.tokens_BS.shape
+    out = torch.full((R * S, *both.shape[2:]), -1, dtype=torch.long, device=both.device)
+    real = where_BL >= 0
+    out[where_BL[real]] = both[real]
+    return out.view(R, S, *both.shape[2:])
 
 
-def unpacked_routing(packed_BSLK: torch.Tensor, batch: RolloutBatch,
+def unpacked_routing(packed_RSLK: torch.Tensor, batch: RolloutBatch,
                      rows: PackedRows) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`packed_routing`: ``(prompt [b, P, L, k], response [b, T, L, k])`` int16, -1 on padding."""
-    B, P = batch.prompt_ids.shape
-    T = batch.response_ids.shape[1]
-    S = rows.seq_len
-    L, k = packed_BSLK.shape[2:]
-    device = packed_BSLK.device
-    both = torch.full((B, P + T + 1, L, k), -1, dtype=torch.int16, device=device)  # +1: a bin for padding
-    pos_BS = torch.arange(S, device=device)[None, :].expand(B, S)
-    prompt_len = rows.prompt_len_B.to(device)
-    real_BS = pos_BS < (prompt_len + batch.response_mask.sum(-1).to(device))[:, None]
-    dest_BS = torch.where(real_BS, pos_BS + (P - prompt_len)[:, None], P + T)
-    both.scatter_(1, dest_BS[:, :, None, None].expand(B, S, L, k), packed_BSLK.to(torch.int16))
-    return both[:, :P], both[:, P:P + T]
+    P = batch.prompt_ids.shape[1]
+    device = packed_RSLK.device
+    where_BL = rows.token_index_BL(P).to(device)
+    flat = packed_RSLK.reshape(-1, *packed_RSLK.shape[2:]).to(torch.int16)
+    both = flat[where_BL.clamp(min=0)].masked_fill((where_BL < 0)[:, :, None, None], -1)
+    return both[:, :P], both[:, P:]
 
 
 class RouterReplay:
@@ -135,7 +125,7 @@ class RouterReplay:
         if self.replaying and batch.prompt_routed_experts is not None:
             routing = packed_routing(batch, rows)
         for slot, hook in self.routers[id(chunk)]:
-            hook.target = None if routing is None else self._router_order(routing[:, :, slot])
+            hook.target = None if routing is None else self._router_order(routing[:, :, slot], rows)
             hook.record = self.recording
 
     def after_forward(self, chunk: torch.nn.Module, key: Any, rows: PackedRows) -> None:
@@ -143,7 +133,7 @@ class RouterReplay:
             got = {}
             for slot, hook in self.routers[id(chunk)]:
                 assert hook.recorded is not None, "a router did not run"
-                got[slot] = self._from_router_order(hook.recorded, rows.tokens_BS.shape[0])
+                got[slot] = self._from_router_order(hook.recorded, rows)
                 hook.recorded = None
             self._recorded.append((key, got))
         for _, hook in self.routers[id(chunk)]:
@@ -170,21 +160,21 @@ class RouterReplay:
         dist.all_reduce(sums)
         return float(sums[0]), float(sums[1])
 
-    def _router_order(self, x_BSK: torch.Tensor) -> torch.Tensor:
+    def _router_order(self, x_BSK: torch.Tensor, rows: PackedRows) -> torch.Tensor:
         """``[b, S, k]`` → ``[s·b, k]``: this rank's positions in the order its routers see them."""
-        x = shard_sequence(x_BSK, dim=1).transpose(0, 1)  # [s, b, k]
+        x = shard_sequence(x_BSK, dim=1, cu_seqlens=rows.cu_seqlens_padded).transpose(0, 1)  # [s, b, k]
         if self.sequence_parallel:
             x = x.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=0)[
                 parallel_state.get_tensor_model_parallel_rank()]
         return x.reshape(-1, x.shape[-1])
 
-    def _from_router_order(self, idx_Nk: torch.Tensor, b: int) -> torch.Tensor:
+    def _from_router_order(self, idx_Nk: torch.Tensor, rows: PackedRows) -> torch.Tensor:
         """Inverse of :meth:`_router_order`: ``[s·b, k]`` → ``[b, S, k]``, gathered over sequence parallelism
         and CP."""
-        x = idx_Nk.reshape(-1, b, idx_Nk.shape[-1])  # [s, b, k]
+        x = idx_Nk.reshape(-1, rows.tokens_BS.shape[0], idx_Nk.shape[-1])  # [s, b, k]
         if self.sequence_parallel:
             group = parallel_state.get_tensor_model_parallel_group()
             parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, x.contiguous(), group=group)
             x = torch.cat(parts, dim=0)
-        return gather_sequence(x.transpose(0, 1).contiguous(), dim=1)
+        return gather_sequence(x.transpose(0, 1).contiguous(), dim=1, cu_seqlens=rows.cu_seqlens_padded)

@@ -39,11 +39,8 @@ multiplies each loss by ``optimizer.scale_loss``; a step whose gradients overflo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar, cast
 
@@ -54,6 +51,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
 
@@ -64,16 +62,15 @@ from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.config import MegatronConfig, MicroBatching, OptimConfig, interleaved_micro_batches_problem
 from hybridrl.megatron.context_parallel import shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
-from hybridrl.megatron.dynamic_batch import VPP_DYNAMIC_UNSUPPORTED, split_to_count, token_budget_partition
 from hybridrl.megatron.hidden_states import returning_hidden_states
+from hybridrl.megatron.micro_batches import MicroBatch, MicroBatcher
 from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.moe_compat import drop_empty_parts
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
-from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
 from hybridrl.megatron.rope_positions import positioned_rope
 from hybridrl.megatron.router_losses import router_loss_metrics
 from hybridrl.megatron.router_replay import RouterReplay
-from hybridrl.megatron.sequences import PackedRows, pack_rows, padded_seq_len
+from hybridrl.megatron.sequences import PackedRows
 
 
 def parallel_config(m: MegatronConfig) -> ParallelConfig:
@@ -83,13 +80,6 @@ def parallel_config(m: MegatronConfig) -> ParallelConfig:
                           context_parallel_size=m.context_parallel_size, sequence_parallel=m.sequence_parallel,
                           expert_model_parallel_size=m.expert_model_parallel_size,
                           expert_tensor_parallel_size=m.expert_tensor_parallel_size)
-
-
-@dataclass(slots=True, kw_only=True)
-class _Micro:
-    batch: RolloutBatch
-    rows: PackedRows
-    index: torch.Tensor  # [b] long: each row's position in the batch it came from; -1 for a filler row
 
 
 # float16's first loss scale: torch.amp.GradScaler's default. Megatron's (2**32) overflows fp16 gradients at
@@ -105,9 +95,7 @@ def _mixed_precision_kwargs(dtype: torch.dtype) -> dict[str, Any]:
                 initial_loss_scale=FP16_INITIAL_LOSS_SCALE)
 
 
-# rows are padded to a multiple of this (and of 2·CP: CP's load-balanced chunks): 8 on a GPU, for fewer distinct
-# shapes; none on a CPU, where every padded position is paid for in full and shapes cost nothing
-_PAD_MULTIPLE = {True: 8, False: 1}
+_Micro = MicroBatch  # the name the heads (policy, critic) annotate with
 
 Head = Callable[[_Micro, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """A micro-batch and the last stage's output → its (unscaled) loss and metrics (detached)."""
@@ -133,6 +121,7 @@ class MegatronRunner:
         self.pad_token_id = pad_token_id
         self.dtype = TORCH_DTYPES[megatron.dtype]
         self.device = rank_device()
+        self.micro_batches = MicroBatcher(self.parallel, pad_token_id=pad_token_id, device=self.device)
         self.config = chunks[0].config  # shared by all chunks
         self.optimizer = None
         self.scheduler: OptimizerParamScheduler | None = None
@@ -191,7 +180,13 @@ class MegatronRunner:
             if self.router_replay is not None:
                 self.router_replay.before_forward(model, mb.batch, rows)
             with returning_hidden_states(model) if self.returns_hidden_states else contextlib.nullcontext():
-                if rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
+                if rows.packed:  # THD: positions restart and attention stays inside each sequence
+                    cu = rows.cu_seqlens_padded
+                    assert cu is not None and rows.position_ids_BS is not None
+                    output = model(input_ids=shard_sequence(rows.tokens_BS, cu_seqlens=cu),
+                                   position_ids=shard_sequence(rows.position_ids_BS, cu_seqlens=cu),
+                                   attention_mask=None, packed_seq_params=_packed_seq_params(rows), **fp16_kwargs)
+                elif rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
                     assert rows.position_ids_BS is not None
                     with positioned_rope(model, rows.position_ids_BS):
                         output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
@@ -227,99 +222,6 @@ class MegatronRunner:
         short = -len(micros) % self.parallel.pipeline_model_parallel_size
         return micros + [micros[-1]] * short
 
-    def _micro_batches(self, batch: RolloutBatch, batching: MicroBatching) -> list[_Micro]:
-        """Fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped
-        ones each padded to its own longest row (:mod:`dynamic_batch`)."""
-        micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
-        multiple = math.lcm(_PAD_MULTIPLE[self.device.type == "cuda"], 2 * self.parallel.context_parallel_size)
-        if batching.shared_prompts:
-            return self._shared_prompt_micro_batches(batch, batching, multiple)
-        if max_tokens is None:
-            parts = list(torch.arange(len(batch), device=batch.prompt_ids.device).split(micro_batch_size))
-            if self.parallel.expert_model_parallel_size > 1:  # one count over the EP ranks: shares may differ by one
-                empty = torch.zeros(0, dtype=torch.long, device=batch.prompt_ids.device)
-                parts += [empty] * (self._most_over_experts([len(parts)])[0] - len(parts))
-        else:
-            interleaved = self.parallel.num_model_chunks > 1
-            if interleaved and dist.get_backend() == "gloo":  # config validation says so first, naming the keys
-                raise ValueError(f"token-budget micro-batches with the interleaved pipeline schedule: "
-                                 f"{VPP_DYNAMIC_UNSUPPORTED}")
-            lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
-            groups = token_budget_partition(lengths, max_tokens=max_tokens, multiple=multiple)
-            count = len(groups)
-            if self.parallel.expert_model_parallel_size > 1:  # one count over the EP ranks (dynamic_batch)
-                count = self._most_over_experts([count])[0]
-            if interleaved:  # the interleaved schedule runs its micro-batches in groups of PP
-                pp = self.parallel.pipeline_model_parallel_size
-                count = -(-count // pp) * pp
-            groups = split_to_count(groups, count)
-            parts = [torch.tensor(p, dtype=torch.long, device=batch.prompt_ids.device) for p in groups]
-            return self._budget_micro_batches(batch, parts, multiple)
-        seq_len = self._common_over_experts(padded_seq_len(batch, multiple=multiple))
-        out = []
-        for index in parts:
-            part = batch.index(index)
-            if len(part) < micro_batch_size:  # equal shapes: fill with copies of row 0 (its routing as recorded)
-                part, index = _filled(batch, part, index, micro_batch_size - len(part), whole_row=True)
-            rows = pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id)
-            out.append(_Micro(batch=part, rows=rows, index=index))
-        return out
-
-    def _budget_micro_batches(self, batch: RolloutBatch, parts: list[torch.Tensor], multiple: int) -> list[_Micro]:
-        """Token-budget micro-batches, each padded to its own longest row; at EP > 1 micro-batch k has one shape on
-        every EP rank (the most rows and the longest row over them: Megatron's all-gather dispatcher needs equal
-        shapes), the extra rows fillers whose loss mask is 0."""
-        shapes = [(len(p), padded_seq_len(batch.index(p), multiple=multiple) if len(p) else 2) for p in parts]
-        if self.parallel.expert_model_parallel_size > 1:
-            most = self._most_over_experts([x for shape in shapes for x in shape])
-            shapes = list(zip(most[0::2], most[1::2], strict=True))
-        out = []
-        for index, (rows_needed, seq_len) in zip(parts, shapes, strict=True):
-            part = batch.index(index)
-            if len(part) < rows_needed:
-                part, index = _filled(batch, part, index, rows_needed - len(part))
-            out.append(_Micro(batch=part, rows=pack_rows(part, seq_len=seq_len, pad_token_id=self.pad_token_id),
-                              index=index))
-        return out
-
-    def _most_over_experts(self, values: list[int]) -> list[int]:
-        """Each of ``values``' maximum over the expert-parallel group."""
-        most = torch.tensor(values, dtype=torch.long, device=self.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
-        return most.tolist()
-
-    def _common_over_experts(self, seq_len: int) -> int:
-        """``seq_len``, or the longest over the expert-parallel group at EP > 1: the EP ranks exchange their tokens
-        in every MoE layer (Megatron's all-gather dispatcher needs equal shapes on them; the all-to-all one the same
-        number of micro-batches), so their micro-batches must have one shape."""
-        if self.parallel.expert_model_parallel_size == 1:
-            return seq_len
-        return self._most_over_experts([seq_len])[0]
-
-    def _shared_prompt_micro_batches(self, batch: RolloutBatch, batching: MicroBatching, multiple: int) -> list[_Micro]:
-        """:mod:`prefix_grouper`'s layout: fixed-size micro-batches (as the plain layout's) grouped inside, or
-        token-budget micro-batches of whole shared-prompt rows."""
-        if self.parallel.context_parallel_size > 1 or self.parallel.num_model_chunks > 1:  # validation says so first
-            raise ValueError("shared-prompt rows (use_prefix_grouper) need CP = 1 and no virtual pipeline stages")
-        device = batch.prompt_ids.device
-        if batching.max_tokens is None:
-            parts = []
-            for index in torch.arange(len(batch), device=device).split(batching.micro_batch_size):
-                if len(index) < batching.micro_batch_size:  # as the plain layout: filled with copies of row 0
-                    index = torch.cat([index, index.new_full((batching.micro_batch_size - len(index),), -1)])
-                ids = index.tolist()
-                parts.append([[ids[i] for i in row] for row in group_rows(batch.index(index.clamp(min=0)),
-                                                                         max_tokens=None)])
-        else:
-            parts = partition_rows(batch, max_tokens=batching.max_tokens, multiple=multiple)
-        out = []
-        for rows in parts:
-            index = torch.tensor([i for row in rows for i in row], device=device)
-            part = batch.index(index.clamp(min=0))
-            packed = pack_groups(part, [len(row) for row in rows], pad_token_id=self.pad_token_id, multiple=multiple)
-            out.append(_Micro(batch=part, rows=packed, index=index))
-        return out
-
     @torch.no_grad()
     def _forward_rows(self, batch: RolloutBatch, head: Head, keys: tuple[str, ...], *,
                       batching: MicroBatching, widths: Mapping[str, int] | None = None) -> list[torch.Tensor]:
@@ -329,7 +231,7 @@ class MegatronRunner:
         for chunk in self.chunks:
             chunk.eval()
         batch = batch.to(self.device)
-        micros = self._pad_for_interleaving(self._micro_batches(batch, batching))
+        micros = self._pad_for_interleaving(self.micro_batches(batch, batching))
         outputs = self._run(micros, head, forward_only=True)
         B, T = batch.response_ids.shape
         w = [(widths or {}).get(key, 0) for key in keys]  # 0: a [B, T] output
@@ -362,7 +264,7 @@ class MegatronRunner:
             chunk.train()
             chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
-        micros = self._micro_batches(batch, batching)
+        micros = self.micro_batches(batch, batching)
         outputs = self._run(micros, head, forward_only=False)
         # the schedule's finalize_model_grads moved a sigmoid router's expert bias by this mini-batch's expert loads
         # (aux-loss-free balancing, override_transformer_config.moe_router_bias_update_rate); the loads start again
@@ -433,30 +335,16 @@ class MegatronRunner:
             yield from chunk.parameters()
 
 
+def _packed_seq_params(rows: PackedRows) -> PackedSeqParams:
+    """Megatron's description of a packed row: real and padded sequence boundaries, the longest padded sequence."""
+    assert rows.cu_seqlens is not None and rows.cu_seqlens_padded is not None
+    longest = int((rows.cu_seqlens_padded[1:] - rows.cu_seqlens_padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=rows.cu_seqlens, cu_seqlens_kv=rows.cu_seqlens,
+                           cu_seqlens_q_padded=rows.cu_seqlens_padded, cu_seqlens_kv_padded=rows.cu_seqlens_padded,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The head's loss × micro-batches × DP: undoes the schedule's and DDP's averaging (module docstring)."""
     loss, metrics = head(mb, output)
     return loss * scale, metrics
-
-
-def _filled(batch: RolloutBatch, part: RolloutBatch, index: torch.Tensor, count: int, *,
-            whole_row: bool = False) -> tuple[RolloutBatch, torch.Tensor]:
-    """``part`` with ``count`` filler rows after its own, copies of its row 0 (``batch``'s when it is empty), loss
-    mask 0 — nothing trained on, their outputs dropped (index -1). ``whole_row`` keeps the row as it is (it fits a
-    micro-batch padded to the batch's longest row; the MoE layers then see the same tokens as before fillers
-    existed: a near-tie of a random router can flip with what else runs); else cut to its last prompt token with
-    no response and no recorded routing, which fits any micro-batch's shape (token-budget micro-batches agreed
-    over the EP ranks)."""
-    filler = (part if len(part) else batch).index([0] * count)
-    empty = torch.zeros_like(filler.response_mask)
-    if whole_row:
-        filler = dataclasses.replace(filler, loss_mask=empty)
-    else:
-        prompt_mask = torch.zeros_like(filler.prompt_mask)
-        prompt_mask[:, -1] = 1
-        unrouted = {n: torch.full_like(v, -1) for n in RolloutBatch.ROUTING_FIELDS
-                    if (v := getattr(filler, n)) is not None}
-        filler = dataclasses.replace(filler, prompt_mask=prompt_mask, response_mask=empty, loss_mask=empty.clone(),
-                                     **unrouted)
-    return (RolloutBatch.cat([part, filler]) if len(part) else filler,
-            torch.cat([index, index.new_full((count,), -1)]))

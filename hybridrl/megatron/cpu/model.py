@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from hybridrl.megatron.cpu.proxies import (
     _MARK,
@@ -17,6 +16,7 @@ from hybridrl.megatron.cpu.proxies import (
     _TorchWithoutCudaStreams,
     cuda_available,
 )
+from hybridrl.megatron.packed_attention import PackedDotProductAttention
 
 # --- explicit arguments (preferred: no patch) ---------------------------------------------------
 
@@ -53,7 +53,7 @@ def cpu_model_parallel_kwargs() -> dict[str, Any]:
     return {"batch_p2p_comm": False, "batch_p2p_sync": False}
 
 
-class MLADotProductAttention(DotProductAttention):
+class MLADotProductAttention(PackedDotProductAttention):
     """Megatron's local ``DotProductAttention`` as multi-latent attention's core attention (the local spec's, CPU).
 
     Works around ``transformer/multi_latent_attention.py`` (``MultiLatentAttention.__init__``), which builds its

@@ -8,7 +8,8 @@ skipped) or ``-dyn`` (token-budget micro-batches, ``use_dynamic_bsz``: 2–6 row
 lengths each, so PP sends variable activation shapes), then optionally ``-pg`` (shared-prompt rows,
 ``use_prefix_grouper``: a prompt's samples in one row; with ``-dyn`` a prompt's 4 samples can exceed the
 budget and are cut into two rows) or ``-lmh`` (the fused LM head: ``use_fused_kernels`` +
-``fused_lm_head``, log-probs from hidden states × the LM-head weight); DP is what remains of the world. Under VPP
+``fused_lm_head``, log-probs from hidden states × the LM-head weight), and ``-pad`` (a padded row per sample,
+``use_remove_padding=false``; else each micro-batch's samples are packed in one row); DP is what remains of the world. Under VPP
 the ref's log-prob pass uses micro-batches of 6 (3 per pass, padded to a multiple of PP by the
 policy); log-probs don't depend on the micro-batch size, so the TP=1 reference (4) still applies. For
 each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref, as the trainer
@@ -52,22 +53,23 @@ P, T = 9, 10  # prompt / response pad widths
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
-LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-dyn)?(-pg)?(-lmh)?")
+LAYOUT = re.compile(r"tp(\d+)pp(\d+)cp(\d+)(?:vpp(\d+))?(-distopt)?(-dyn)?(-pg)?(-lmh)?(-pad)?")
 DYN_BUDGET = 48  # padded tokens per micro-batch: 2 rows of the longest samples (24), up to 6 of the shortest
 
 
 def parse_layout(name: str) -> tuple[ParallelConfig, bool]:
     """``(parallel layout, distributed optimizer?)`` of a layout name."""
     match = LAYOUT.fullmatch(name)
-    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt][-dyn][-pg][-lmh]"
-    tp, pp, cp, vpp, distopt, _, _, _ = match.groups()
+    assert match, f"layout {name!r} is not tp<a>pp<b>cp<c>[vpp<d>][-distopt][-dyn][-pg][-lmh][-pad]"
+    tp, pp, cp, vpp, distopt, _, _, _, _ = match.groups()
     return ParallelConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
                           context_parallel_size=int(cp),
                           virtual_pipeline_model_parallel_size=int(vpp) if vpp else None), bool(distopt)
 
 
 def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_optimizer: bool = False,
-           dynamic_bsz: bool = False, prefix_grouper: bool = False, lm_head: bool = False) -> RLConfig:
+           dynamic_bsz: bool = False, prefix_grouper: bool = False, lm_head: bool = False,
+           padded: bool = False) -> RLConfig:
     cfg = RLConfig()
     aor = cfg.actor_rollout_ref
     aor.model.path = model_dir
@@ -77,6 +79,7 @@ def config(model_dir: str, layout: ParallelConfig, mode: str, *, distributed_opt
         m.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
         m.context_parallel_size = layout.context_parallel_size
     aor.actor.megatron.use_distributed_optimizer = distributed_optimizer
+    aor.actor.megatron.use_remove_padding = not padded  # the ref's passes follow
     a = aor.actor
     a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs = MINI_PROMPTS, MICRO, 1
     a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu = dynamic_bsz, DYN_BUDGET  # also the log-prob passes
@@ -143,7 +146,8 @@ def run_layout(model_dir: str, out_dir: Path, name: str, mode: str, full: Rollou
     mine = list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp))  # the trainer's: a block of prompts
     batch = full.index(mine)
     cfg = config(model_dir, layout, mode, distributed_optimizer=distributed_optimizer,
-                 dynamic_bsz="-dyn" in name, prefix_grouper="-pg" in name, lm_head=name.endswith("-lmh"))
+                 dynamic_bsz="-dyn" in name, prefix_grouper="-pg" in name, lm_head="-lmh" in name,
+                 padded=name.endswith("-pad"))
     plan, problems = Plan.build(cfg, world_size=dist.get_world_size(), device_type="cpu")
     assert not problems, problems
     hybrid = ActorRolloutRef(cfg.actor_rollout_ref, plan=plan, objective=actor_objective(cfg),
