@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--etp", type=int, default=None,
                     help="expert tensor parallel size (each expert's matrices split over this many ranks; "
                          "default: --tp). Below --tp, EP spans the TP ranks (verl's TP=2, EP=8, ETP=1)")
+    sp.add_argument("--first-stage-layers", type=int, default=None,
+                    help="layers on the first pipeline stage (uneven split, Megatron's "
+                         "num_layers_in_first_pipeline_stage); the stages after it share the rest equally")
+    sp.add_argument("--last-stage-layers", type=int, default=None,
+                    help="layers on the last pipeline stage (Megatron's num_layers_in_last_pipeline_stage)")
     sp.add_argument("--tolerance", type=float, default=1e-4, help="max |logit diff| allowed (fp32)")
     sp.add_argument("--seq-len", type=int, default=16)
     sp.add_argument("--batch", type=int, default=2)

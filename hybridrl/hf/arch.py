@@ -34,6 +34,7 @@ from hybridrl.hf.mla import MLA, read_mla
 from hybridrl.hf.values import divisors as _divisors
 from hybridrl.hf.values import number as _number
 from hybridrl.hf.values import positive_int as _size
+from hybridrl.megatron.stages import PipelineSplit
 
 Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
@@ -55,7 +56,7 @@ INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-_TP, _PP, _VPP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"
+_TP = "tensor_model_parallel_size"
 _EP = "expert_model_parallel_size"
 _ETP = "expert_tensor_parallel_size"
 
@@ -159,13 +160,14 @@ class HFArch:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
-                       etp: int | None = None) -> list[tuple[str, int, str]]:
+    def split_problems(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                       first: int | None = None, last: int | None = None) -> list[tuple[str, int, str]]:
         """Every way ``tp``/``pp``(×``vpp``) fail to split this model evenly, as ``(key, value, message)``
         with key one of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
         ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``, ``expert_tensor_parallel_size``
-        (``etp``: the experts' TP, null = ``tp``); the message reads after
-        ``<key>=<value>: ``.
+        (``etp``: the experts' TP, null = ``tp``), or ``override_transformer_config.num_layers_in_first_pipeline_stage``
+        / ``..._last_...`` (``first``/``last``: uneven end stages, :class:`~hybridrl.megatron.stages.PipelineSplit`,
+        which states the layer rules); the message reads after ``<key>=<value>: ``.
 
         Only the model's rules: sizes < 1, VPP without PP and the world size are the caller's.
         """
@@ -203,17 +205,15 @@ class HFArch:
         elif ep > 1 and self.moe is not None and self.moe.num_experts % ep:
             out.append((_EP, ep, f"must divide the model's {self.moe.num_experts} experts (whole experts per rank) "
                                 f"(valid: {_divisors(self.moe.num_experts)})"))
-        if pp >= 1 and layers % pp:
-            out.append((_PP, pp, f"must divide the model's {layers} layers (valid: {_divisors(layers)})"))
-        if pp >= 1 and vpp is not None and vpp >= 1 and layers % (pp * vpp):
-            valid = [v for v in _divisors(layers // pp if layers % pp == 0 else 0) if v >= 2]
-            out.append((_VPP, vpp, f"PP×VPP = {pp}×{vpp} = {pp * vpp} must divide the model's {layers} layers "
-                                  f"(each chunk holds equal layers); valid at PP={pp}: null or {valid or 'none'}"))
+        split = PipelineSplit(num_layers=layers, pp=pp, vpp=vpp if vpp is not None and vpp >= 1 else None,
+                              first=first, last=last)
+        out += split.problems()
         return out
 
-    def check_split(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> None:
-        """Raise ``ValueError`` listing :meth:`split_problems` unless the sizes split this model evenly."""
-        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    def check_split(self, *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                    first: int | None = None, last: int | None = None) -> None:
+        """Raise ``ValueError`` listing :meth:`split_problems` unless the sizes split this model."""
+        problems = self.split_problems(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first=first, last=last)
         if problems:
             raise ValueError("; ".join(f"{key}={value}: {message}" for key, value, message in problems))
 

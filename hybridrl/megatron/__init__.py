@@ -6,6 +6,7 @@ Model and weights:
 - ``cpu``: every CPU adaptation of megatron-core, applied by ``apply_cpu_adaptations()``.
 - ``parallel``: :class:`ParallelConfig`, ``init_parallel``, ``seed_everything``, ``destroy_parallel``.
 - ``model``: ``build_model_chunks`` (TE spec on GPU, local spec otherwise), vocab padding, logits gather.
+- ``stages``: which layers each pipeline stage holds (even, or uneven end stages), torch-free.
 - ``convert``: HF <-> Megatron layout rules; ``weights``: ``load_hf_weights``, ``export_hf_weights``
   (bucketed, TP-gathered, PP-broadcast stream of HF tensors).
 - ``verify``: ``hybridrl verify-model``.

@@ -17,7 +17,10 @@ Under the interleaved pipeline schedule (VPP) a rank holds ``VPP`` model chunks,
 :func:`build_model_chunks` with Megatron's ``vp_stage``: chunk v of PP rank r holds layer block
 ``v·PP + r`` (Megatron's ``get_transformer_layer_offset``), the embedding lives in chunk 0 of the first
 stage and the output layer in the last chunk of the last stage. All chunks share one TransformerConfig,
-which the schedule reads from chunk 0.
+which the schedule reads from chunk 0. The end stages may hold other layer counts than the rest
+(``num_layers_in_first/last_pipeline_stage`` in ``override_transformer_config``, with or without VPP;
+:mod:`hybridrl.megatron.stages`): Megatron builds each stage's layers with their global numbers, which the weight
+converters read, so no converter depends on the split.
 
 Precision (``megatron.dtype``, :data:`~hybridrl.megatron.transformer_overrides.DTYPES`) is Megatron's own, as
 Megatron-LM's ``get_model`` does it: with bfloat16/float16 the TransformerConfig says ``bf16``/``fp16`` and
@@ -67,6 +70,7 @@ from hybridrl.megatron.cpu import (
 from hybridrl.megatron.moe_compat import apply_moe_adaptations, mark_expert_weights
 from hybridrl.megatron.packed_attention import PackedDotProductAttention
 from hybridrl.megatron.parallel import ParallelConfig
+from hybridrl.megatron.stages import stage_sizes
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
 
 __all__ = [
@@ -100,10 +104,11 @@ def padded_vocab_size(vocab_size: int, tp: int, *, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def _check_supported(arch: HFArch, parallel: ParallelConfig) -> None:
+def _check_supported(arch: HFArch, parallel: ParallelConfig, overrides: Mapping[str, Any]) -> None:
+    first, last = stage_sizes(overrides)
     arch.check_split(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
                      vpp=parallel.virtual_pipeline_model_parallel_size, ep=parallel.expert_model_parallel_size,
-                     etp=expert_tp(parallel))
+                     etp=expert_tp(parallel), first=first, last=last)
     if not use_transformer_engine():
         if parallel.sequence_parallel:
             raise NotImplementedError(
@@ -119,10 +124,10 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
     """Megatron's TransformerConfig for ``arch`` under ``parallel`` in ``dtype`` (a name of
     :data:`~hybridrl.megatron.transformer_overrides.DTYPES`); ``overrides`` (``override_transformer_config``)
     are set verbatim once :func:`~hybridrl.megatron.transformer_overrides.megatron_config_problems` accepts them."""
-    _check_supported(arch, parallel)
     overrides = dict(overrides or {})
     if problems := megatron_config_problems(dtype, overrides, key="megatron"):
         raise ValueError("; ".join(f"{key}={value!r}: {message}" for key, value, message in problems))
+    _check_supported(arch, parallel, overrides)
     params_dtype = TORCH_DTYPES[dtype]
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,

@@ -5,7 +5,8 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 - ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
   (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
 - ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
-  :data:`OVERRIDES` (activation recompute, an MoE model's router losses and router dtype) and :data:`FUSIONS`
+  :data:`OVERRIDES` (activation recompute, an MoE model's router losses and router dtype, uneven
+  end pipeline stages) and :data:`FUSIONS`
   (kernel fusions) are accepted, and those of :data:`NOT_PASSED` (accepted, with a note, and not handed to
   Megatron); hybridrl itself
   sets the layout, the dtype and the architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from hybridrl.megatron.stages import FIRST, LAST
 
 Problem = tuple[str, object, str]  # (config key, value, what is wrong and what would be valid)
 
@@ -58,6 +61,9 @@ OVERRIDES = {
     "moe_router_bias_update_rate": "a number ≥ 0: aux-loss-free balancing of a sigmoid router with an expert bias "
                                    "(GLM-4.5, DeepSeek-V3): after each optimizer step each expert's bias moves by "
                                    "this × sign(mean load − its load) (0, the default: the checkpoint's bias)",
+    FIRST: "null | an integer ≥ 1: the first pipeline stage holds this many layers, the stages after it share the "
+           "rest equally (a model whose layers PP does not divide: DeepSeek-V3's 61; hybridrl.megatron.stages)",
+    LAST: f"null | an integer ≥ 1: the last pipeline stage holds this many layers (as {FIRST})",
 }
 
 # Megatron's kernel-fusion switches (booleans, verl's scripts set them): speed only, the same math up to kernel
@@ -108,6 +114,10 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             problems.append((f"{okey}.{name}", value, "must be a number ≥ 0" + (" (or null)" if "z_loss" in name
                                                                                    else "")))
+    for name in (FIRST, LAST):  # how they split the model's layers: hybridrl.megatron.stages (needs the model)
+        value = overrides.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append((f"{okey}.{name}", value, "must be an integer ≥ 1 (or null: an even split)"))
     router_dtype = overrides.get("moe_router_dtype")
     if router_dtype is not None and router_dtype not in MOE_ROUTER_DTYPES:
         problems.append((f"{okey}.moe_router_dtype", router_dtype, f"valid: null, {', '.join(MOE_ROUTER_DTYPES)}"))

@@ -1,7 +1,8 @@
 """``hybridrl verify-model``: is the Megatron model built from an HF checkpoint the same model?
 
 For each checkpoint, on ``tp × pp`` ranks that it launches itself (torchrun; gloo on CPU): build the
-Megatron model (``vpp`` interleaved model chunks per stage when given), load the HF weights, run the
+Megatron model (``vpp`` interleaved model chunks per stage when given; uneven end stages with
+``--first-stage-layers``/``--last-stage-layers``), load the HF weights, run the
 same token ids through it (Megatron's forward-only pipeline schedule) and through transformers
 (``AutoModelForCausalLM``, fp32, eager attention), then export the weights back through the bucketed
 stream and compare every tensor bit for bit with the safetensors original, on every rank. The last line
@@ -41,6 +42,7 @@ class ModelReport:
     buckets: list[tuple[int, int]]  # (tensors, bytes) per bucket in stream order, as rank 0 got them
     bucket_bytes: int
     seconds: dict[str, float]
+    stage_layers: list[int] = dataclasses.field(default_factory=list)  # layers each pipeline stage built
 
 
 class VerifyError(RuntimeError):
@@ -70,6 +72,8 @@ def run_verification(
     vpp: int | None = None,
     ep: int = 1,
     etp: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
     seq_len: int = 16,
     batch: int = 2,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -77,18 +81,19 @@ def run_verification(
 ) -> list[ModelReport]:
     """Check each checkpoint on the fewest ranks that hold the layout (``tp × pp × ep`` unless ``etp``, the experts'
     own TP, is below ``tp``: then EP spans the TP ranks too), launched once for all of them (``ep``: the experts of
-    an MoE model split over that many ranks, which are data-parallel replicas for the rest)."""
+    an MoE model split over that many ranks, which are data-parallel replicas for the rest; ``first``/``last``: the
+    layers of the first/last pipeline stage, an uneven split, :mod:`hybridrl.megatron.stages`)."""
     if vpp is not None and (vpp < 2 or pp < 2):
         raise VerifyError(f"--vpp {vpp} needs --pp ≥ 2 and a value ≥ 2 (leave it out for one model chunk per stage)")
     for model_dir in model_dirs:
-        check_model_dir(model_dir).check_split(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        check_model_dir(model_dir).check_split(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first=first, last=last)
     ranks = pp * math.lcm(tp, ep * (tp if etp is None else etp))
     with tempfile.TemporaryDirectory(prefix="hybridrl-verify-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             "-m", "hybridrl.megatron.verify", "--worker", f"--report={report}", f"--tp={tp}", f"--pp={pp}",
-            f"--ep={ep}", f"--etp={etp or 0}",
+            f"--ep={ep}", f"--etp={etp or 0}", f"--first={first or 0}", f"--last={last or 0}",
             f"--vpp={vpp or 0}", f"--seq-len={seq_len}", f"--batch={batch}", f"--bucket-bytes={bucket_bytes}",
             *[str(d) for d in model_dirs],
         ]
@@ -135,19 +140,23 @@ def main(args: argparse.Namespace) -> int:
         vpp = f", vpp={args.vpp}" if args.vpp else ""
         ep = f", ep={args.ep}" if args.ep > 1 else ""
         ep += f", etp={args.etp}" if args.etp is not None else ""
+        ep += f", first stage {args.first_stage_layers} layers" if args.first_stage_layers else ""
+        ep += f", last stage {args.last_stage_layers} layers" if args.last_stage_layers else ""
         ranks = args.pp * math.lcm(args.tp, args.ep * (args.tp if args.etp is None else args.etp))
         print(f"verify-model: {len(model_dirs)} checkpoint(s) on {ranks} rank(s) "
               f"(tp={args.tp}, pp={args.pp}{vpp}{ep}), {args.batch}×{args.seq_len} tokens", flush=True)
         reports = run_verification(model_dirs, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
-                                   seq_len=args.seq_len, batch=args.batch, bucket_bytes=args.bucket_bytes,
-                                   timeout_s=args.timeout_s)
+                                   first=args.first_stage_layers, last=args.last_stage_layers, seq_len=args.seq_len,
+                                   batch=args.batch, bucket_bytes=args.bucket_bytes, timeout_s=args.timeout_s)
     except (VerifyError, ValueError) as e:
         print(f"verify-model: error: {e}", file=sys.stderr)
         return 2
     for r in reports:
         print(f"{r.model_dir}: max_abs_logit_diff={r.max_abs_logit_diff:.3e} "
               f"roundtrip={'exact' if r.roundtrip_exact else 'MISMATCH ' + ', '.join(r.mismatches)} "
-              f"({r.n_tensors} tensors in {len(r.buckets)} buckets of ≤ {r.bucket_bytes} B)")
+              f"({r.n_tensors} tensors in {len(r.buckets)} buckets of ≤ {r.bucket_bytes} B"
+              + (f"; layers per stage {' + '.join(map(str, r.stage_layers))}" if len(r.stage_layers) > 1 else "")
+              + ")")
     worst = max(r.max_abs_logit_diff for r in reports)
     exact = all(r.roundtrip_exact for r in reports)
     print(f"max_abs_logit_diff={worst:.3e} roundtrip={'exact' if exact else 'MISMATCH'}", flush=True)
@@ -161,7 +170,8 @@ def _worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hybridrl.megatron.verify --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--report", type=Path, required=True)
-    for name in ("--tp", "--pp", "--vpp", "--ep", "--etp", "--seq-len", "--batch", "--bucket-bytes"):
+    for name in ("--tp", "--pp", "--vpp", "--ep", "--etp", "--first", "--last", "--seq-len", "--batch",
+                 "--bucket-bytes"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("model_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
@@ -197,7 +207,8 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hybridrl.megatron.model import build_model_chunks, padded_vocab_size
+    from hybridrl.megatron.model import build_model_chunks, padded_vocab_size, unwrap_model
+    from hybridrl.megatron.stages import FIRST, LAST
     from hybridrl.megatron.weights import load_hf_weights
 
     seconds: dict[str, float] = {}
@@ -208,10 +219,14 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
          f"{arch.hidden_size}, {arch.num_attention_heads} heads / {arch.num_query_groups} KV groups, vocab "
          f"{arch.vocab_size} padded to {padded}, {'tied' if arch.tie_word_embeddings else 'untied'} "
          "embeddings) and loading its weights")
-    chunks = build_model_chunks(arch, parallel)
+    stages = {k: n for k, n in ((FIRST, args.first), (LAST, args.last)) if n}  # 0: even
+    chunks = build_model_chunks(arch, parallel, overrides=stages)
     load_hf_weights(chunks, arch, model_dir)
     for chunk in chunks:
         chunk.eval()
+    stage_layers: list[int] = [0] * args.pp
+    dist.all_gather_object(stage_layers, sum(len(unwrap_model(c).decoder.layers) for c in chunks),
+                           group=parallel_state.get_pipeline_model_parallel_group())
     seconds["build_load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -235,7 +250,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     seconds["export"] = time.perf_counter() - t0
     return ModelReport(model_dir=str(model_dir), max_abs_logit_diff=float(diff),
                        roundtrip_exact=bad.item() == 0, mismatches=mismatches[:5], n_tensors=n_tensors,
-                       buckets=buckets, bucket_bytes=args.bucket_bytes, seconds=seconds)
+                       buckets=buckets, bucket_bytes=args.bucket_bytes, seconds=seconds, stage_layers=stage_layers)
 
 
 def _megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int) -> Any:

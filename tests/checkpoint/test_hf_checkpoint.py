@@ -108,7 +108,10 @@ def test_split_problems_name_the_size_and_the_valid_values() -> None:
     assert arch.split_problems(tp=2, pp=3) == []
     assert arch.split_problems(tp=4, pp=1) == [
         (TP, 4, "must divide the model's 2 KV heads (GQA groups) (valid: [1, 2])")]
-    assert arch.split_problems(tp=1, pp=4) == [(PP, 4, "must divide the model's 6 layers (valid: [1, 2, 3, 6])")]
+    assert arch.split_problems(tp=1, pp=4) == [(PP, 4, "must divide the model's 6 layers (valid: [1, 2, 3, 6]), or "
+                                                      "set override_transformer_config.num_layers_in_first_pipeline_"
+                                                      "stage / num_layers_in_last_pipeline_stage (uneven end stages)")]
+    assert arch.split_problems(tp=1, pp=4, first=3, last=1) == []  # 3 + 1 + 1 + 1 (hybridrl.megatron.stages)
     assert [(k, v) for k, v, _ in arch.split_problems(tp=64, pp=1)] == [(TP, 64), (TP, 64), (TP, 64)]
     assert arch.split_problems(tp=64, pp=1)[0][2] == ("must divide the model's 8 attention heads "
                                                       "(valid: [1, 2, 4, 8])")

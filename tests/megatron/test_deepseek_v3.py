@@ -2,9 +2,9 @@
 (``hf.arch._sigmoid_moe``) under multi-latent attention (Megatron's ``MLASelfAttention``, ``hf.mla.MLA``), the query
 through a LoRA (``q_a_proj``/``q_a_layernorm``/``q_b_proj``) or one ``q_proj`` (``q_lora_rank`` null);
 ``hybridrl verify-model`` — logits against transformers and a bitwise round trip — at TP=1, TP=2 and EP=2, both
-checkpoints in one launch each; what Megatron's MLA computes otherwise is refused naming the key; the hf rollout engine
-serves it as transformers does and takes a weight swap; the two local-spec adaptations MLA needs
-(``hybridrl.megatron.cpu``) are still needed.
+checkpoints in one launch each, and on uneven pipeline stages (PP=2 as 1 + 2 and 2 + 1 layers); what Megatron's MLA
+computes otherwise is refused naming the key; the hf rollout engine serves it as transformers does and takes a weight
+swap; the two local-spec adaptations MLA needs (``hybridrl.megatron.cpu``) are still needed.
 
 The checkpoints: hidden 48, 3 layers (layer 0 dense, 40 wide), 4 heads of nope 16 + rope 8 (values 16), kv_lora_rank
 24, 8 experts in 2 groups (1 chosen), top-2, a shared expert, experts 16 wide, untied embeddings, no RoPE scaling; one
@@ -147,6 +147,27 @@ def test_verify_model_is_exact_for_deepseek_v3(dsv3: dict[str, Path], layout: st
     """Logits ≤ 1e-4 of transformers' (fp32) and every exported tensor bit-identical to the checkpoint's, with the
     query LoRA and without. ~10–20 s per layout: one launch of its 1 or 2 ranks for both checkpoints."""
     verified(dsv3, layout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("first", "last", "stages"), [(1, None, [1, 2]), (None, 1, [2, 1])])
+def test_verify_model_is_exact_on_uneven_pipeline_stages(dsv3: dict[str, Path], tiny_checkpoints: dict[str, Path],
+                                                         first: int | None, last: int | None,
+                                                         stages: list[int]) -> None:
+    """DeepSeek-V3's 61 layers split over pipeline stages only unevenly (``num_layers_in_first/last_pipeline_stage``,
+    hybridrl.megatron.stages): at PP=2 with one layer on the first stage (the dense one alone) or on the last, both
+    tiny DeepSeek-V3s and a dense Qwen2 with tied embeddings (4 layers: 1 + 3, 3 + 1) give transformers' logits and
+    export bit-identical tensors. ~12 s per split: one launch of 2 ranks for the three checkpoints."""
+    from hybridrl.megatron.verify import run_verification
+
+    models = {"q_lora": dsv3["q_lora"], "q_proj": dsv3["q_proj"], "qwen2_tied": tiny_checkpoints["qwen2_tied"]}
+    reports = run_verification(list(models.values()), pp=2, first=first, last=last, bucket_bytes=20_000)
+    for (name, path), r in zip(models.items(), reports, strict=True):
+        print(f"{name} first={first} last={last}: max_abs_logit_diff={r.max_abs_logit_diff:.3g}, {r.stage_layers}")
+        assert r.max_abs_logit_diff <= 1e-4, (name, r)
+        assert r.roundtrip_exact and r.n_tensors == len(load_file(path / "model.safetensors")), (name, r.mismatches)
+    dense = [3, 1] if last else [1, 3]
+    assert [r.stage_layers for r in reports] == [stages, stages, dense]
 
 
 def test_the_hf_engine_generates_what_transformers_generates(dsv3: dict[str, Path], tmp_path: Path,
