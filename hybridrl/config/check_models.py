@@ -13,6 +13,7 @@ from hybridrl.config.plan import AOR, Plan, device_memory_gb
 from hybridrl.config.schema import ModelConfig, RLConfig
 from hybridrl.hf.arch import HFArch, inspect_model_dir
 from hybridrl.megatron.config import LR_DECAY_STYLES, OPTIMIZERS, MegatronConfig, OptimConfig, layout_problems
+from hybridrl.megatron.stages import stage_sizes
 
 
 def check_model(key: str, m: ModelConfig, issues: Issues, *, before_bootstrap: bool) -> HFArch | None:
@@ -28,6 +29,10 @@ def check_model(key: str, m: ModelConfig, issues: Issues, *, before_bootstrap: b
     for p in problems:
         tok = m.tokenizer_path is not None and "tokenizer" in p
         issues.add(f"{key}.tokenizer_path" if tok else f"{key}.path", m.tokenizer_path if tok else m.path, p)
+    if info is not None and info.fp8_blocks is not None:  # planning (--model-config) prints a note instead
+        issues.add(f"{key}.path", m.path, "its weights are FP8 (config.json quantization_config): the Megatron model "
+                   "loads bf16/fp32 weights only (hybridrl.hf.fp8); point it at a bf16 copy (DeepSeek's "
+                   "fp8_cast_bf16.py, without quantization_config)")
     return info
 
 
@@ -58,10 +63,11 @@ def check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, 
     for size, value, message in layout_problems(m, world_size=world, transformer_engine=te):
         issues.add(f"{key}.{size}", value, message + world_note)
     if model is not None:
+        first, last = stage_sizes(m.override_transformer_config)
         for size, value, message in model.split_problems(
                 tp=max(m.tensor_model_parallel_size, 1), pp=max(m.pipeline_model_parallel_size, 1),
                 vpp=m.virtual_pipeline_model_parallel_size, ep=max(m.expert_model_parallel_size, 1),
-                etp=m.expert_tensor_parallel_size):
+                etp=m.expert_tensor_parallel_size, first=first, last=last):
             issues.add(f"{key}.{size}", value, message)
         if model.moe is not None and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
             issues.add(f"{key}.sequence_parallel", False,
@@ -126,11 +132,12 @@ def check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues: 
         if model.vocab_size != actor_model.vocab_size:
             issues.add("critic.model.path", c.model.path, f"its vocabulary ({model.vocab_size}) must be the actor's "
                        f"({actor_model.vocab_size}): the critic reads the actor's tokens")
+        first, last = stage_sizes(actor_megatron.override_transformer_config)
         for size, value, message in model.split_problems(
                 tp=max(actor_megatron.tensor_model_parallel_size, 1),
                 pp=max(actor_megatron.pipeline_model_parallel_size, 1),
                 vpp=actor_megatron.virtual_pipeline_model_parallel_size,
-                ep=max(actor_megatron.expert_model_parallel_size, 1)):
+                ep=max(actor_megatron.expert_model_parallel_size, 1), first=first, last=last):
             issues.add(f"{AOR}.actor.megatron.{size}", value, f"critic.model.path: {message}")
 
 

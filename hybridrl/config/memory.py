@@ -24,10 +24,14 @@ output layer) holds, in bytes:
     engine      = what the engine takes at start: an engine with a memory pool (vLLM, SGLang on GPU) takes its
                   budget, gpu_memory_utilization × the device (``actor_rollout_ref.rollout.gpu_memory_utilization``,
                   verl's key: weights, KV pool and workspace), and pages the step's samples through its KV pool:
-                  pool = budget − P · 2 / rollout TP; it holds ⌊pool / (2 · layers · KV heads · head_dim · 2 bytes
+                  pool = budget − P · 2 / rollout TP (P at ~1 byte where the checkpoint's weights are FP8,
+                  :func:`engine_weight_bytes`); it holds ⌊pool / (2 · layers · KV heads · head_dim · 2 bytes
                   · (max_prompt_length + max_response_length) / rollout TP)⌋ sequences of the longest length at
-                  once and runs the rest as they finish. An engine without a pool (``hf``) takes its bf16 weights
-                  + the KV cache of its whole share of a step's prompts.
+                  once (multi-latent attention: layers · (kv_lora_rank + qk_rope_head_dim) · 2 bytes a token, on every
+                  engine rank) and runs the rest as they finish. An engine without a pool (``hf``) takes its bf16
+                  weights + the KV cache of its whole share of a step's prompts.
+    stages      = which layers each pipeline stage holds (:mod:`hybridrl.megatron.stages`: equal blocks, or uneven
+                  end stages): the largest rank is the largest stage's, its ends (embedding, output layer) included.
 
 Generation holds the engine and whatever is not offloaded (``param_offload``, ``grad_offload``,
 ``optimizer_offload``, ``ref.megatron.param_offload``, ``critic.megatron.*_offload``); training holds the
@@ -45,10 +49,11 @@ naming what would help (verl's published setups run where this estimate says the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import EngineMemory
+from hybridrl.megatron.stages import PipelineSplit
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -155,18 +160,22 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              engine: EngineMemory | None = None, device_bytes: float = 80 * GB, seq_len: int = 0,
              ep: int = 1, etp: int | None = None, teacher: HFArch | None = None,
              teacher_offload: bool = False, lora_rank: int = 0,
-             lora_projections: tuple[str, ...] = ()) -> MemoryEstimate:
+             lora_projections: tuple[str, ...] = (), split: PipelineSplit | None = None,
+             engine_weight_bytes: float | None = None) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
     experts of an MoE model split over that many ranks (the largest PP stage counts), each expert over ``etp`` (its
     own TP; None: ``tp``); ``lora_rank`` > 0: only the adapters of ``lora_projections`` train (gradients and optimizer
     state are theirs; the ref is the actor with its adapters off, no copy); ``teacher``: the
-    distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``)."""
+    distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``); ``split``:
+    the layers of each pipeline stage (None: ``pp`` equal blocks; the largest stage counts); ``engine_weight_bytes``:
+    the engine's weights over all its ranks (None: every parameter in bf16)."""
     etp = tp if etp is None else etp
-    p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp)
+    split = split or PipelineSplit(num_layers=m.num_layers, pp=pp)
+    p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp, split=split)
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
-    layers = m.num_layers // pp
+    layers = max(split.stage_counts())
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
     # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (TP·DP / (EP·ETP))
@@ -178,13 +187,16 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     activations += micro_tokens * m.vocab_size / tp * 12
     total_params = sum(a + e for a, e in per_layer) + embedding + output + m.hidden_size
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
-    engine_weights = total_params * 2 / rollout_tp
+    if m.mla is not None:  # MLA caches the latent and the rope key (SGLang's MLA: the whole of it on every TP rank)
+        kv_per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * 2
+    engine_weights = (total_params * 2 if engine_weight_bytes is None else engine_weight_bytes) / rollout_tp
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
     if lora_rank > 0:  # the base is frozen: the adapters alone have gradients and optimizer state
         adapters = lora_parameters(m, rank=lora_rank, projections=lora_projections) / (tp * pp)
         params, grads, ref_bytes = params + adapters * b, adapters * 4, 0.0
         optim = adapters / (dp if distributed_optimizer else 1) * ((0 if dtype == "float32" else 4) + moments)
-    teacher_bytes = rank_parameters(teacher, tp=tp, pp=pp, ep=ep, etp=etp)[0] * b if teacher is not None else 0.0
+    teacher_bytes = (rank_parameters(teacher, tp=tp, pp=pp, ep=ep, etp=etp, split=replace(
+        split, num_layers=teacher.num_layers))[0] * b if teacher is not None else 0.0)
     offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
                  + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False)
                  + teacher_bytes * teacher_offload)
@@ -205,6 +217,29 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
                           pooled=engine is not None, teacher=teacher_bytes)
 
 
+def engine_weight_bytes(m: HFArch) -> float:
+    """The weights an engine loads from ``m``'s checkpoint, over all its ranks: every parameter in bf16; or, for
+    block-wise FP8 weights (``m.fp8_blocks``, :mod:`hybridrl.hf.fp8`), the linear layers' weights at 1 byte and one
+    fp32 scale a block (taken as ``params / block`` scales: the big matrices are whole blocks), the embedding,
+    output layer, norms and routers in bf16 — what SGLang and vLLM hold serving that checkpoint as shipped."""
+    _, embedding, output = parameter_count(m)
+    per_layer = layer_counts(m)
+    total = sum(a + e for a, e in per_layer) + embedding + output + m.hidden_size
+    if m.fp8_blocks is None:
+        return total * 2.0
+    h, heads = m.hidden_size, m.num_attention_heads
+    norms = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)
+    if m.mla is not None:
+        norms += (m.mla.q_lora_rank or 0) + m.mla.kv_lora_rank
+    elif m.qkv_bias:
+        norms += (heads + 2 * m.num_query_groups) * m.head_dim
+    routers = [m.moe.num_experts * h if m.moe is not None and sparse else 0
+               for sparse in (m.moe.sparse_layers if m.moe is not None else (False,) * m.num_layers)]
+    kept = m.num_layers * norms + sum(routers) + embedding + output + m.hidden_size  # bf16
+    block = m.fp8_blocks[0] * m.fp8_blocks[1]
+    return (total - kept) * (1 + 4 / block) + kept * 2.0
+
+
 def lora_parameters(m: HFArch, *, rank: int, projections: tuple[str, ...]) -> float:
     """The adapters' parameters over the whole model: ``rank × (in + out)`` for each adapted projection of every
     layer (the attention's everywhere, the MLP's in dense layers: experts are not adapted)."""
@@ -217,16 +252,21 @@ def lora_parameters(m: HFArch, *, rank: int, projections: tuple[str, ...]) -> fl
     return float(rank * (m.num_layers * per_attention + dense_layers * per_mlp))
 
 
-def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> tuple[float, float]:
+def rank_parameters(m: HFArch, *, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                    split: PipelineSplit | None = None) -> tuple[float, float]:
     """``(P_rank, experts)``: the largest rank's share of ``m``'s parameters under TP/PP/EP (each expert split over
-    ``etp``, None: ``tp``), and the expert parameters of its stage (before that split)."""
+    ``etp``, None: ``tp``), and the expert parameters of its stage (before that split). ``split``: which layers each
+    stage holds (None: ``pp`` equal blocks)."""
     _, embedding, output = parameter_count(m)
     per_layer = layer_counts(m)
-    layers = m.num_layers // pp
-    stages = [(sum(a for a, _ in per_layer[s * layers:(s + 1) * layers]),
-               sum(e for _, e in per_layer[s * layers:(s + 1) * layers]) / ep) for s in range(pp)]
-    dense, experts = max(stages, key=sum)
-    # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
-    # same size (a tied one is a copy there)
-    edge = embedding + output if pp == 1 else embedding
-    return (dense + edge + m.hidden_size) / tp + experts / (tp if etp is None else etp), experts
+    split = split or PipelineSplit(num_layers=m.num_layers, pp=pp)
+    stages = []
+    for s in range(pp):
+        held = [per_layer[i] for r in split.layers(s) for i in r if i < len(per_layer)]
+        # one stage holds both ends; with PP > 1 the first holds the embedding, the last an output layer of the
+        # same size (a tied one is a copy there) and the final norm
+        edge = (embedding if s == 0 else 0) + ((output or embedding * (pp > 1)) + m.hidden_size if s == pp - 1
+                                               else 0)
+        experts = sum(e for _, e in held) / ep
+        stages.append(((sum(a for a, _ in held) + edge) / tp + experts / (tp if etp is None else etp), experts))
+    return max(stages)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from hybridrl.config.batch_plan import BatchPlan, batch_plan
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.layout import AOR, RoleLayout, shares
-from hybridrl.config.memory import BYTES, GB, MemoryEstimate
+from hybridrl.config.memory import BYTES, GB, MemoryEstimate, engine_weight_bytes
 from hybridrl.config.memory import estimate as estimate_memory
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf.arch import HFArch
@@ -155,6 +155,8 @@ class Plan:
             plan.notes.append(engine_note)
         if teacher_ranks and teacher_model is not None:
             plan.notes.append(teacher_engine_note(cfg, teacher_model, ttp))
+        if model is not None and model.fp8_blocks is not None:
+            plan.notes.append(fp8_engine_note(model, rtp))
         return plan, issues
 
     # ---- what the runtime reads ----
@@ -208,6 +210,11 @@ class Plan:
                 lines.append(f"experts {m.moe.num_experts} per MoE layer ({sum(m.moe.sparse_layers)} of "
                              f"{m.num_layers} layers), top-{m.moe.top_k}, {m.moe.ffn_hidden_size} wide{shared}; "
                              f"EP={ep}: {m.moe.num_experts // max(ep, 1)} experts per rank")
+        lay = self.roles.get("actor")
+        if self.model is not None and lay is not None and lay.split(self.model.num_layers).uneven:
+            lines.append(f"stages  {lay.split(self.model.num_layers)} (override_transformer_config: "
+                         f"num_layers_in_first_pipeline_stage={lay.first}, "
+                         f"num_layers_in_last_pipeline_stage={lay.last})")
         if self.memory is not None:
             who = "trainer rank" if self.num_engine_ranks else "rank"
             lines.append(f"memory  largest {who}, estimated: {self.memory}")
@@ -257,8 +264,9 @@ class Plan:
         return "\n".join(lines)
 
     def _chunk_layers(self, lay: RoleLayout, pp_rank: int) -> str:
-        """`` layers 0 + 2`` under VPP: where interleaving puts this stage's layers (one block per chunk)."""
-        if not lay.vpp or self.model is None:
+        """`` layers 0 + 2`` under VPP (where interleaving puts this stage's layers, one block per chunk), or
+        `` layers 0-15`` with uneven end stages."""
+        if not (lay.vpp or lay.first or lay.last) or self.model is None:
             return ""
         blocks = lay.layers(pp_rank, self.model.num_layers)
         return " layers " + " + ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in blocks)
@@ -278,7 +286,7 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload,
                  "ref_param": cfg.actor_rollout_ref.ref.megatron.param_offload},
         rollout_tp=rollout_tp, engine_tokens=engine_prompts * batch.n * seq, critic="critic" in roles, ep=lay.ep,
-        etp=lay.etp,
+        etp=lay.etp, split=lay.split(model.num_layers), engine_weight_bytes=engine_weight_bytes(model),
         critic_offload={"param": cm.param_offload, "grad": cm.grad_offload, "optimizer": cm.optimizer_offload},
         engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq,
         teacher=teacher if "teacher" in roles else None,
@@ -366,6 +374,19 @@ def teacher_engine_note(cfg: RLConfig, teacher: HFArch, tp: int) -> str:
     gb = (layer * teacher.num_layers + embedding + output) * 2 / tp / GB
     return (f"a teacher rank holds its {cfg.actor_rollout_ref.teacher.inference.name} engine only, estimated: "
             f"weights {gb:.1f} GB (bf16, 1/{tp} of the teacher) + its KV cache")
+
+
+def fp8_engine_note(model: HFArch, rollout_tp: int) -> str:
+    """What the plan counts for a checkpoint in block-wise FP8 (:mod:`hybridrl.hf.fp8`), and what a run still lacks."""
+    fp8, bf16 = engine_weight_bytes(model), engine_weight_bytes(replace(model, fp8_blocks=None))
+    a, b = model.fp8_blocks or (0, 0)
+    return (f"the checkpoint's weights are FP8 (config.json quantization_config: e4m3, one scale per {a}×{b} block): "
+            f"the engines are counted serving them as shipped, {fp8 / rollout_tp / GB:.1f} GB a GPU at rollout "
+            f"TP={rollout_tp} (bf16 would be {bf16 / rollout_tp / GB:.1f} GB). NOT RUNNABLE YET: hybridrl's Megatron "
+            "actor loads bf16/fp32 weights only (it refuses this checkpoint; slime converts it with fp8_cast_bf16.py "
+            "first), and its weight sync streams bf16 tensors, which an FP8 engine cannot take in place (slime "
+            "quantises each weight to e4m3 blocks on the fly before update_weights_from_tensor); hybridrl does "
+            "neither today (docs/tasks.md)")
 
 
 def _device(device_type: str, rank: int, per_node: int) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from hybridrl import bootstrap
 from hybridrl.hf.arch import HFArch, inspect_model_dir
+from hybridrl.megatron.stages import stage_sizes
 
 if TYPE_CHECKING:
     from hybridrl.config.schema import RLConfig
@@ -117,10 +118,12 @@ def teacher_layout_problems(cfg: RLConfig, teacher: HFArch | None) -> list[Probl
          "actor's Megatron process groups); leave it null to follow the actor")
         for size, mine, theirs in t.megatron.mismatches(actor)]
     if teacher is not None:
+        first, last = stage_sizes(actor.override_transformer_config)  # the teacher is built on the actor's split
         out += [(f"{AOR}.actor.megatron.{size}", value, f"{KEY}.model.path: {message}")
                 for size, value, message in teacher.split_problems(
                     tp=max(actor.tensor_model_parallel_size, 1), pp=max(actor.pipeline_model_parallel_size, 1),
-                    vpp=actor.virtual_pipeline_model_parallel_size, ep=max(actor.expert_model_parallel_size, 1))]
+                    vpp=actor.virtual_pipeline_model_parallel_size, ep=max(actor.expert_model_parallel_size, 1),
+                    first=first, last=last)]
     return out
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridrl.hf.fp8 import read_fp8_blocks
 from hybridrl.hf.mla import MLA, read_mla
 from hybridrl.hf.values import divisors as _divisors
 from hybridrl.hf.values import number as _number
@@ -155,6 +156,7 @@ class HFArch:
     moe: MoE | None = None  # the MoE families; None: every layer's MLP is dense (ffn_hidden_size)
     rotary_percent: float = 1.0  # the leading part of each head that RoPE rotates (HF partial_rotary_factor)
     mla: MLA | None = None  # DeepSeek-V3's attention; None: GQA over q/k/v projections
+    fp8_blocks: tuple[int, int] | None = None  # FP8 linear weights, one scale per block this shape (hybridrl.hf.fp8)
 
     @property
     def heads_per_group(self) -> int:
@@ -289,6 +291,7 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         moe=moe,
         rotary_percent=_rotary_percent(cfg, source) if family == "glm4_moe" else 1.0,
         mla=mla,
+        fp8_blocks=read_fp8_blocks(cfg, source),
     )
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
-from hybridrl.config.memory import GB, estimate, layer_counts, parameter_count
+from hybridrl.config.memory import GB, engine_weight_bytes, estimate, layer_counts, parameter_count, rank_parameters
 from hybridrl.hf.arch import HFArch
 from hybridrl.interfaces import EngineMemory
+from hybridrl.megatron.stages import PipelineSplit
 from hybridrl.models.tiny import make_tiny_model
 
 QWEN7B = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "qwen2.5-7b.json"
@@ -44,7 +47,8 @@ def test_an_moe_models_parameters_are_counted_layer_by_layer(tmp_path: Path, arc
 @pytest.mark.parametrize("q_lora_rank", [16, None])
 def test_multi_latent_attention_is_counted_as_the_model_has_it(tmp_path: Path, q_lora_rank: int | None) -> None:
     """DeepSeek-V3's latent projections (with and without the query LoRA), their norms, the experts: the model's own
-    count; and its published config is its 671 B parameters (the multi-token-prediction layer aside)."""
+    count; and its published config is its 671 B parameters (the multi-token-prediction layer aside); its FP8 engine
+    weights, its latent KV cache and its largest stage under uneven pipeline stages."""
     path = make_tiny_model(tmp_path / f"dsv3_{q_lora_rank}", arch="deepseek_v3", hidden=48, layers=3, heads=4,
                            intermediate=40, tie=False, moe=dict(moe_intermediate_size=16, q_lora_rank=q_lora_rank))
     m = HFArch.from_hf(path)
@@ -54,6 +58,27 @@ def test_multi_latent_attention_is_counted_as_the_model_has_it(tmp_path: Path, q
     v3 = HFArch.from_hf(QWEN7B.with_name("deepseek-v3.json"))
     assert sum(a + e for a, e in layer_counts(v3)) + 2 * v3.vocab_size * v3.hidden_size == pytest.approx(671e9,
                                                                                                          rel=0.001)
+    # FP8 as shipped (hybridrl.hf.fp8): every linear weight but the routers' and the output layer's at 1 byte + a
+    # 4-byte scale a block; with 1×1 blocks that is 5 bytes against bf16's 2, so the difference counts them exactly
+    linear = sum(mod.weight.numel() for name, mod in model.named_modules()
+                 if isinstance(mod, torch.nn.Linear) and name != "lm_head" and not name.endswith("mlp.gate"))
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    linear += sum(p.numel() for name, p in model.named_parameters()  # transformers ≥ 5 fuses the experts in memory
+                  if ".experts." in name and not any(name.startswith(n) for n in linears))
+    fp8 = replace(m, fp8_blocks=(1, 1))
+    assert engine_weight_bytes(fp8) - engine_weight_bytes(m) == 3 * linear
+    assert engine_weight_bytes(replace(v3, fp8_blocks=None)) / engine_weight_bytes(v3) == pytest.approx(2, rel=0.01)
+    # its KV cache: the latent and the rope key of each layer, 2 bytes each, whole on every engine rank
+    kw = dict(tp=8, pp=4, dp=4, dtype="bfloat16", optimizer="adam", ref=False, micro_tokens=4096, recompute=True,
+              rollout_tp=8, engine_tokens=0, distributed_optimizer=True, offload={}, seq_len=1, ep=32, etp=1)
+    assert estimate(v3, **kw).seq_kv == 61 * (512 + 64) * 2
+    # uneven stages: the largest rank is the largest stage's (16 + 15 + 15 + 15: a stage of 15 MoE layers; 19 + 14
+    # × 3: the first, 3 dense and 16 MoE layers)
+    per_moe_layer = layer_counts(v3)[-1][1] / 32
+    for first, last, moe_layers in ((16, 15, 15), (19, 14, 16)):
+        split = PipelineSplit(num_layers=61, pp=4, first=first, last=last)
+        experts = rank_parameters(v3, tp=8, pp=4, ep=32, etp=1, split=split)[1]
+        assert experts == pytest.approx(moe_layers * per_moe_layer)
 
 
 def test_qwen3_30b_a3b_has_30b_parameters_and_expert_parallelism_splits_its_experts() -> None:

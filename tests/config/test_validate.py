@@ -364,6 +364,68 @@ def test_the_glm45_recipe_plans_355b_on_64_h200_and_not_on_80_gb(capsys: pytest.
     assert code == 2 and "engine weights 88.2" in err and "rollout.tensor_model_parallel_size" in err, err
 
 
+def test_uneven_pipeline_stages_are_planned_and_bad_ones_name_their_key(base: list[str],
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``override_transformer_config.num_layers_in_first/last_pipeline_stage`` (Megatron's uneven split, verl's keys):
+    the plan says which layers each stage holds; a split Megatron would refuse is refused here, naming the key and the
+    valid values (hybridrl.megatron.stages), before any model is built."""
+    pp, o = f"{AOR}.actor.megatron.pipeline_model_parallel_size", f"{AOR}.actor.megatron.override_transformer_config"
+    code, out, err = cli(capsys, *base, f"{pp}=2", f"+{o}.num_layers_in_first_pipeline_stage=1", "--world-size", "2")
+    assert code == 0, err
+    assert "stages  1 + 3 layers over PP=2" in out and "rank 1: cpu actor(tp0 pp1 cp0 dp0 layers 1-3)" in out
+    assert only(base, f"{pp}=2", f"+{o}.num_layers_in_last_pipeline_stage=4", world=2) == (
+        f"{o}.num_layers_in_last_pipeline_stage=4: leaves 0 of the model's 4 layers for the 1 stage(s) between the "
+        "ends at PP=2, which must hold equal, nonzero shares; valid: [1, 2, 3]")
+    assert only(base, f"+{o}.num_layers_in_first_pipeline_stage=2").startswith(
+        f"{o}.num_layers_in_first_pipeline_stage=2: needs pipeline_model_parallel_size ≥ 2")
+    assert "must be an integer ≥ 1" in only(base, f"{pp}=2", f"+{o}.num_layers_in_first_pipeline_stage=x", world=2)
+    assert "uneven end stages" in only(base, f"{pp}=3", world=3)  # 4 layers: the hint names the keys
+
+
+def test_a_checkpoint_in_fp8_is_refused_for_the_trainer(base: list[str], tmp_path: Path) -> None:
+    """DeepSeek-V3 ships FP8 weights (config.json quantization_config, hybridrl.hf.fp8): the Megatron model would copy
+    e4m3 tensors without their block scales, so a run with one is refused (planning with --model-config notes it)."""
+    model = Path(base[0].split("=", 1)[1])
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    for f in model.iterdir():
+        (fp8 / f.name).write_bytes(f.read_bytes())
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    assert "its weights are FP8 (config.json quantization_config)" in only(base, f"{AOR}.model.path={fp8}")
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    assert "quantization_config={'quant_method': 'awq', 'bits': 4} is not supported" in only(
+        base, f"{AOR}.model.path={fp8}")
+
+
+def test_the_deepseek_v3_recipe_plans_671b_on_128_h200_over_uneven_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """grpo_deepseek_v3 with DeepSeek-V3's config.json (recipes/model_configs/deepseek-v3.json: 61 layers, 3 dense,
+    256 experts top-8 + a shared one, MLA, FP8 weights): TP=8 × PP=4 × DP=4, EP=32 at expert TP 1 on 16 × 8 H200, the
+    layers 16 + 15 + 15 + 15 over the stages, within 141 GB in both phases with the engines serving FP8 (84 GB a GPU);
+    the plan prints that the run cannot start yet (bf16-only actor and weight sync). PP=4 without the uneven split,
+    an end that leaves unequal middle stages, and 80 GB GPUs are refused, each naming its key."""
+    v3 = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "deepseek-v3.json")
+    code, out, err = cli(capsys, "recipe=grpo_deepseek_v3", "--model-config", v3)
+    assert code == 0, err
+    assert "actor   TP=8 PP=4 CP=1 DP=4 EP=32 ETP=1" in out and "EP=32: 8 experts per rank" in out
+    assert "stages  16 + 15 + 15 + 15 layers over PP=4" in out and "58 of 61 layers" in out
+    assert "rank 0: cuda:0 actor(tp0 pp0 cp0 dp0 layers 0-15)" in out
+    assert "rank 127: cuda:7 actor(tp7 pp3 cp0 dp3 layers 46-60)" in out
+    memory = re.search(r"engine weights ([\d.]+), .* → generate ([\d.]+) GB, train ([\d.]+) GB", out)
+    assert memory and float(memory[1]) < 85 and max(float(memory[2]), float(memory[3])) < 141, out
+    assert "FP8" in out and "bf16 would be 167.8 GB" in out and "NOT RUNNABLE YET" in out
+    o = f"{AOR}.actor.megatron.override_transformer_config"
+    code, _, err = cli(capsys, "recipe=grpo_deepseek_v3", "--model-config", v3,
+                       f"{o}.num_layers_in_first_pipeline_stage=null", f"{o}.num_layers_in_last_pipeline_stage=null")
+    assert code == 2 and "pipeline_model_parallel_size=4: must divide the model's 61 layers" in err, err
+    code, _, err = cli(capsys, "recipe=grpo_deepseek_v3", "--model-config", v3,
+                       f"{o}.num_layers_in_first_pipeline_stage=15", "trainer.device_memory_gb=80")
+    assert code == 2 and f"{o}.num_layers_in_first_pipeline_stage=15: leaves 31 of the model's 61 layers" in err
+    assert "trainer.device_memory_gb=80.0: the largest rank's model state" in err, err
+
+
 def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
     """A rank waits in a collective while its engine generates or its reward scores: those limits must fire
     first, with their own clear errors, not the process group's."""
@@ -445,7 +507,8 @@ def test_router_replay_is_refused_where_it_cannot_run_naming_the_key(base: list[
            f"{AOR}.actor.megatron.expert_model_parallel_size=4")
     code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, *vpp)
     assert code == 0, err
-    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, "trainer.device=cpu", *vpp)
+    code, _, err = cli(capsys, "recipe=grpo_qwen3_30b_a3b", "--model-config", a3b, "trainer.device=cpu", *vpp,
+                       f"{AOR}.actor.megatron.use_remove_padding=false")  # packed rows run there (one length)
     assert code == 2 and "not supported on CPU (gloo)" in err, err
 
 
