@@ -1,10 +1,11 @@
 """``hybridrl verify-model``: Megatron logits match transformers and the weight export round-trips
 bit for bit, at TP=1, TP=2, PP=2, TP=2×PP=2 and PP=2×VPP=2 (interleaved: layers 0, 2 on rank 0 and 1, 3
-on rank 1). One launch of the ranks per layout checks all of its
-checkpoints (Megatron's import costs ~10 s per process)."""
+on rank 1), and PP=2×VPP=2 with uneven stages (2 layers first). One launch of the ranks per layout checks all of
+its checkpoints (Megatron's import costs ~10 s per process)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -177,3 +178,16 @@ def test_uneven_stages_under_the_interleaved_schedule_are_exact(tmp_path: Path,
     print(f"pp2 vpp2 first=2: max_abs_logit_diff={report.max_abs_logit_diff:.3g}, {report.stage_layers}")
     assert report.max_abs_logit_diff <= 1e-5 and report.roundtrip_exact, report
     assert report.stage_layers == [2, 4]
+
+
+def test_cli_refuses_an_uneven_split_the_model_cannot_take(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--first-stage-layers``/``--last-stage-layers`` are checked against the checkpoint before any rank starts."""
+    config = {"model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: refused first
+    assert _run_cli(["verify-model", str(tmp_path), "--pp", "2", "--first-stage-layers", "2",
+                     "--last-stage-layers", "2"]) == 2
+    assert ("num_layers_in_first_pipeline_stage=2: the two stages at PP=2 hold all 3 layers: 2 + 2 must equal it; "
+            "valid: [1]") in capsys.readouterr().err
