@@ -150,11 +150,11 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
     for role, sub in subs:
         positive(f"{AOR}.{role}.log_prob_micro_batch_size_per_gpu", sub.log_prob_micro_batch_size_per_gpu)
         dynamic = a.use_dynamic_bsz if sub.log_prob_use_dynamic_bsz is None else sub.log_prob_use_dynamic_bsz
+        own = None if role == "rollout" else sub.megatron.use_remove_padding  # the ref's or teacher's own layout
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
                                      if dynamic else None, shared_prompts=a.use_prefix_grouper,
-                                     packed=packed if role != "ref" or aor.ref.megatron.use_remove_padding is None
-                                     else aor.ref.megatron.use_remove_padding)
+                                     packed=packed if own is None else own)
     critic = None
     if "critic" in roles:
         critic_update = MicroBatching(micro_batch_size=max(cr.ppo_micro_batch_size_per_gpu, 1),

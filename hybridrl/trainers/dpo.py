@@ -91,7 +91,8 @@ class DPOJob:
 
     def __init__(self, cfg: DPOConfig) -> None:
         self.cfg = cfg
-        self.micro = MicroBatching(micro_batch_size=2 * cfg.data.micro_batch_size_per_gpu)  # both halves of a pair
+        self.micro = MicroBatching(micro_batch_size=2 * cfg.data.micro_batch_size_per_gpu,  # both halves of a pair
+                                   packed=cfg.megatron.use_remove_padding)
         self.loss_fn = partial(dpo_micro_loss, algo=cfg.algorithm)
 
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[PreferenceDataset, PreferenceDataset | None]:

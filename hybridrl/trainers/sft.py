@@ -58,7 +58,8 @@ class SFTJob:
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
-        self.micro = MicroBatching(micro_batch_size=cfg.data.micro_batch_size_per_gpu)
+        self.micro = MicroBatching(micro_batch_size=cfg.data.micro_batch_size_per_gpu,
+                                   packed=cfg.megatron.use_remove_padding)
 
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[PromptDataset, PromptDataset | None]:
         d = self.cfg.data

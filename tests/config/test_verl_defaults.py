@@ -75,6 +75,8 @@ FOLLOWS = {
     **{f"critic.megatron.{k}": f"{AOR}.actor.megatron.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
+    **{f"{role}.megatron.use_remove_padding": f"{AOR}.actor.megatron.use_remove_padding"
+       for role in (f"{AOR}.ref", "critic")},
 }
 INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,.*)?\}$")
 

@@ -169,6 +169,9 @@ CHECKS: tuple[Check, ...] = (
     Check("fused_logprob", _node("test_fused_logprob_gpu.py", "test_fused_logprob_gpu"), 60,
           "fused log-prob + entropy (Triton): error vs fp64 and vs the current path; 4096 tokens x 151936 vocab x "
           "1024 hidden, bf16 fwd+bwd: peak memory and time, current vs fused LM head (>= 4x less memory)"),
+    Check("packing_thd", _node("test_packing_gpu.py", "test_packed_equals_padded_on_the_gpu"), 120,
+          "one RL step of a tiny Qwen2, fp32: packed rows (THD) vs a padded row per sample — log-probs, step "
+          "metrics, weights after the step"),
     Check("grpo_tiny_sglang_te", _node("test_grpo_tiny_gpu.py", "test_grpo_tiny[sglang]"), 420,
           "(a) with Transformer Engine's spec and the sglang engine", full=True,
           overrides=lambda w: grpo_tiny_overrides(w, "sglang")),

@@ -71,19 +71,24 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypat
         _validate(tmp_path, monkeypatch, odd_micro)
     plan = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
                      f"{A}.actor.ppo_max_token_len_per_gpu=4096")
-    assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in plan
+    assert "micro-batches of ≤ 4096 tokens, packed (use_dynamic_bsz) per optimizer step" in plan
+    padded = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
+                       f"{A}.actor.ppo_max_token_len_per_gpu=4096", f"{A}.actor.megatron.use_remove_padding=false")
+    assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in padded
 
 
-def test_config_rejects_dynamic_bsz_with_the_interleaved_schedule_on_cpu(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_rejects_padded_dynamic_bsz_with_the_interleaved_schedule_on_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed rows run there (a pass's rows share one length on gloo: tests/parallel, ``tp1pp2cp1vpp2``)."""
     vpp = [f"{A}.{role}.megatron.{k}=2" for role in ("actor", "ref")
            for k in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")]
+    dynamic = (f"{A}.actor.use_dynamic_bsz=true", f"{A}.rollout.log_prob_use_dynamic_bsz=false")
+    assert "packed" in _validate(tmp_path, monkeypatch, *vpp, *dynamic, world=2)
     with pytest.raises(ConfigError) as e:
-        _validate(tmp_path, monkeypatch, *vpp, f"{A}.actor.use_dynamic_bsz=true",
-                  f"{A}.rollout.log_prob_use_dynamic_bsz=false", world=2)
+        _validate(tmp_path, monkeypatch, *vpp, *dynamic, f"{A}.actor.megatron.use_remove_padding=false", world=2)
     msg = str(e.value)
     assert f"{A}.actor.megatron.virtual_pipeline_model_parallel_size=2" in msg
-    assert "on for: actor, ref)" in msg and "use fixed micro-batches" in msg
+    assert "on for: actor, ref;" in msg and "use fixed micro-batches" in msg
 
 
 def test_a_partition_splits_up_to_the_count_the_expert_ranks_agree_on() -> None:

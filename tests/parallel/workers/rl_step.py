@@ -9,7 +9,8 @@ lengths each, so PP sends variable activation shapes), then optionally ``-pg`` (
 ``use_prefix_grouper``: a prompt's samples in one row; with ``-dyn`` a prompt's 4 samples can exceed the
 budget and are cut into two rows) or ``-lmh`` (the fused LM head: ``use_fused_kernels`` +
 ``fused_lm_head``, log-probs from hidden states × the LM-head weight), and ``-pad`` (a padded row per sample,
-``use_remove_padding=false``; else each micro-batch's samples are packed in one row); DP is what remains of the world. Under VPP
+``use_remove_padding=false``; else each micro-batch's samples are packed in one row); DP is what remains of the
+world. Under VPP
 the ref's log-prob pass uses micro-batches of 6 (3 per pass, padded to a multiple of PP by the
 policy); log-probs don't depend on the micro-batch size, so the TP=1 reference (4) still applies. For
 each layout and each ``loss_agg_mode`` the worker builds :class:`ActorRolloutRef` (actor + ref, as the trainer
