@@ -33,25 +33,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-def cp_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Global positions held by ``cp_rank``: chunks r and 2·CP−1−r of ``seq_len // (2·CP)`` tokens."""
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} must be a multiple of 2 × context_parallel_size "
-                         f"= {2 * cp_size}")
-    chunk = seq_len // (2 * cp_size)
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
-
-
-def held_positions(seq_len: int, cp_rank: int, cp_size: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Positions of a row of ``seq_len`` held by ``cp_rank``: :func:`cp_positions`, or with packed sequences
-    (``cu_seqlens``: their ``[n + 1]`` padded boundaries) those of every sequence, offset by its start."""
-    if cu_seqlens is None:
-        return cp_positions(seq_len, cp_rank, cp_size)
-    bounds = cu_seqlens.tolist()
-    return torch.cat([start + cp_positions(end - start, cp_rank, cp_size)
-                      for start, end in zip(bounds[:-1], bounds[1:], strict=True)])
+from hybridrl.megatron.cp_layout import cp_positions, held_positions
+from hybridrl.megatron.packed_attention import packed_attention
 
 
 def _cp() -> tuple[dist.ProcessGroup, int, int]:
@@ -133,8 +116,6 @@ class ContextParallelAttention(MegatronModule):
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
         assert attention_bias is None, "not supported by ContextParallelAttention"
         if packed_seq_params is not None:  # packed sequences: each sequence's K/V, attended inside it
-            from hybridrl.megatron.packed_attention import packed_attention
-
             cu = packed_seq_params.cu_seqlens_q_padded
             _, rank, size = _cp()
             dropout = self.dropout if self.training else 0.0

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from hybridrl.megatron.context_parallel import cp_positions
+from hybridrl.megatron.cp_layout import cp_positions
 
 BUCKET_RATIO = 0.75  # a sequence shorter than this share of its bucket's longest starts a new bucket
 
