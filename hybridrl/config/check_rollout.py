@@ -104,6 +104,14 @@ def engine_class(name: str) -> object | None:
         return None
 
 
+def check_shared_prompt_model(cfg: RLConfig, model: HFArch | None, issues: Issues) -> None:
+    """Shared-prompt rows give each response the positions after its prompt through the model's one rotary table
+    (:mod:`hybridrl.megatron.rope_positions`); multi-latent attention keeps a rotary table per layer."""
+    if cfg.actor_rollout_ref.actor.use_prefix_grouper and model is not None and model.mla is not None:
+        issues.add(f"{AOR}.actor.use_prefix_grouper", True, f"not supported with multi-latent attention "
+                   f"(model_type={model.family!r}: its positions are applied per layer); set it to false")
+
+
 def check_expert_parallel_batches(cfg: RLConfig, issues: Issues) -> None:
     """At EP > 1 the EP ranks exchange tokens in every MoE layer of every micro-batch, so they need the same number
     of micro-batches, each of one shape: the runner pads fixed and token-budget micro-batches to that (the longest

@@ -41,6 +41,7 @@ from hybridrl.config.check_rollout import (
     check_rollout_correction,
     check_router_replay,
     check_sampling,
+    check_shared_prompt_model,
 )
 from hybridrl.config.check_run import (
     check_data,
@@ -142,6 +143,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     check_plugins(cfg, plan, issues)
     check_router_replay(cfg, model, issues)
     check_expert_parallel_batches(cfg, issues)
+    check_shared_prompt_model(cfg, model, issues)
     check_multi_turn(cfg, issues)
     if "critic" in plan.roles:
         check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)

@@ -27,7 +27,7 @@ from hybridrl.megatron.dynamic_batch import (
     token_sum_partition,
 )
 from hybridrl.megatron.parallel import ParallelConfig
-from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, partition_rows
+from hybridrl.megatron.prefix_grouper import group_rows, pack_groups, pack_groups_in_one_row, partition_rows
 from hybridrl.megatron.sequences import PackedRows, pack_rows, pack_sequences, padded_seq_len
 
 
@@ -167,26 +167,31 @@ class MicroBatcher:
     def _shared_prompt_micro_batches(self, batch: RolloutBatch, batching: MicroBatching,
                                      multiple: int) -> list[MicroBatch]:
         """:mod:`prefix_grouper`'s layout: fixed-size micro-batches (as the plain layout's) grouped inside, or
-        token-budget micro-batches of whole shared-prompt rows."""
+        token-budget micro-batches of whole shared-prompt rows; packed, a micro-batch's rows follow one another in
+        one row (:func:`~hybridrl.megatron.prefix_grouper.pack_groups_in_one_row`)."""
         if self.parallel.context_parallel_size > 1 or self.parallel.num_model_chunks > 1:  # validation says so first
             raise ValueError("shared-prompt rows (use_prefix_grouper) need CP = 1 and no virtual pipeline stages")
         device = batch.prompt_ids.device
+        packed = batching.packed  # the rows of a micro-batch end to end in one row (any lengths: no fillers)
         if batching.max_tokens is None:
             parts = []
             for index in torch.arange(len(batch), device=device).split(batching.micro_batch_size):
-                if len(index) < batching.micro_batch_size:  # as the plain layout: filled with copies of row 0
+                if len(index) < batching.micro_batch_size and not packed:  # equal shapes: copies of row 0
                     index = torch.cat([index, index.new_full((batching.micro_batch_size - len(index),), -1)])
                 ids = index.tolist()
                 parts.append([[ids[i] for i in row] for row in group_rows(batch.index(index.clamp(min=0)),
                                                                          max_tokens=None)])
         else:
-            parts = partition_rows(batch, max_tokens=batching.max_tokens, multiple=multiple)
+            parts = partition_rows(batch, max_tokens=batching.max_tokens, multiple=1 if packed else multiple,
+                                   packed=packed)
         out = []
         for rows in parts:
             index = torch.tensor([i for row in rows for i in row], device=device)
             part = batch.index(index.clamp(min=0))
-            packed = pack_groups(part, [len(row) for row in rows], pad_token_id=self.pad_token_id, multiple=multiple)
-            out.append(MicroBatch(batch=part, rows=packed, index=index))
+            sizes = [len(row) for row in rows]
+            layout = pack_groups(part, sizes, pad_token_id=self.pad_token_id, multiple=multiple) if not packed \
+                else pack_groups_in_one_row(part, sizes, pad_token_id=self.pad_token_id)
+            out.append(MicroBatch(batch=part, rows=layout, index=index))
         return out
 
 

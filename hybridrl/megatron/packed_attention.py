@@ -18,16 +18,22 @@ Cost: sequences are attended in buckets of similar length (sorted, a new bucket 
 sequences padded to its longest — the linear layers never see that padding, and the attention's share of it is
 bounded by the ratio. With CP > 1 the query positions are this rank's chunks of each sequence and K/V the whole
 sequence (gathered by :class:`~hybridrl.megatron.context_parallel.ContextParallelAttention`).
+
+Shared-prompt groups packed in one row (``use_prefix_grouper`` with packing; :class:`SharedPrefixParams`) are blocks:
+a prompt attends causally to itself, each response to its prompt and causally to itself (:func:`block_attention`) —
+the mask of :mod:`~hybridrl.megatron.prefix_grouper`, without computing the masked scores of a dense row.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from hybridrl.megatron.cp_layout import cp_positions
@@ -82,6 +88,46 @@ def packed_attention(query_tnh: torch.Tensor, key_Ngh: torch.Tensor, value_Ngh: 
     return out_tnh.reshape(t, n * hv)
 
 
+@dataclass
+class SharedPrefixParams(PackedSeqParams):
+    """A row of shared-prompt groups end to end (:func:`~hybridrl.megatron.prefix_grouper.pack_groups_in_one_row`):
+    ``blocks`` ``[n, 4]`` (prefix start, prefix length, own start, own length). Megatron carries it to the core
+    attention like THD's parameters; its ``qkv_format`` is ``sbhd``, so RoPE and the layers treat the row as one
+    sequence of explicit positions (:mod:`~hybridrl.megatron.rope_positions`)."""
+
+    blocks: torch.Tensor | None = None
+
+
+def block_attention(query_Snh: torch.Tensor, key_Sgh: torch.Tensor, value_Sgh: torch.Tensor, blocks: torch.Tensor,
+                    *, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """Each block's own queries over its prefix's keys (all) and its own (causally): ``[S, n, h]`` → ``[S, n·h_v]``.
+    A prompt is a block without a prefix; each response a block whose prefix is its prompt. Buckets of similar key
+    length, one batched ``scaled_dot_product_attention`` each (as :func:`packed_attention`)."""
+    S, n = query_Snh.shape[:2]
+    g, hv = value_Sgh.shape[1:]
+    device = query_Snh.device
+    rows = blocks.tolist()
+    out_Snh = query_Snh.new_zeros(S, n, hv)
+    for bucket in _buckets([pre + own for _, pre, _, own in rows]):
+        pre_b, own_b = blocks[bucket, 1].to(device), blocks[bucket, 3].to(device)
+        pstart_b, ostart_b = blocks[bucket, 0].to(device), blocks[bucket, 2].to(device)
+        Lk, lq = int((pre_b + own_b).max()), int(own_b.max())
+        j_1L, i_1l = torch.arange(Lk, device=device)[None, :], torch.arange(lq, device=device)[None, :]
+        in_prefix_bL = j_1L < pre_b[:, None]
+        own_j_bL = (j_1L - pre_b[:, None]).clamp(min=0).minimum(own_b[:, None] - 1)
+        k_idx_bL = torch.where(in_prefix_bL, pstart_b[:, None] + j_1L, ostart_b[:, None] + own_j_bL)
+        q_valid_bl = i_1l < own_b[:, None]
+        q_idx_bl = ostart_b[:, None] + i_1l.minimum(own_b[:, None] - 1)
+        keep_b1lL = (in_prefix_bL[:, None, :] | ((j_1L - pre_b[:, None])[:, None, :] <= i_1l[:, :, None]))[:, None]
+        q = query_Snh[q_idx_bl].transpose(1, 2)
+        k, v = key_Sgh[k_idx_bL].transpose(1, 2), value_Sgh[k_idx_bL].transpose(1, 2)
+        if n > g:
+            k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_b1lL, dropout_p=dropout, scale=scale)
+        out_Snh = out_Snh.index_put((q_idx_bl[q_valid_bl],), ctx.transpose(1, 2)[q_valid_bl])
+    return out_Snh.reshape(S, n * hv)
+
+
 class PackedDotProductAttention(DotProductAttention):
     """Megatron's local core attention, and :func:`packed_attention` for packed (THD) sequences (module docstring)."""
 
@@ -99,6 +145,10 @@ class PackedDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         dropout = self.attention_dropout.p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            if isinstance(packed_seq_params, SharedPrefixParams):  # [S, 1, heads, dim]: one row, explicit blocks
+                assert packed_seq_params.blocks is not None
+                return block_attention(query[:, 0], key[:, 0], value[:, 0], packed_seq_params.blocks, scale=scale,
+                                       dropout=dropout)[:, None]
             return packed_attention(query, key, value, packed_seq_params.cu_seqlens_q_padded, scale=scale,
                                     dropout=dropout)
 

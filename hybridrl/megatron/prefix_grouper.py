@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.batch import RolloutBatch
-from hybridrl.megatron.dynamic_batch import padded_len, token_budget_partition
+from hybridrl.megatron.dynamic_batch import padded_len, token_budget_partition, token_sum_partition
 from hybridrl.megatron.sequences import PackedRows
 
 _PAD_SEGMENT = -1  # padding: attends to the prompt and to padding (any non-empty set; never read)
@@ -58,11 +58,13 @@ def group_rows(batch: RolloutBatch, *, max_tokens: int | None, multiple: int = 1
     return _cut_rows(batch, max_tokens=max_tokens, multiple=multiple)[0]
 
 
-def partition_rows(batch: RolloutBatch, *, max_tokens: int, multiple: int = 1) -> list[list[list[int]]]:
+def partition_rows(batch: RolloutBatch, *, max_tokens: int, multiple: int = 1,
+                   packed: bool = False) -> list[list[list[int]]]:
     """Token-budget micro-batches of shared-prompt rows: each a list of rows (each a list of sample
-    indices), ``rows × padded longest row ≤ max_tokens``."""
+    indices), ``rows × padded longest row ≤ max_tokens`` (``packed``: the rows' summed lengths ≤ it)."""
     rows, widths = _cut_rows(batch, max_tokens=max_tokens, multiple=multiple)
-    parts = token_budget_partition(widths, max_tokens=max_tokens, multiple=multiple)
+    parts = (token_sum_partition if packed else token_budget_partition)(widths, max_tokens=max_tokens,
+                                                                       multiple=multiple)
     return [[rows[r] for r in part] for part in parts]
 
 
@@ -137,3 +139,43 @@ def pack_groups(batch: RolloutBatch, sizes: list[int], *, pad_token_id: int, mul
                       response_mask_BT=batch.response_mask,
                       row_B=torch.tensor(row_B, device=device), response_start_B=torch.tensor(start_B, device=device),
                       position_ids_BS=position_ids_RS, attention_mask=~allowed_RSS[:, None])
+
+
+def pack_groups_in_one_row(batch: RolloutBatch, sizes: list[int], *, pad_token_id: int) -> PackedRows:
+    """:func:`pack_groups`' rows end to end in a single row ``[1, N]`` (packed, no padding), each group's attention
+    described by blocks instead of a mask (:class:`~hybridrl.megatron.packed_attention.SharedPrefixParams`): the
+    prompt ``[A, A + p)`` attends causally to itself, each response to the prompt and causally to itself."""
+    if sum(sizes) != len(batch):
+        raise ValueError(f"pack_groups_in_one_row: row sizes {sizes} do not add up to {len(batch)} samples")
+    device = batch.prompt_ids.device
+    P = batch.prompt_ids.shape[1]
+    prompt_len = batch.prompt_mask.sum(-1).tolist()
+    response_len = batch.response_mask.sum(-1).tolist()
+    prompt_ids, response_ids = batch.prompt_ids.tolist(), batch.response_ids.tolist()
+    tokens: list[int] = []
+    positions: list[int] = []
+    blocks: list[tuple[int, int, int, int]] = []  # (prefix start, prefix length, own start, own length)
+    start_B: list[int] = []
+    end_B: list[int] = []
+    first = 0
+    for size in sizes:
+        p, at = int(prompt_len[first]), len(tokens)
+        tokens += prompt_ids[first][P - p:]
+        positions += range(p)
+        blocks.append((at, 0, at, p))
+        for i in range(first, first + size):
+            t = int(response_len[i])
+            start_B.append(len(tokens))
+            end_B.append(at + p)
+            if t:
+                blocks.append((at, p, len(tokens), t))
+            tokens += response_ids[i][:t]
+            positions += range(p, p + t)
+        first += size
+    if len(tokens) < 2:  # a row needs a next-token target
+        tokens, positions = tokens + [pad_token_id], positions + [positions[-1] + 1]
+    long = dict(dtype=torch.long, device=device)
+    return PackedRows(tokens_BS=torch.tensor([tokens], **long), prompt_len_B=batch.prompt_mask.sum(-1).long(),
+                      response_mask_BT=batch.response_mask, row_B=torch.zeros(len(batch), **long),
+                      response_start_B=torch.tensor(start_B, **long), prompt_end_B=torch.tensor(end_B, **long),
+                      position_ids_BS=torch.tensor([positions], **long), blocks=torch.tensor(blocks, **long))

@@ -66,6 +66,7 @@ from hybridrl.megatron.hidden_states import returning_hidden_states
 from hybridrl.megatron.micro_batches import MicroBatch, MicroBatcher
 from hybridrl.megatron.model import TORCH_DTYPES
 from hybridrl.megatron.moe_compat import drop_empty_parts
+from hybridrl.megatron.packed_attention import SharedPrefixParams
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.rope_positions import positioned_rope
 from hybridrl.megatron.router_losses import router_loss_metrics
@@ -186,6 +187,12 @@ class MegatronRunner:
                     output = model(input_ids=shard_sequence(rows.tokens_BS, cu_seqlens=cu),
                                    position_ids=shard_sequence(rows.position_ids_BS, cu_seqlens=cu),
                                    attention_mask=None, packed_seq_params=_packed_seq_params(rows), **fp16_kwargs)
+                elif rows.blocks is not None:  # shared-prompt groups in one row: blocks, explicit positions
+                    assert rows.position_ids_BS is not None
+                    with positioned_rope(model, rows.position_ids_BS):
+                        output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
+                                       attention_mask=None, packed_seq_params=_shared_prefix_params(rows),
+                                       **fp16_kwargs)
                 elif rows.shared_prompts:  # explicit positions and mask per row (prefix_grouper; CP = 1)
                     assert rows.position_ids_BS is not None
                     with positioned_rope(model, rows.position_ids_BS):
@@ -342,6 +349,13 @@ def _packed_seq_params(rows: PackedRows) -> PackedSeqParams:
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=rows.cu_seqlens, cu_seqlens_kv=rows.cu_seqlens,
                            cu_seqlens_q_padded=rows.cu_seqlens_padded, cu_seqlens_kv_padded=rows.cu_seqlens_padded,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _shared_prefix_params(rows: PackedRows) -> SharedPrefixParams:
+    """The blocks of a row of shared-prompt groups, for the core attention; its longest position for RoPE's table."""
+    assert rows.position_ids_BS is not None
+    longest = int(rows.position_ids_BS.max()) + 1
+    return SharedPrefixParams(qkv_format="sbhd", blocks=rows.blocks, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _scaled(head: Head, mb: _Micro, scale: int, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

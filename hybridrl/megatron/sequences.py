@@ -44,6 +44,9 @@ class PackedRows:
     # that rounds each up (Megatron's cu_seqlens / cu_seqlens_padded)
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_padded: torch.Tensor | None = None
+    # shared-prompt groups in one row: [n, 4] long (prefix start, prefix length, own start, own length), each block's
+    # own tokens attending to its prefix and causally to themselves (packed_attention.SharedPrefixParams)
+    blocks: torch.Tensor | None = None
 
     @property
     def seq_len(self) -> int:
@@ -75,9 +78,10 @@ class PackedRows:
         responses = int(self.response_mask_BT.sum(-1)[valid_B].sum())
         if self.row_B is None or self.packed:
             return responses + int(self.prompt_len_B[valid_B].sum())
-        rows = {int(r): int(p) for r, p in zip(self.row_B[valid_B].tolist(), self.prompt_len_B[valid_B].tolist(),
-                                              strict=True)}
-        return responses + sum(rows.values())
+        group_B = self.row_B if self.prompt_end_B is None else self.prompt_end_B  # a prompt per row, or per group
+        prompts = {int(g): int(p) for g, p in zip(group_B[valid_B].tolist(), self.prompt_len_B[valid_B].tolist(),
+                                                 strict=True)}
+        return responses + sum(prompts.values())
 
     def token_index_BL(self, P: int) -> torch.Tensor:
         """``[B, P + T]``: where each position of sample b's ``prompt ‖ response`` (prompt left-padded to ``P``) sits

@@ -58,6 +58,22 @@ def test_layout_boundaries_and_response_index() -> None:
     assert plain.token_index_BL(3)[1].tolist() == [-1, -1, 6, 7, 8, 9]
 
 
+def test_shared_prompt_groups_in_one_row() -> None:
+    """use_prefix_grouper with packing: each group's prompt once, its responses after it, the groups end to end;
+    a response's first token is predicted at its prompt's last position."""
+    from hybridrl.megatron.prefix_grouper import pack_groups_in_one_row
+
+    batch = _batch([[11, 12, 13], [11, 12, 13], [21, 22]], [[31, 32], [41], [51, 52, 53]])
+    rows = pack_groups_in_one_row(batch, [2, 1], pad_token_id=PAD)
+    assert rows.tokens_BS.tolist() == [[11, 12, 13, 31, 32, 41, 21, 22, 51, 52, 53]]
+    assert rows.position_ids_BS.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4]]
+    # (prefix start, prefix length, own start, own length): prompt, response, response; prompt, response
+    assert rows.blocks.tolist() == [[0, 0, 0, 3], [0, 3, 3, 2], [0, 3, 5, 1], [6, 0, 6, 2], [6, 2, 8, 3]]
+    idx = rows.flat_response_index_BT()
+    assert idx[0, :2].tolist() == [2, 3] and idx[1, :1].tolist() == [2] and idx[2, :3].tolist() == [7, 8, 9]
+    assert rows.real_positions(torch.ones(3, dtype=torch.bool)) == 11  # each prompt once
+
+
 def test_token_sum_bins_hold_the_budget_and_every_sample() -> None:
     lengths = [37, 5, 12, 30, 8, 8, 3, 25, 1, 19]
     bins = token_sum_partition(lengths, max_tokens=40)
@@ -92,8 +108,12 @@ def test_packed_rows_give_each_sample_alone(packed_rows: dict) -> None:
     or a RoPE that did not restart would move them by far more)."""
     # 5 sequences of 7, 8, 8, 11, 7 tokens, each rounded to 4: 8 + 8 + 8 + 12 + 8 = 44, the row to 32: 64
     assert packed_rows["row_shape"] == [1, 64]
+    # two shared-prompt groups in one row: prompts of 4 and 7 tokens once, responses 3 + 6 + 2 and 1 + 5
+    assert packed_rows["shared_shape"] == [1, 4 + 3 + 6 + 2 + 7 + 1 + 5]
     for name in ("dense", "moe", "mla"):
         assert packed_rows[name] < 1e-5, (name, packed_rows[name])
+    for name in ("dense", "moe"):  # shared-prompt rows are refused with multi-latent attention (validation)
+        assert packed_rows[f"{name}_shared"] < 1e-5, (name, packed_rows[f"{name}_shared"])
 
 
 @pytest.mark.distributed

@@ -41,8 +41,8 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     # is the last stage's copy) and CP=2 (hidden states sharded along the sequence)
     "lmhead": (2, ["tp1pp2cp1-lmh", "tp1pp1cp2-lmh"]),
     # every layout above packs each micro-batch into one row (use_remove_padding, the default), the reference too;
-    # these pad a row per sample: packing on equals packing off at TP=2, PP=2 and CP=2
-    "padded": (2, ["tp2pp1cp1-pad", "tp1pp2cp1-pad", "tp1pp1cp2-pad"]),
+    # these pad a row per sample (or per shared-prompt group): packing on equals packing off at TP=2, PP=2 and CP=2
+    "padded": (2, ["tp2pp1cp1-pad", "tp1pp2cp1-pad", "tp1pp1cp2-pad", "tp1pp2cp1-dyn-pg-pad"]),
 }
 
 
