@@ -93,8 +93,22 @@ class BatchPlan:
         return shares(self.prompts_per_step if num_prompts is None else num_prompts, self.dp)[dp_rank]
 
 
+def shared_prompt_rows(cfg: RLConfig, actor: RoleLayout, *, mla: bool) -> bool:
+    """``actor.use_prefix_grouper`` as set, or, null, on wherever shared-prompt rows run and pay: packed rows, several
+    samples per prompt, Megatron's local attention (no Transformer Engine), CP = 1, no VPP, no sequence parallelism,
+    EP = 1, no router replay, no fused LM head, no multi-latent attention (``mla``). The loss and gradients are the
+    same either way (tests/parallel); each prompt is encoded once for its samples instead of once per sample."""
+    a = cfg.actor_rollout_ref.actor
+    if a.use_prefix_grouper is not None:
+        return a.use_prefix_grouper
+    m = a.megatron
+    return (m.use_remove_padding and cfg.actor_rollout_ref.rollout.n > 1 and actor.cp == 1 and actor.vpp is None
+            and not m.sequence_parallel and m.expert_model_parallel_size == 1 and a.router_replay.mode == "disabled"
+            and not m.fused_lm_head and not mla and importlib.util.find_spec("transformer_engine") is None)
+
+
 def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigIssue], *,
-               device_type: str = "cpu") -> BatchPlan:
+               device_type: str = "cpu", mla: bool = False) -> BatchPlan:
     d, aor = cfg.data, cfg.actor_rollout_ref
     a, n = aor.actor, max(aor.rollout.n, 1)
 
@@ -142,9 +156,10 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
     # data.train_batch_size); the update splits each mini-batch's samples over DP (distributed/dp_batches), as verl
     dp = roles["actor"].dp
     packed = a.megatron.use_remove_padding
+    shared = shared_prompt_rows(cfg, roles["actor"], mla=mla)
     update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
                            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                           shared_prompts=a.use_prefix_grouper, packed=packed)
+                           shared_prompts=shared, packed=packed)
     passes = {}
     subs = [("rollout", aor.rollout), ("ref", aor.ref)] + ([("teacher", aor.teacher)] if "teacher" in roles else [])
     for role, sub in subs:
@@ -153,7 +168,7 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
         own = None if role == "rollout" else sub.megatron.use_remove_padding  # the ref's or teacher's own layout
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-                                     if dynamic else None, shared_prompts=a.use_prefix_grouper,
+                                     if dynamic else None, shared_prompts=shared,
                                      packed=packed if own is None else own)
     critic = None
     if "critic" in roles:

@@ -74,8 +74,9 @@ class ActorConfig:
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     # a prompt's samples share one row, the prompt encoded once (megatron/prefix_grouper.py): the actor's
-    # update and log-prob passes and the ref's; needs Megatron's local attention, CP = 1, no VPP
-    use_prefix_grouper: bool = False
+    # update and log-prob passes and the ref's; needs Megatron's local attention, CP = 1, no VPP. null: on where it
+    # runs and packing is on (config/batch_plan.py: shared_prompt_rows), off elsewhere — it is exact either way
+    use_prefix_grouper: bool | None = None
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle samples between PPO epochs
     loss_agg_mode: str = "token-mean"  # one of hybridrl.algorithms.loss_agg.LOSS_AGG_MODES

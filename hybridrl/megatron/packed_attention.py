@@ -75,15 +75,15 @@ def packed_attention(query_tnh: torch.Tensor, key_Ngh: torch.Tensor, value_Ngh: 
         q_idx_bl = (start_b // cp_size)[:, None] + q_ar[None, :].minimum((length_b // cp_size)[:, None] - 1)
         q = query_tnh[q_idx_bl].transpose(1, 2)  # [b, n, lq, h]
         k, v = key_Ngh[k_idx_bL].transpose(1, 2), value_Ngh[k_idx_bL].transpose(1, 2)  # [b, g, Lk, h]
-        if n > g:
-            k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
         if cp_size == 1:
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                                 enable_gqa=n > g)
         else:  # this rank's chunks of each sequence (padded query rows see key 0 only; dropped below)
             q_pos_bl = torch.stack([F.pad(cp_positions(lengths[i], cp_rank, cp_size), (0, lq - lengths[i] // cp_size))
                                     for i in bucket]).to(device)
             keep_b1lL = (k_ar[None, None, :] <= q_pos_bl[:, :, None])[:, None]
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_b1lL, dropout_p=dropout, scale=scale)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_b1lL, dropout_p=dropout, scale=scale,
+                                                 enable_gqa=n > g)
         out_tnh = out_tnh.index_put((q_idx_bl[q_valid_bl],), ctx.transpose(1, 2)[q_valid_bl])
     return out_tnh.reshape(t, n * hv)
 
@@ -98,6 +98,40 @@ class SharedPrefixParams(PackedSeqParams):
     blocks: torch.Tensor | None = None
 
 
+@dataclass
+class _Bucket:
+    q_idx_bl: torch.Tensor  # [b, lq] the own queries' positions (clamped)
+    q_valid_bl: torch.Tensor  # [b, lq] which are real
+    k_idx_bL: torch.Tensor  # [b, Lk] prefix then own keys' positions (clamped)
+    keep_b1lL: torch.Tensor  # [b, 1, lq, Lk] allowed (query, key) pairs
+
+
+_PLANS: dict[int, tuple[torch.Tensor, list[_Bucket]]] = {}  # the last blocks' buckets (every layer reads them)
+
+
+def _block_buckets(blocks: torch.Tensor, device: torch.device) -> list[_Bucket]:
+    """The buckets of :func:`block_attention` for ``blocks``, computed once per forward: every layer passes the same
+    tensor."""
+    cached = _PLANS.get(id(blocks))
+    if cached is not None and cached[0] is blocks:
+        return cached[1]
+    rows = blocks.tolist()
+    out = []
+    for bucket in _buckets([pre + own for _, pre, _, own in rows]):
+        pstart_b, pre_b, ostart_b, own_b = blocks[bucket].to(device).T
+        Lk, lq = int((pre_b + own_b).max()), int(own_b.max())
+        j_1L, i_1l = torch.arange(Lk, device=device)[None, :], torch.arange(lq, device=device)[None, :]
+        in_prefix_bL = j_1L < pre_b[:, None]
+        own_j_bL = (j_1L - pre_b[:, None]).clamp(min=0).minimum(own_b[:, None] - 1)
+        out.append(_Bucket(
+            q_idx_bl=ostart_b[:, None] + i_1l.minimum(own_b[:, None] - 1), q_valid_bl=i_1l < own_b[:, None],
+            k_idx_bL=torch.where(in_prefix_bL, pstart_b[:, None] + j_1L, ostart_b[:, None] + own_j_bL),
+            keep_b1lL=(in_prefix_bL[:, None, :] | ((j_1L - pre_b[:, None])[:, None, :] <= i_1l[:, :, None]))[:, None]))
+    _PLANS.clear()
+    _PLANS[id(blocks)] = (blocks, out)
+    return out
+
+
 def block_attention(query_Snh: torch.Tensor, key_Sgh: torch.Tensor, value_Sgh: torch.Tensor, blocks: torch.Tensor,
                     *, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Each block's own queries over its prefix's keys (all) and its own (causally): ``[S, n, h]`` → ``[S, n·h_v]``.
@@ -105,26 +139,13 @@ def block_attention(query_Snh: torch.Tensor, key_Sgh: torch.Tensor, value_Sgh: t
     length, one batched ``scaled_dot_product_attention`` each (as :func:`packed_attention`)."""
     S, n = query_Snh.shape[:2]
     g, hv = value_Sgh.shape[1:]
-    device = query_Snh.device
-    rows = blocks.tolist()
     out_Snh = query_Snh.new_zeros(S, n, hv)
-    for bucket in _buckets([pre + own for _, pre, _, own in rows]):
-        pre_b, own_b = blocks[bucket, 1].to(device), blocks[bucket, 3].to(device)
-        pstart_b, ostart_b = blocks[bucket, 0].to(device), blocks[bucket, 2].to(device)
-        Lk, lq = int((pre_b + own_b).max()), int(own_b.max())
-        j_1L, i_1l = torch.arange(Lk, device=device)[None, :], torch.arange(lq, device=device)[None, :]
-        in_prefix_bL = j_1L < pre_b[:, None]
-        own_j_bL = (j_1L - pre_b[:, None]).clamp(min=0).minimum(own_b[:, None] - 1)
-        k_idx_bL = torch.where(in_prefix_bL, pstart_b[:, None] + j_1L, ostart_b[:, None] + own_j_bL)
-        q_valid_bl = i_1l < own_b[:, None]
-        q_idx_bl = ostart_b[:, None] + i_1l.minimum(own_b[:, None] - 1)
-        keep_b1lL = (in_prefix_bL[:, None, :] | ((j_1L - pre_b[:, None])[:, None, :] <= i_1l[:, :, None]))[:, None]
-        q = query_Snh[q_idx_bl].transpose(1, 2)
-        k, v = key_Sgh[k_idx_bL].transpose(1, 2), value_Sgh[k_idx_bL].transpose(1, 2)
-        if n > g:
-            k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_b1lL, dropout_p=dropout, scale=scale)
-        out_Snh = out_Snh.index_put((q_idx_bl[q_valid_bl],), ctx.transpose(1, 2)[q_valid_bl])
+    for b in _block_buckets(blocks, query_Snh.device):
+        q = query_Snh[b.q_idx_bl].transpose(1, 2)
+        k, v = key_Sgh[b.k_idx_bL].transpose(1, 2), value_Sgh[b.k_idx_bL].transpose(1, 2)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=b.keep_b1lL, dropout_p=dropout, scale=scale,
+                                             enable_gqa=n > g)
+        out_Snh = out_Snh.index_put((b.q_idx_bl[b.q_valid_bl],), ctx.transpose(1, 2)[b.q_valid_bl])
     return out_Snh.reshape(S, n * hv)
 
 

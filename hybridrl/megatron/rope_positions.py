@@ -30,7 +30,10 @@ from hybridrl.megatron.model import unwrap_model
 def positioned_rope(model: torch.nn.Module, position_ids_BS: torch.Tensor) -> Iterator[None]:
     """Inside: ``model``'s RoPE (a GPTModel, possibly wrapped) rotates row ``b``'s token ``s`` by
     ``position_ids_BS[b, s]``."""
-    rope = unwrap_model(model).rotary_pos_emb
+    rope = getattr(unwrap_model(model), "rotary_pos_emb", None)
+    if rope is None:  # multi-latent attention keeps a rotary table per layer (validation refuses it, given the model)
+        raise ValueError("shared-prompt rows need the model's one rotary table, which a multi-latent-attention model "
+                         "does not have; set actor_rollout_ref.actor.use_prefix_grouper=false")
     cached = type(rope).forward  # Megatron's lru-cached table of positions arange(n)
     table_len = int(position_ids_BS.max()) + 1
 

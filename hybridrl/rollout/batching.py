@@ -30,10 +30,13 @@ def rollout_batch_from_generations(prompts: PromptBatch, gens: Sequence[Generati
         if g.loss_mask is not None and (len(g.loss_mask) != n or not set(g.loss_mask) <= {0, 1}):
             raise ValueError(f"sample {b}: Generation.loss_mask must hold one 0/1 per token ({n} tokens), "
                              f"got {len(g.loss_mask)} values {sorted(set(g.loss_mask))[:4]}")
-        response_ids_BT[b, :n] = torch.tensor(g.token_ids, dtype=torch.long)
-        response_mask_BT[b, :n] = 1
-        loss_mask_BT[b, :n] = 1 if g.loss_mask is None else torch.tensor(g.loss_mask, dtype=torch.long)
-        logprobs_BT[b, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
+    # every sample's tokens at once: a boolean mask fills row by row, in the order the lists are chained
+    real_BT = torch.arange(T)[None, :] < torch.tensor([len(g.token_ids) for g in gens], dtype=torch.long)[:, None]
+    response_ids_BT[real_BT] = torch.tensor([t for g in gens for t in g.token_ids], dtype=torch.long)
+    response_mask_BT[real_BT] = 1
+    loss_mask_BT[real_BT] = torch.tensor([m for g in gens for m in (g.loss_mask if g.loss_mask is not None
+                                                                    else [1] * len(g.token_ids))], dtype=torch.long)
+    logprobs_BT[real_BT] = torch.tensor([x for g in gens for x in g.logprobs], dtype=torch.float32)
     idx_B = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
     routing = routed_experts_fields(prompts.attention_mask[idx_B], gens, T) if any(
         g.routed_experts is not None for g in gens) else {}

@@ -55,10 +55,9 @@ class Workload:
 
 
 WORKLOADS = {
-    # a prompt's 8 samples share one row (use_prefix_grouper): prompts are ~2× as long as the answers here
-    "w1": Workload(prompts=16, n=8, max_new_tokens=8, reward="arithmetic", hybridrl_overrides=[
-        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
-        "actor_rollout_ref.actor.use_prefix_grouper=true"]),
+    # hybridrl's defaults: packed rows, and (use_prefix_grouper null: on here) a prompt's 8 samples after one copy of
+    # the prompt — prompts are ~2× as long as the answers here
+    "w1": Workload(prompts=16, n=8, max_new_tokens=8, reward="arithmetic"),
     # token-budget micro-batches (use_dynamic_bsz): the long tail does not pad every row to 256
     "w2": Workload(prompts=32, n=8, max_new_tokens=256, reward="keyword", hybridrl_overrides=[
         "reward.name=keyword", "+reward.kwargs.keywords=['7']", "+reward.kwargs.mode=any",

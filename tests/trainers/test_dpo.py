@@ -134,7 +134,10 @@ def test_two_ranks_equal_one(dpo_run: Path, torchrun: Any, monkeypatch: pytest.M
         for key in ("dpo/loss", "dpo/grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracy",
                     "val/dpo/loss", "val/rewards/accuracy"):
             assert (key in two) == (key in one), (one["step"], key)
-            if key in one:
+            # step 1: the policy is the reference, every margin 0 up to float noise (at TP=2 the frozen reference
+            # runs Megatron's frozen-weight linear, ~5e-7 off the trained one's in log-prob on packed rows), so its
+            # accuracy counts noise signs; the rewards themselves are compared
+            if key in one and not (key == "rewards/accuracy" and one["step"] == 1):
                 assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (one["step"], key)
     start = load_file(dpo_run / "random" / "model.safetensors")
     after_one = load_file(dpo_run / "tp1" / "hf" / "model.safetensors")

@@ -49,6 +49,9 @@ class HFRolloutEngine:
         # stop decoding rows that have finished: once a quarter of the rows being decoded are done, they are
         # dropped from the batch and its KV cache (same samples; a long tail no longer costs the whole batch)
         drop_finished: bool = True
+        # encode each prompt once for its n samples: the prefill runs on one row per distinct prompt and its KV
+        # cache is repeated for the samples (a row's math never depends on the others: the same samples)
+        prefill_once_per_prompt: bool = True
         offload_weights_on_release: bool = False  # on GPU: move weights to CPU during the train phase
 
         def __post_init__(self) -> None:
@@ -118,11 +121,24 @@ class HFRolloutEngine:
         # the experts of every position run (prompt ‖ response), MoE layers in order: R3 router replay
         route_BSLK = self.routers.start(B, P + T) if params.return_routed_experts else None
         steps = 0
+        # rows of one prompt follow one another (generate's expansion): the prefill runs on the first of each
+        owner_B = torch.tensor([0] + [int(chunk[b][0] != chunk[b - 1][0]) for b in range(1, B)],
+                               device=self.device).cumsum(0)
+        once = self.config.prefill_once_per_prompt and route_BSLK is None and int(owner_B[-1]) + 1 < B
         for t in range(T):
             if self._abort.is_set():  # interrupted: every row keeps what it has
                 break
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: past})
+            if t == 0 and once:
+                first_U = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
+                                     (owner_B[1:] != owner_B[:-1]).nonzero().squeeze(-1) + 1])
+                out = self.model(input_ids=step_ids[first_U], attention_mask=attn[first_U],
+                                 position_ids=pos_AP[first_U], use_cache=True, logits_to_keep=1,
+                                 **{self._cache_kw: past})
+                getattr(out, self._cache_kw).batch_select_indices(owner_B)  # each sample's copy of its prompt's
+                out.logits = out.logits[owner_B]
+            else:
+                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
+                                 logits_to_keep=1, **{self._cache_kw: past})
             if route_BSLK is not None:  # this forward ran the prompt (t = 0) or the last sampled token
                 self.routers.collect(route_BSLK, rows_A, torch.arange(P) if t == 0 else torch.tensor([P + t - 1]))
             past = getattr(out, self._cache_kw)
