@@ -118,3 +118,26 @@ def test_grpo_tiny_at_dp2_trains_what_one_rank_trains(torchrun, run: dict[str, P
         assert compared <= r.keys(), compared - r.keys()
         for k in compared:
             assert math.isclose(r[k], ref[k], rel_tol=1e-5, abs_tol=1e-5), (r["step"], k, r[k], ref[k])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2], ids=["tp1", "tp2"])
+def test_padded_rows_train_what_packed_rows_train(torchrun, run: dict[str, Path], nproc: int,
+                                                  tp1: tuple[list[dict[str, float]], list[list[dict]]]) -> None:
+    """``use_remove_padding=false`` (a padded row per sample; shared-prompt rows then off too) against the default
+    (packed rows, each prompt once for its samples) on one rank: the same samples, and every step metric — losses,
+    grad norm, KL, entropy, clip fraction — equal to 1e-5, on one rank and at TP=2 (PP=2 and CP=2:
+    tests/parallel/test_rl_step_layouts.py). ~25 s a launch."""
+    out = run["tmp"] / f"padded{nproc}"
+    padded = ["actor_rollout_ref.actor.megatron.use_remove_padding=false",
+              *(f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size={nproc}" for role in ("actor", "ref"))]
+    torchrun([TRAIN, *overrides(run, out, *padded)], nproc=nproc, timeout=300)
+    rows, (packed, packed_dumps) = read_metrics(out), tp1
+    assert dumps(out) == packed_dumps
+    assert all(r["perf/padding_share/update_actor"] > 0 for r in rows)  # it did pad
+    assert all(r["perf/padding_share/update_actor"] == 0 for r in packed)
+    for r, ref in zip(rows, packed, strict=True):
+        compared = {k for k in ref if not k.startswith(MACHINE)}
+        assert compared <= r.keys(), compared - r.keys()
+        for k in compared:
+            assert math.isclose(r[k], ref[k], rel_tol=1e-5, abs_tol=1e-5), (r["step"], k, r[k], ref[k])
