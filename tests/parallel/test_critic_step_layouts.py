@@ -25,6 +25,9 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     "4ranks": (4, ["tp2pp2cp1"]),  # TP×PP: the head on the last stage, replicated over its TP pair
     "vpp": (2, ["tp1pp2cp1vpp2"]),  # interleaved 1F1B: the head on the last chunk of the last stage
     "dyn": (2, ["tp1pp2cp1-dyn", "tp1pp1cp1-dyn"]),  # token-budget micro-batches of differing shapes, PP=2 / DP=2
+    # the layouts above pack each micro-batch in one row (use_remove_padding, the default), the reference too; these
+    # pad a row per sample: packed values and updates equal padded ones at TP=2, CP=2 and with token budgets at PP=2
+    "padded": (2, ["tp2pp1cp1-pad", "tp1pp1cp2-pad", "tp1pp2cp1-dyn-pad"]),
 }
 
 

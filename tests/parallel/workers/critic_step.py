@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc-per-node N critic_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-Layouts as ``rl_step.py``'s (``tp<a>pp<b>cp<c>[vpp<d>][-dyn]``; DP is what remains of the world), with its FIXED
-batch and its DP sharding, so every layout takes the same optimizer steps. For each
+Layouts as ``rl_step.py``'s (``tp<a>pp<b>cp<c>[vpp<d>][-dyn][-pad]``: packed rows unless ``-pad``; DP is what remains
+of the world), with its FIXED batch and its DP sharding, so every layout takes the same optimizer steps. For each
 layout and each optimizer (Adam, SGD) the worker builds :class:`MegatronCritic` as ``ActorRolloutRef`` does, fills
 ``values`` (``compute_values``), draws returns near them, and runs the critic's PPO epochs
 (``hybridrl.distributed.dp_batches.epochs``, as ``update_critic``). Rank 0 saves
@@ -74,10 +74,12 @@ def run_layout(model_dir: str, out_dir: Path, name: str, optimizer: str, pad_tok
                               virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size)
     critic = MegatronCritic(model_dir=model_dir, megatron=megatron, optim=OPTIMIZERS[optimizer], total_steps=2,
                             pad_token_id=pad_token_id, seed=5)
-    dynamic = name.endswith("-dyn")  # token-budget micro-batches (critic.use_dynamic_bsz), both passes
-    batching = MicroBatching(micro_batch_size=MICRO, max_tokens=DYN_BUDGET if dynamic else None)
-    batch.values = critic.compute_values(batch, batching=MicroBatching(micro_batch_size=4,
-                                                                       max_tokens=DYN_BUDGET if dynamic else None))
+    dynamic = "-dyn" in name  # token-budget micro-batches (critic.use_dynamic_bsz), both passes
+    packed = not name.endswith("-pad")  # critic.megatron.use_remove_padding (the default: packed rows)
+    budget = DYN_BUDGET if dynamic else None
+    batching = MicroBatching(micro_batch_size=MICRO, max_tokens=budget, packed=packed)
+    batch.values = critic.compute_values(batch, batching=MicroBatching(micro_batch_size=4, max_tokens=budget,
+                                                                       packed=packed))
     noise = torch.randn(B, T, generator=torch.Generator().manual_seed(99))[mine]
     batch.returns = (batch.values + noise) * batch.response_mask
     group = dp_batches.DPGroup(rank=dp_rank, size=dp, group=parallel_state.get_data_parallel_group())
