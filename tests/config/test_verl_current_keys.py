@@ -77,8 +77,12 @@ def test_policy_loss_mode_is_the_policy_loss_plugin() -> None:
     grpo7b = compose_config(["recipe=grpo_qwen7b", f"{AOR}.actor.policy_loss.loss_mode=gspo",
                              f"{AOR}.actor.clip_ratio_c=10.0"]).algorithm
     assert grpo7b.policy_loss == "gspo"  # the loss the command line picks wins over clip_ratio_c's dual_clip
-    with pytest.raises(ConfigError, match="algorithm.policy_loss='sapo'"):
-        plan(f"{AOR}.actor.policy_loss.loss_mode=sapo")  # not installed: the error names the installed losses
+    # SAPO with verl's temperature keys; the recipe's flat clip keys are accepted and unused, as in verl
+    sapo = plan(f"{AOR}.actor.policy_loss.loss_mode=sapo", f"{AOR}.actor.tau_pos=0.8").config.algorithm
+    assert sapo.policy_loss == "sapo" and sapo.policy_loss_kwargs["tau_pos"] == 0.8
+    assert "tau_neg" not in sapo.policy_loss_kwargs  # the plugin's default, verl's 1.05
+    with pytest.raises(ConfigError, match="algorithm.policy_loss='clip_cov'"):
+        plan(f"{AOR}.actor.policy_loss.loss_mode=clip_cov")  # not installed: the error names the installed losses
 
 
 def test_rollout_lengths_follow_the_data_lengths_and_must_agree_with_them() -> None:

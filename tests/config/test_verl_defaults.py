@@ -42,6 +42,8 @@ DIFFERENT = {
                                                  "a number, unused with use_dynamic_bsz",
     f"{AOR}.ref.log_prob_micro_batch_size_per_gpu": "as the actor's",
     f"{AOR}.rollout.log_prob_micro_batch_size_per_gpu": "as the actor's",
+    **{f"{AOR}.actor.{k}": "the sapo loss's own default (verl's, 1.0 / 1.05); the other losses take no temperature, "
+                           "so the flat policy_loss_kwargs hold none" for k in ("tau_pos", "tau_neg")},
     "critic.ppo_micro_batch_size_per_gpu": "as the actor's",
     f"{AOR}.model.enable_gradient_checkpointing": "verl's true is never read by its Megatron engine (recompute comes "
                                                   "from override_transformer_config only); here it is full "
