@@ -217,8 +217,7 @@ class MicroBatching:
     def __str__(self) -> str:
         unit = "tokens" if self.packed else "padded tokens"
         size = f"≤ {self.max_tokens} {unit}" if self.max_tokens else f"{self.micro_batch_size} samples"
-        layout = ", shared-prompt rows" if self.shared_prompts else ", packed" if self.packed else ""
-        return size + layout
+        return size + (", shared-prompt rows" if self.shared_prompts else "") + (", packed" if self.packed else "")
 
 
 def interleaved_micro_batches_problem(pp: int, vpp: int) -> str:

@@ -106,7 +106,7 @@ def raw(tree: dict[str, Any], key: str) -> Any:
 def value(cfg: RLConfig, key: str) -> Any:
     out: Any = cfg
     for part in key.split("."):
-        out = out[part] if isinstance(out, dict) else getattr(out, part)
+        out = out.get(part) if isinstance(out, dict) else getattr(out, part)  # free-form kwargs: None if unset
     return value(cfg, FOLLOWS[key]) if out is None and key in FOLLOWS else out
 
 

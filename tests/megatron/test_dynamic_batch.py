@@ -71,7 +71,7 @@ def test_config_dynamic_bsz_frees_the_micro_batch_size(tmp_path: Path, monkeypat
         _validate(tmp_path, monkeypatch, odd_micro)
     plan = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
                      f"{A}.actor.ppo_max_token_len_per_gpu=4096")
-    assert "micro-batches of ≤ 4096 tokens, packed (use_dynamic_bsz) per optimizer step" in plan
+    assert "micro-batches of ≤ 4096 tokens, shared-prompt rows, packed (use_dynamic_bsz) per optimizer step" in plan
     padded = _validate(tmp_path, monkeypatch, odd_micro, f"{A}.actor.use_dynamic_bsz=true",
                        f"{A}.actor.ppo_max_token_len_per_gpu=4096", f"{A}.actor.megatron.use_remove_padding=false")
     assert "micro-batches of ≤ 4096 padded tokens (use_dynamic_bsz) per optimizer step" in padded

@@ -166,6 +166,31 @@ def test_config_validated_by_the_plugin(models: tuple[Path, Path]) -> None:
         engine(models[0], dtype="fp8")
 
 
+def test_prefilling_each_prompt_once_gives_the_same_samples(models: tuple[Path, Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefill_once_per_prompt`` (default): the prefill runs on one row per prompt and its KV cache is repeated for
+    the prompt's n samples — every sample, log-prob and finish reason is the one of a prefill per sample."""
+    once, per_sample = engine(models[0]), engine(models[0], prefill_once_per_prompt=False)
+    prefill_rows: list[int] = []
+    forward = type(once.model).forward
+
+    def spy(model, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("cache", kwargs.get("past_key_values")) is None:  # the prefill
+            prefill_rows.append(int(kwargs["input_ids"].shape[0]))
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(type(once.model), "forward", spy)
+    prompts = [[5 + i, 6, 7 + 2 * i][: 2 + i % 2] for i in range(6)]  # two prompt lengths: left padding
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=4, stop_token_ids=list(range(20, 35)))
+    got = once.generate(prompts, params, seeds=list(range(6)))
+    want = per_sample.generate(prompts, params, seeds=list(range(6)))
+    assert prefill_rows == [6, 24]  # one row per prompt, then one per sample
+    assert [(g.prompt_index, g.token_ids, g.finish_reason) for g in got] == [
+        (g.prompt_index, g.token_ids, g.finish_reason) for g in want]
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_dropping_finished_rows_gives_the_same_samples(models: tuple[Path, Path],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``drop_finished`` (default): rows that stopped leave the batch and its KV cache; every sample, log-prob
@@ -176,7 +201,8 @@ def test_dropping_finished_rows_gives_the_same_samples(models: tuple[Path, Path]
     select = DynamicCache.batch_select_indices
 
     def spy(cache: DynamicCache, indices: torch.Tensor) -> None:
-        dropped.append(len(indices))
+        if indices.unique().numel() == len(indices):  # a drop (the prompt-once prefill repeats rows instead)
+            dropped.append(len(indices))
         select(cache, indices)
 
     monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
