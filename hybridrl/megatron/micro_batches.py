@@ -44,6 +44,7 @@ class MicroBatch:
 # shapes; none on a CPU, where every padded position is paid for in full and shapes cost nothing
 _PAD_MULTIPLE = {True: 8, False: 1}
 
+
 class MicroBatcher:
     """Cuts batches for one model's layout (``parallel``) on ``device``."""
 
@@ -53,8 +54,9 @@ class MicroBatcher:
         self.device = device
 
     def __call__(self, batch: RolloutBatch, batching: MicroBatching) -> list[MicroBatch]:
-        """Fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped
-        ones each padded to its own longest row (:mod:`dynamic_batch`)."""
+        """``batch`` cut as ``batching`` says (module docstring): shared-prompt rows, packed rows, or padded rows —
+        fixed-size micro-batches padded to the batch's longest row, or, with a token budget, length-grouped ones each
+        padded to its own longest row (:mod:`dynamic_batch`)."""
         micro_batch_size, max_tokens = batching.micro_batch_size, batching.max_tokens
         multiple = math.lcm(_PAD_MULTIPLE[self.device.type == "cuda"], 2 * self.parallel.context_parallel_size)
         if batching.shared_prompts:
