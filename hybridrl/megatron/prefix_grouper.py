@@ -97,16 +97,21 @@ def _cut_rows(batch: RolloutBatch, *, max_tokens: int | None, multiple: int) -> 
     return rows, widths
 
 
+def _samples(batch: RolloutBatch, sizes: list[int], caller: str) -> tuple[list[list[int]], list[int], list[list[int]],
+                                                                         list[int]]:
+    """``batch``'s prompt ids, prompt lengths, response ids and response lengths as lists, once ``sizes`` (samples per
+    group) are checked to cover it."""
+    if sum(sizes) != len(batch):
+        raise ValueError(f"{caller}: row sizes {sizes} do not add up to {len(batch)} samples")
+    return (batch.prompt_ids.tolist(), batch.prompt_mask.sum(-1).tolist(), batch.response_ids.tolist(),
+            batch.response_mask.sum(-1).tolist())
+
+
 def pack_groups(batch: RolloutBatch, sizes: list[int], *, pad_token_id: int, multiple: int = 1) -> PackedRows:
     """``batch``'s samples, consecutive runs of ``sizes`` sharing one prompt each, as shared-prompt rows
     (module docstring) on the batch's device: tokens, positions, mask and where each sample's tokens are."""
-    if sum(sizes) != len(batch):
-        raise ValueError(f"pack_groups: row sizes {sizes} do not add up to {len(batch)} samples")
-    device = batch.prompt_ids.device
-    P = batch.prompt_ids.shape[1]
-    prompt_len = batch.prompt_mask.sum(-1).tolist()
-    response_len = batch.response_mask.sum(-1).tolist()
-    prompt_ids, response_ids = batch.prompt_ids.tolist(), batch.response_ids.tolist()
+    prompt_ids, prompt_len, response_ids, response_len = _samples(batch, sizes, "pack_groups")
+    device, P = batch.prompt_ids.device, batch.prompt_ids.shape[1]
     tokens: list[list[int]] = []
     positions: list[list[int]] = []
     segments: list[list[int]] = []
@@ -145,13 +150,8 @@ def pack_groups_in_one_row(batch: RolloutBatch, sizes: list[int], *, pad_token_i
     """:func:`pack_groups`' rows end to end in a single row ``[1, N]`` (packed, no padding), each group's attention
     described by blocks instead of a mask (:class:`~hybridrl.megatron.packed_attention.SharedPrefixParams`): the
     prompt ``[A, A + p)`` attends causally to itself, each response to the prompt and causally to itself."""
-    if sum(sizes) != len(batch):
-        raise ValueError(f"pack_groups_in_one_row: row sizes {sizes} do not add up to {len(batch)} samples")
-    device = batch.prompt_ids.device
-    P = batch.prompt_ids.shape[1]
-    prompt_len = batch.prompt_mask.sum(-1).tolist()
-    response_len = batch.response_mask.sum(-1).tolist()
-    prompt_ids, response_ids = batch.prompt_ids.tolist(), batch.response_ids.tolist()
+    prompt_ids, prompt_len, response_ids, response_len = _samples(batch, sizes, "pack_groups_in_one_row")
+    device, P = batch.prompt_ids.device, batch.prompt_ids.shape[1]
     tokens: list[int] = []
     positions: list[int] = []
     blocks: list[tuple[int, int, int, int]] = []  # (prefix start, prefix length, own start, own length)
