@@ -29,7 +29,7 @@ LAUNCHES = {  # name -> (ranks, layouts run in one torchrun launch; DP is what t
     "4ranks": (4, ["tp2pp2cp1", "tp2pp1cp1", "tp2pp1cp2", "tp1pp2cp2"]),  # TP×PP, DP×TP, TP×CP, PP×CP (2 each)
     # interleaved 1F1B: 2 stages × 2 chunks of 1 layer (rank 0: layers 0, 2; rank 1: layers 1, 3), tied
     # embeddings between chunk 0 of rank 0 and chunk 1 of rank 1
-    "vpp": (2, ["tp1pp2cp1vpp2"]),
+    "vpp": (2, ["tp1pp2cp1vpp2", "tp1pp2cp1vpp2-dyn"]),  # packed token budgets too: one length per pass on gloo
     # Megatron's distributed optimizer (Adam only: no SGD mode) at DP=2, next to plain DP=2
     "distopt": (2, ["tp1pp1cp1", "tp1pp1cp1-distopt"]),
     # token-budget micro-batches of differing shapes (use_dynamic_bsz) under PP=2 and under DP=2
