@@ -7,7 +7,8 @@ prepares them as ``hybridrl prepare gsm8k --from`` does.
 ``model.build_if_missing: tiny`` writes a random tiny model (the architecture below) with a char
 tokenizer, ``tiny_bpe`` the same with a byte-level BPE tokenizer trained here on the synthetic GSM8K
 text (:mod:`hybridrl.models.bpe_tokenizer`), ``tiny_moe`` a random tiny Qwen3-MoE with the char tokenizer
-(``grpo_moe_tiny``'s), and ``sft:<recipe>`` runs that SFT recipe with
+(``grpo_moe_tiny``'s), ``tiny_deepseek_v3`` a random tiny DeepSeek-V3 with it (``grpo_deepseek_v3_tiny``'s), and
+``sft:<recipe>`` runs that SFT recipe with
 ``trainer.save_path`` set to the model path. It builds only inside the hybridrl cache
 (``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``), where the tiny recipes point: a path elsewhere
 that does not exist is the user's (a typo, a model not downloaded yet) and is reported as a config error
@@ -52,6 +53,12 @@ TINY_MODEL = dict(arch="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, max_p
 # grpo_moe_tiny's: TINY_MODEL's shape with a Qwen3-MoE MLP (8 experts of 128, top-2 renormalised) in every layer
 TINY_MOE_MODEL = {**TINY_MODEL, "arch": "qwen3_moe",
                   "moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)}
+# grpo_deepseek_v3_tiny's: TINY_MODEL's width and depth with every DeepSeek-V3 feature (tiny.DEEPSEEK_V3_DEFAULTS):
+# multi-latent attention with a query LoRA (q_lora_rank 32, kv_lora_rank 24; heads of nope 16 + rope 8, values 16),
+# layer 0 dense (first_k_dense_replace 1), then 8 routed experts of 128 in 2 groups of which 1 is chosen (n_group,
+# topk_group), sigmoid scores with e_score_correction_bias, top-2 renormalised × routed_scaling_factor 2.5, a shared
+# expert; untied embeddings, as DeepSeek-V3's
+TINY_DEEPSEEK_V3_MODEL = {**TINY_MODEL, "arch": "deepseek_v3", "tie": False, "moe": dict(moe_intermediate_size=128)}
 ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
 GSM8K_TINY = dict(num_train=2000, num_test=64, seed=0)
 TINY_BPE = dict(vocab_size=512, corpus_rows=2000, seed=0)  # BPE trained on this many synthetic GSM8K rows
@@ -64,8 +71,10 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft")
-MODEL_KINDS = ("tiny", "tiny_bpe", "tiny_moe", "sft:<recipe>")
-_RANDOM_MODELS = ("tiny", "tiny_bpe", "tiny_moe")
+# each random start model's make_tiny_model arguments (tiny_bpe: TINY_MODEL's, with a BPE tokenizer trained here)
+RANDOM_MODELS = {"tiny": TINY_MODEL, "tiny_bpe": TINY_MODEL, "tiny_moe": TINY_MOE_MODEL,
+                 "tiny_deepseek_v3": TINY_DEEPSEEK_V3_MODEL}
+MODEL_KINDS = (*RANDOM_MODELS, "sft:<recipe>")
 
 
 class WarmStartError(UserError):
@@ -76,7 +85,7 @@ def kind_problem(kind: str | None, *, model: bool) -> str | None:
     """Why ``build_if_missing=kind`` is not a known build (None: it is, or nothing is to be built)."""
     if kind is None:
         return None
-    known = (kind in _RANDOM_MODELS or kind.startswith("sft:")) if model else kind in DATA_KINDS
+    known = (kind in RANDOM_MODELS or kind.startswith("sft:")) if model else kind in DATA_KINDS
     return None if known else f"valid: {', '.join(MODEL_KINDS if model else DATA_KINDS)} (or null)"
 
 
@@ -234,13 +243,13 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
     if (problem := outside_cache_problem(kind, path)) is not None:
         raise ValueError(f"{key}.path={path!r}: {problem}")
     out = Path(path)
-    if kind in _RANDOM_MODELS:
+    if kind in RANDOM_MODELS:
         def build() -> None:
             from hybridrl.models.tiny import make_tiny_model
 
             what = (f"a BPE tokenizer {TINY_BPE} trained on synthetic GSM8K" if kind == "tiny_bpe"
                     else "a char tokenizer")
-            spec = TINY_MOE_MODEL if kind == "tiny_moe" else TINY_MODEL
+            spec = RANDOM_MODELS[kind]
             say(f"making a random tiny model {spec} with {what} at {out}")
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             if kind == "tiny_bpe":
@@ -289,7 +298,9 @@ def _sft_build_key(recipe: str) -> str:
     text = _recipe_text(recipe)
     # the settings of the builds the recipe names (so a change to one task does not rebuild the other's models)
     extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE),
-                                                            ("tiny_moe", TINY_MOE_MODEL)) if kind in text)
+                                                            ("tiny_moe", TINY_MOE_MODEL),
+                                                            ("tiny_deepseek_v3", TINY_DEEPSEEK_V3_MODEL))
+                    if kind in text)
     if "arithmetic_tool_sft" in text:  # the transcripts' layout is part of the warm start
         extra += "\n" + inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic"))
     return hashlib.sha256(f"{text}\n{TINY_MODEL}\n{ARITHMETIC}{extra}".encode()).hexdigest()[:16]
