@@ -17,6 +17,15 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from hybridrl.config.offline_plan import main as offline_dry_run
+    from hybridrl.config.offline_plan import trainer_of
+
+    if (kind := trainer_of(args.overrides, args.trainer)) != "rl":
+        if args.get or args.teacher_config:
+            print(f"hybridrl validate: --get and --teacher-config are for RL recipes, not a {kind} one",
+                  file=sys.stderr)
+            return 2
+        return offline_dry_run(kind, args.overrides, world_size=args.world_size, model_config=args.model_config)
     from hybridrl.config.dry_run import main as dry_run
 
     if not args.get:
@@ -92,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the checks pass, print KEY's resolved value (e.g. trainer.dist_timeout_s, or a verl "
                          "key such as actor_rollout_ref.actor.clip_ratio_low) on stdout, one line per --get, and the "
                          "plan on stderr (for launch scripts)")
+    sp.add_argument("--trainer", choices=["rl", "sft", "dpo", "rm"], default=None,
+                    help="which launcher the recipe is for: launch/train.py (rl), sft.py, dpo.py, rm.py (default: by "
+                         "the recipe's name, sft_*, dpo_*, rm_*, else rl)")
     sp.set_defaults(fn=_validate)
 
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")

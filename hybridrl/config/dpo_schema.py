@@ -9,22 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Protocol
 
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from hybridrl.algorithms.dpo_loss import DPO_LOSS_TYPES
-from hybridrl.config.compose import hydra_error, register_configs
+from hybridrl.config.compose import register_configs
 from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.offline_compose import compose_offline, to_typed_offline
 from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 from hybridrl.config.sft_schema import SFTConfig, SFTDataConfig, SFTTrainerConfig
 from hybridrl.config.validate import validate_sft
-from hybridrl.paths import recipes_dir
 
 DPO_SCHEMA_NAME = "hybridrl_dpo_schema"
 
@@ -72,32 +69,27 @@ def register_dpo_configs() -> None:
 def compose_dpo(overrides: Sequence[str] = ()) -> DPOConfig:
     """Compose ``recipes/dpo.yaml`` + overrides (e.g. ``recipe=dpo_tiny``) into a typed ``DPOConfig``."""
     register_dpo_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-            cfg = compose(config_name="dpo", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise hydra_error(e) from e
-    return to_typed_dpo(cfg)
+    return compose_offline("dpo", DPOConfig, overrides)
 
 
 def to_typed_dpo(cfg: DictConfig) -> DPOConfig:
     """A composed DictConfig as a ``DPOConfig``; every missing value is reported."""
-    cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError([ConfigIssue(key=k, value="???", message="is required and has no value") for k in missing])
-    try:
-        obj: Any = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise hydra_error(e) from e
-    assert isinstance(obj, DPOConfig), type(obj)
-    return obj
+    return to_typed_offline(cfg, DPOConfig)
 
 
-def sft_view(cfg: DPOConfig) -> SFTConfig:
+class PairRun(Protocol):
+    """What :func:`sft_view` reads: a run on preference pairs (DPO, the reward model)."""
+
+    model: ModelConfig
+    megatron: MegatronConfig
+    optim: OptimConfig
+    data: DPODataConfig
+    trainer: SFTTrainerConfig
+
+
+def sft_view(cfg: PairRun) -> SFTConfig:
     """The SFT config with the same model, parallelism, optimizer, data sizes and trainer: SFT's static
-    checks apply to a DPO run unchanged (in pairs where SFT counts samples), under the same keys."""
+    checks apply to a DPO (or reward-model) run unchanged (in pairs where SFT counts samples), under the same keys."""
     d = cfg.data
     return SFTConfig(model=cfg.model, megatron=cfg.megatron, optim=cfg.optim, trainer=cfg.trainer, data=SFTDataConfig(
         train_files=d.train_files, val_files=d.val_files, prompt_key=d.prompt_key, response_key=d.chosen_key,
@@ -125,6 +117,12 @@ def dpo_problems(cfg: DPOConfig) -> list[ConfigIssue]:
     elif a.label_smoothing and a.loss_type == "ipo":
         issues.append(ConfigIssue(key="algorithm.label_smoothing", value=a.label_smoothing,
                                   message="applies to loss_type=sigmoid only; set it to 0 for ipo"))
+    return issues + pair_column_problems(d)
+
+
+def pair_column_problems(d: DPODataConfig, **more: str | None) -> list[ConfigIssue]:
+    """What is wrong with the pair columns' names (and ``more``: other columns the run reads, by key)."""
+    issues = []
     keys = {"data.prompt_key": d.prompt_key, "data.chosen_key": d.chosen_key, "data.rejected_key": d.rejected_key}
     for key, value in keys.items():
         if not value:
@@ -132,14 +130,19 @@ def dpo_problems(cfg: DPOConfig) -> list[ConfigIssue]:
     if len(set(keys.values())) < len(keys):
         issues.append(ConfigIssue(key="data.rejected_key", value=d.rejected_key,
                                   message=f"the prompt, chosen and rejected columns must differ, got {keys}"))
+    for key, value in more.items():
+        if value is not None and value in keys.values():
+            issues.append(ConfigIssue(key=key, value=value, message=f"must differ from the pair's columns {keys}"))
     return issues
 
 
-def validate_dpo(cfg: DPOConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> None:
+def validate_dpo(cfg: DPOConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
+                model_config: Path | None = None) -> None:
     """Every static problem of a DPO run at once (ConfigError), before any model is built."""
     issues = dpo_problems(cfg)
     try:
-        validate_sft(sft_view(cfg), world_size=world_size, before_bootstrap=before_bootstrap)
+        validate_sft(sft_view(cfg), world_size=world_size, before_bootstrap=before_bootstrap,
+                     model_config=model_config)
     except ConfigError as e:
         issues = [*e.issues, *issues]
     if issues:

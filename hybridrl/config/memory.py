@@ -161,7 +161,7 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              ep: int = 1, etp: int | None = None, teacher: HFArch | None = None,
              teacher_offload: bool = False, lora_rank: int = 0,
              lora_projections: tuple[str, ...] = (), split: PipelineSplit | None = None,
-             engine_weight_bytes: float | None = None) -> MemoryEstimate:
+             engine_weight_bytes: float | None = None, lm_head: bool = True) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
     experts of an MoE model split over that many ranks (the largest PP stage counts), each expert over ``etp`` (its
@@ -169,7 +169,8 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     state are theirs; the ref is the actor with its adapters off, no copy); ``teacher``: the
     distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``); ``split``:
     the layers of each pipeline stage (None: ``pp`` equal blocks; the largest stage counts); ``engine_weight_bytes``:
-    the engine's weights over all its ranks (None: every parameter in bf16)."""
+    the engine's weights over all its ranks (None: every parameter in bf16); ``lm_head`` False: the last stage
+    computes no vocabulary logits (a reward model's scalar head)."""
     etp = tp if etp is None else etp
     split = split or PipelineSplit(num_layers=m.num_layers, pp=pp)
     p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp, split=split)
@@ -184,7 +185,7 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     optim = shards * ((0 if dtype == "float32" else 4) + moments)
     per_layer_act = 2 if recompute else 34 / tp
     activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
-    activations += micro_tokens * m.vocab_size / tp * 12
+    activations += micro_tokens * m.vocab_size / tp * 12 if lm_head else 0.0
     total_params = sum(a + e for a, e in per_layer) + embedding + output + m.hidden_size
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.head_dim * 2 / rollout_tp
     if m.mla is not None:  # MLA caches the latent and the rope key (SGLang's MLA: the whole of it on every TP rank)

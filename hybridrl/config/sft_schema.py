@@ -37,6 +37,7 @@ class SFTTrainerConfig:
     experiment_name: str = "sft"
     nnodes: int = 1
     n_gpus_per_node: int = 1  # ranks per node (CPU processes on a CPU machine)
+    device_memory_gb: float | None = None  # each GPU's memory for the plan's check (null: the visible GPU's, else 80)
     save_path: str = "outputs/sft/hf"  # the HF checkpoint written at the end
     # replace whatever is at save_path (default: refuse a non-empty directory that is not an earlier
     # hybridrl snapshot written to this same path)
@@ -58,7 +59,7 @@ def target_problems(t: SFTTrainerConfig, *, val_files: list[str]) -> list[tuple[
         return []
     key, value = "trainer.target_accuracy", t.target_accuracy
     if not 0 < value <= 1:
-        return [(key, value, "must be in (0, 1] (held-out greedy accuracy), or null for a fixed step count")]
+        return [(key, value, "must be in (0, 1] (a held-out accuracy), or null for a fixed step count")]
     if not val_files:
         return [(key, value, "is measured on held-out pairs: set data.val_files (or trainer.target_accuracy=null)")]
     if t.test_freq <= 0:

@@ -89,12 +89,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         issues.add("trainer.n_gpus_per_node", t.n_gpus_per_node, "world size must be ≥ 1")
         world = 1
     planning = model_config is not None
-    if planning:
-        try:
-            model: HFArch | None = HFArch.from_hf(model_config)
-        except (OSError, KeyError, ValueError, NotImplementedError) as e:
-            issues.add("--model-config", str(model_config), str(e))
-            model = None
+    if model_config is not None:
+        model = planned_model(model_config, issues)
     else:
         model = check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
     model = apply_override_config(f"{AOR}.model", aor.model, model, issues)
@@ -178,12 +174,17 @@ def _will_build(cfg: RLConfig) -> bool:
                                                                                         *d.val_files[:1]]))
 
 
-def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False) -> RoleLayout:
-    """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout."""
+def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
+                 model_config: Path | None = None) -> RoleLayout:
+    """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout. ``model_config``:
+    plan for another machine (the architecture from this config.json; local weights, tokenizer and data unchecked)."""
     issues = Issues()
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    model = apply_override_config("model", cfg.model, check_model("model", cfg.model, issues,
-                                                                   before_bootstrap=before_bootstrap), issues)
+    if model_config is not None:
+        model = planned_model(model_config, issues)
+    else:
+        model = check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
+    model = apply_override_config("model", cfg.model, model, issues)
     for key, value, message in lora_problems(cfg.model, key="model"):
         issues.add(key, value, message)
     check_layout("megatron", cfg.megatron, world, model, issues)
@@ -209,8 +210,9 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
             issues.add("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu,
                        interleaved_micro_batches_problem(layout.pp, layout.vpp) + f", got {n_micro}")
     check_lengths(d.max_prompt_length, d.max_response_length, model, issues)
-    check_data(issues, "data", d.train_files, d.val_files, d.build_if_missing, before_bootstrap=before_bootstrap,
-                columns={"data.prompt_key": d.prompt_key})
+    if model_config is None:
+        check_data(issues, "data", d.train_files, d.val_files, d.build_if_missing, before_bootstrap=before_bootstrap,
+                   columns={"data.prompt_key": d.prompt_key})
     issues.positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
     for key, value, message in target_problems(cfg.trainer, val_files=d.val_files):
         issues.add(key, value, message)
@@ -218,6 +220,15 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
     if issues:
         raise ConfigError(list(issues))
     return layout
+
+
+def planned_model(model_config: Path, issues: Issues) -> HFArch | None:
+    """The architecture of ``--model-config`` (planning for another machine); its problem goes to ``issues``."""
+    try:
+        return HFArch.from_hf(model_config)
+    except (OSError, KeyError, ValueError, NotImplementedError) as e:
+        issues.add("--model-config", str(model_config), str(e))
+        return None
 
 
 def world_from_env() -> tuple[int, int | None]:

@@ -55,19 +55,21 @@ def test_a_missing_user_model_path_is_a_config_error_and_nothing_is_built(tmp_pa
 @pytest.mark.slow
 def test_every_run_command_in_the_readme_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """The ``torchrun ... launch/train.py`` lines of README.md and every docs/*.md page pass ``hybridrl validate``
-    at their world size (the same files, in the same order, as the project's before-stop hook reads). In this
-    process: ``hybridrl validate`` is ``main(["validate", ...])`` (one interpreter start per line cost CI ~70 s)."""
+    """The ``torchrun ... launch/train.py`` lines of README.md and every docs/*.md page (and their ``launch/sft.py``,
+    ``dpo.py`` and ``rm.py`` lines, with their trainer's checks) pass ``hybridrl validate`` at their world size (the
+    same files, in the same order, as the project's before-stop hook reads). In this process: ``hybridrl validate`` is
+    ``main(["validate", ...])`` (one interpreter start per line cost CI ~70 s)."""
     files = [REPO / "README.md", *sorted(glob.glob(str(REPO / "docs" / "*.md")))]
     text = "\n".join(open(f).read() for f in files).replace("\\\n", " ")
-    runs = [m for m in re.finditer(r"torchrun\s+(.*?)launch/train\.py\s+(.*)", text)]
-    assert len(runs) >= 3
+    runs = [m for m in re.finditer(r"(?:torchrun\s+(.*?)|python\s+)launch/(train|sft|dpo|rm)\.py\s+(.*)", text)]
+    assert len(runs) >= 3 and {m.group(2) for m in runs} == {"train", "sft", "dpo", "rm"}
     monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path / "cache"))
     commands: dict[tuple[str, ...], str] = {}  # each distinct command once (pages repeat the quick starts)
-    for m in runs:
-        n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1))
-        args = [a for a in shlex.split(m.group(2).split("#")[0]) if "=" in a and not a.startswith("--")]
-        commands.setdefault((*args, "--world-size", n.group(1) if n else "1"), m.group(0))
+    for m in runs:  # the offline launchers' lines with their own trainer's checks
+        n = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", m.group(1) or "")
+        args = [a for a in shlex.split(m.group(3).split("#")[0].split("`")[0]) if "=" in a and not a.startswith("--")]
+        trainer = "rl" if m.group(2) == "train" else m.group(2)
+        commands.setdefault((*args, "--trainer", trainer, "--world-size", n.group(1) if n else "1"), m.group(0))
     # docs/multi-turn.md's agent command: another environment by its one key, the recipe's environment_kwargs stay
     assert any("actor_rollout_ref.rollout.multi_turn.environment=openai_agent" in c for c in commands), commands
     for command, line in commands.items():
