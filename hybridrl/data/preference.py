@@ -16,6 +16,7 @@ data): chosen = the correct answer, rejected = a plausible wrong one (see there)
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ class PreferenceDatasetConfig:
     rejected_key: str = "rejected"
     apply_chat_template: bool = True
     max_prompt_length: int = 64  # tokens; longer prompts are dropped (counted in a warning)
+    margin_key: str | None = None  # a numeric column each row must hold (the reward model's data.margin_key)
 
 
 class PreferenceDataset(PromptDataset):
@@ -60,6 +62,11 @@ class PreferenceDataset(PromptDataset):
                 raise DataError(f"{where}: {key!r} ({config_key}) must be a non-empty string, got {what}; the row has "
                                  f"keys {sorted(row)} (conversational pairs: convert them with `hybridrl prepare "
                                  f"preference`)")
+        if (key := self.pairs.margin_key) is not None:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise DataError(f"{where}: {key!r} (data.margin_key) must be a finite number, got "
+                                f"{'nothing' if key not in row else repr(value)[:60]}; the row has keys {sorted(row)}")
         return super()._item(where, stem, row)
 
 

@@ -157,6 +157,9 @@ class HFArch:
     rotary_percent: float = 1.0  # the leading part of each head that RoPE rotates (HF partial_rotary_factor)
     mla: MLA | None = None  # DeepSeek-V3's attention; None: GQA over q/k/v projections
     fp8_blocks: tuple[int, int] | None = None  # FP8 linear weights, one scale per block this shape (hybridrl.hf.fp8)
+    # a reward model's layout (*ForSequenceClassification, one label): a scalar ``score.weight`` [1, hidden] in place
+    # of the LM head; set by the model that trains one (hybridrl.megatron.reward_model), never read from config.json
+    score_head: bool = False
 
     @property
     def heads_per_group(self) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridrl.hf.arch import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
@@ -77,9 +77,10 @@ def _own_snapshot(d: Path) -> bool:
 
 def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, source_dir: str | Path,
                        key: str = "out_dir", overwrite: bool = False, overwrite_option: str | None = None,
-                       protect: Iterable[str | Path] = ()) -> None:
+                       protect: Iterable[str | Path] = (), config_updates: Mapping[str, Any] | None = None) -> None:
     """Write an HF checkpoint (safetensors, shards of ≤ 4 GiB, + ``source_dir``'s side files) from the
-    bucketed weight stream.
+    bucketed weight stream; ``config_updates``: keys of ``source_dir``'s config.json replaced in the copy (a
+    reward model's ``architectures``, ``num_labels``).
 
     Every rank must consume the stream (it is made of collectives); rank 0 writes. ``out_dir`` is checked
     first (:func:`output_problem`, decided by rank 0: every rank raises ``FileExistsError`` together, before
@@ -121,6 +122,9 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
         tmp.mkdir(parents=True)
         _write(shards, tmp)
         copy_side_files(source_dir, tmp)
+        if config_updates:
+            config = json.loads((tmp / CONFIG_FILE).read_text())
+            (tmp / CONFIG_FILE).write_text(json.dumps(config | dict(config_updates), indent=2) + "\n")
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / SNAPSHOT_MARKER).write_text(json.dumps({"path": str(out.resolve()), "files": files}) + "\n")
         _fsync_tree(tmp)

@@ -165,12 +165,16 @@ def ffn_size(unit: Unit, arch: HFArch) -> int:
 
 
 def all_units(arch: HFArch) -> list[Unit]:
-    """Every unit of the model in HF order; with tied embeddings there is no output-layer unit."""
+    """Every unit of the model in HF order; with tied embeddings there is no output-layer unit; a reward model's
+    (``arch.score_head``) is its scalar head, ``score.weight`` (replicated over TP, as
+    :class:`~hybridrl.megatron.critic.ValueHead` holds it)."""
     units = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", None)]
     for layer in range(arch.num_layers):
         units += layer_units(arch, layer)
     units.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", None))
-    if not arch.tie_word_embeddings:
+    if arch.score_head:
+        units.append(Unit("output_layer.weight", ("score.weight",), "replicated", None, shape=(1, arch.hidden_size)))
+    elif not arch.tie_word_embeddings:
         units.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", None))
     return units
 

@@ -34,6 +34,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
 
 from hybridrl.algorithms.value_loss import clipped_value_loss
 from hybridrl.batch import RolloutBatch
@@ -52,10 +53,12 @@ class ValueHead(torch.nn.Module):
     """``GPTModel.output_layer`` of the critic: hidden states ``[s, b, h]`` → values ``[s, b, 1]``, called like
     Megatron's output layer (``weight``/``runtime_gather_output`` are the LM head's and are not used)."""
 
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype, device: torch.device, sequence_parallel: bool) -> None:
+    def __init__(self, hidden_size: int, *, dtype: torch.dtype, device: torch.device, sequence_parallel: bool,
+                 bias: bool = True) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        # the reward model's head has none (transformers' sequence-classification ``score`` is bias-free)
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
         self.sequence_parallel = sequence_parallel  # GPTModel reads it in inference; see the module docstring
 
     def forward(self, hidden_SBH: torch.Tensor, weight: torch.Tensor | None = None,
@@ -70,18 +73,7 @@ class MegatronCritic(MegatronRunner):
 
     def __init__(self, *, model_dir: str, megatron: MegatronConfig, optim: OptimConfig, total_steps: int,
                  pad_token_id: int, seed: int) -> None:
-        arch = dataclasses.replace(HFArch.from_hf(model_dir), tie_word_embeddings=False)
-        chunks = build_model_chunks(arch, parallel_config(megatron), dtype=megatron.dtype,
-                                    overrides=megatron.override_transformer_config)
-        last = unwrap_model(chunks[-1])
-        if last.post_process:  # the last chunk of the last stage
-            lm_head = last.output_layer
-            last.output_layer = ValueHead(arch.hidden_size, dtype=lm_head.weight.dtype, device=lm_head.weight.device,
-                                          sequence_parallel=megatron.sequence_parallel)
-            del lm_head
-        load_hf_weights(chunks, arch, model_dir, skip=("output_layer.",))
-        if last.post_process:
-            _init_head(last.output_layer, model_dir, seed=seed)
+        chunks, arch = build_scalar_head_model(model_dir, megatron, seed=seed)
         super().__init__(chunks, arch=arch, megatron=megatron, optim=optim, total_steps=total_steps,
                          pad_token_id=pad_token_id)
 
@@ -118,6 +110,26 @@ class MegatronCritic(MegatronRunner):
         return self._train_step(batch, head_for, batching=batching, loss_agg_mode=loss_agg_mode)
 
 
+def build_scalar_head_model(model_dir: str, megatron: MegatronConfig, *, seed: int,
+                            bias: bool = True) -> tuple[list[MegatronModule], HFArch]:
+    """The checkpoint's trunk as Megatron chunks (built untied, loaded) with a :class:`ValueHead` in place of the
+    LM head on the last stage, initialised as the module docstring says: the critic's, and the reward model's
+    (``bias=False``)."""
+    arch = dataclasses.replace(HFArch.from_hf(model_dir), tie_word_embeddings=False)
+    chunks = build_model_chunks(arch, parallel_config(megatron), dtype=megatron.dtype,
+                                overrides=megatron.override_transformer_config)
+    last = unwrap_model(chunks[-1])
+    if last.post_process:  # the last chunk of the last stage
+        lm_head = last.output_layer
+        last.output_layer = ValueHead(arch.hidden_size, dtype=lm_head.weight.dtype, device=lm_head.weight.device,
+                                      sequence_parallel=megatron.sequence_parallel, bias=bias)
+        del lm_head
+    load_hf_weights(chunks, arch, model_dir, skip=("output_layer.",))
+    if last.post_process:
+        _init_head(last.output_layer, model_dir, seed=seed)
+    return chunks, arch
+
+
 @torch.no_grad()
 def _init_head(head: ValueHead, model_dir: str, *, seed: int) -> None:
     with SafetensorsReader(model_dir) as reader:
@@ -127,7 +139,7 @@ def _init_head(head: ValueHead, model_dir: str, *, seed: int) -> None:
                 raise ValueError(f"{model_dir}: score.weight has the shape {tuple(weight.shape)}; a value head needs "
                                  f"{tuple(head.weight.shape)} (one label)")
             head.weight.copy_(weight)
-            if "score.bias" in reader.files:
+            if "score.bias" in reader.files and head.bias is not None:
                 head.bias.copy_(reader.read("score.bias"))
             return
     weight = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * HEAD_INIT_STD

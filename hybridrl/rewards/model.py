@@ -181,3 +181,16 @@ def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str] | None:
         return None
     before, after = text.split(_MARKER)
     return before, after
+
+
+def assistant_turn_end(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The text ``tokenizer``'s chat template puts after an assistant message's content, when the message ends a
+    user + assistant conversation (e.g. ``<|im_end|>\n``): how :class:`ModelReward` ends what it scores, and so what
+    the reward-model trainer appends to each response. None without a template (or one that drops the marker)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}],
+                                         tokenize=False)
+    if not isinstance(text, str) or text.count(_MARKER) != 1:
+        return None
+    return text.split(_MARKER)[1]

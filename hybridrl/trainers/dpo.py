@@ -31,6 +31,7 @@ log-probs (see the loss module). As in SFT (unlike the RL trainer) there is no m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ from hybridrl.config.dpo_schema import DPOAlgorithmConfig, DPOConfig
 from hybridrl.data.collate import PromptBatch, collate_prompts
 from hybridrl.data.preference import PreferenceDataset, PreferenceDatasetConfig
 from hybridrl.megatron.config import MicroBatching
+from hybridrl.trainers.offline import OfflineJob, dp_strided_passes, fit_offline
 
 if TYPE_CHECKING:
     from hybridrl.megatron.policy import MegatronPolicy
@@ -52,8 +54,9 @@ LOSS_AGG_MODE = "seq-mean-token-sum"
 
 
 def pair_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, rejected_key: str,
-               max_response_length: int) -> RolloutBatch:
-    """``B`` pairs → ``2B`` rows: chosen at ``2i``, rejected at ``2i + 1`` (SFT's targets: response + EOS)."""
+               max_response_length: int, end_ids: Sequence[int] | None = None) -> RolloutBatch:
+    """``B`` pairs → ``2B`` rows: chosen at ``2i``, rejected at ``2i + 1`` (SFT's targets: response + EOS, or
+    ``end_ids``)."""
     from hybridrl.trainers.sft import sft_batch
 
     meta = [m for pair in prompts.meta for m in
@@ -61,7 +64,7 @@ def pair_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, reje
     doubled = PromptBatch(input_ids=prompts.input_ids.repeat_interleave(2, 0),
                           attention_mask=prompts.attention_mask.repeat_interleave(2, 0),
                           index=prompts.index.repeat_interleave(2), meta=meta, pad_token_id=prompts.pad_token_id)
-    return sft_batch(doubled, tokenizer, max_response_length=max_response_length)
+    return sft_batch(doubled, tokenizer, max_response_length=max_response_length, end_ids=end_ids)
 
 
 def pair_terms(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, response_mask_BT: torch.Tensor,
@@ -83,7 +86,7 @@ def dpo_micro_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: Roll
     return terms.loss_N.sum() / pairs, {f"{k}_sum": v / pairs for k, v in terms.metric_sums().items()}
 
 
-class DPOJob:
+class DPOJob(OfflineJob):
     """:class:`~hybridrl.trainers.offline.OfflineJob` of offline DPO."""
 
     name = "DPO"
@@ -131,7 +134,6 @@ class DPOJob:
     def validate(self, policy: MegatronPolicy, val: PreferenceDataset) -> dict[str, float]:
         """``val/dpo/loss`` and ``val/rewards/*`` over the held-out pairs, each DP rank scoring its share."""
         from hybridrl.metrics import DPMeans
-        from hybridrl.trainers.offline import dp_strided_passes
 
         m = DPMeans()
         for idx, weight in dp_strided_passes(len(val), rows=128):  # pairs per forward-only pass
@@ -145,6 +147,4 @@ class DPOJob:
 
 
 def fit_dpo(cfg: DPOConfig) -> dict[str, float]:
-    from hybridrl.trainers.offline import fit_offline
-
     return fit_offline(cfg, DPOJob(cfg), train_batch_size=cfg.data.train_batch_size, shuffle=cfg.data.shuffle)

@@ -1,4 +1,5 @@
-"""What ``launch/train.py``, ``launch/sft.py`` and ``launch/dpo.py`` run once Hydra has composed the config.
+"""What ``launch/train.py``, ``launch/sft.py``, ``launch/dpo.py`` and ``launch/rm.py`` run once Hydra has composed
+the config.
 
 A mistake in the run's input (:class:`~hybridrl.config.errors.UserError`: config, data, checkpoints) ends the run
 with its one message as the last thing the rank prints and exit code 2, on rank 0 (every rank raises it), and in
@@ -24,6 +25,7 @@ from hybridrl.config.compose import available_recipes, compose_config, to_typed
 from hybridrl.config.dpo_schema import DPOConfig, to_typed_dpo, validate_dpo
 from hybridrl.config.errors import UserError
 from hybridrl.config.plan import Plan
+from hybridrl.config.rm_schema import RMConfig, to_typed_rm, validate_rm
 from hybridrl.config.schema import RLConfig
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.config.validate import validate, validate_sft, world_from_env
@@ -140,12 +142,20 @@ def run_dpo(dcfg: DictConfig) -> dict[str, float]:
     return _run_offline(cfg, validate_dpo, "hybridrl.trainers.dpo", "fit_dpo")
 
 
-def _run_offline(cfg: SFTConfig | DPOConfig, check: Callable[..., Any], module: str, fit: str) -> dict[str, float]:
-    """SFT and DPO: check the config (all problems at once, before anything is built), build missing data and
-    start model, check again, then train with ``module.fit`` (Megatron imported only once the config passed)."""
+@one_line_on_user_error
+def run_rm(dcfg: DictConfig) -> dict[str, float]:
+    cfg = to_typed_rm(dcfg)
+    return _run_offline(cfg, validate_rm, "hybridrl.trainers.rm", "fit_rm")
+
+
+def _run_offline(cfg: SFTConfig | DPOConfig | RMConfig, check: Callable[..., Any], module: str,
+                 fit: str) -> dict[str, float]:
+    """SFT, DPO and the reward model: check the config (all problems at once, before anything is built), build
+    missing data and start model, check again, then train with ``module.fit`` (Megatron imported only once the config
+    passed)."""
     import importlib
 
-    preemption.watch_launcher()  # under torchrun: a killed launcher ends the run (SFT/DPO have no SIGTERM handling)
+    preemption.watch_launcher()  # under torchrun: a killed launcher ends the run (no SIGTERM handling offline)
     world, _ = world_from_env()
     check(cfg, world_size=world, before_bootstrap=True)
     ensure_data(cfg.data.build_if_missing, cfg.data.train_files, cfg.data.val_files)

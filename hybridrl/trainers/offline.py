@@ -1,10 +1,10 @@
-"""The offline trainers' skeleton (SFT, DPO): a fixed dataset, one optimizer step per loader batch, held-out metrics
-every ``trainer.test_freq`` steps and at the end, an HF checkpoint at ``trainer.save_path``.
+"""The offline trainers' skeleton (SFT, DPO, the reward model): a fixed dataset, one optimizer step per loader batch,
+held-out metrics every ``trainer.test_freq`` steps and at the end, an HF checkpoint at ``trainer.save_path``.
 
     start (process groups, the output-dir lock, seeds, tokenizer, datasets, loader, the policy)
     for each step: metrics = job.step(policy, batch); + job.validate(...) when due; log
         stop early once job.target_metric reaches trainer.target_accuracy (when set)
-    save the policy as an HF checkpoint (LoRA: the merged weights)
+    save the model as an HF checkpoint (LoRA: the merged weights)
 
 With ``trainer.target_accuracy`` a run stops on what it is for, not on a step count: the step at which a small model
 crosses a given quality moves with the CPU's kernels, the thread count and the package versions (the tiny recipes'
@@ -59,8 +59,23 @@ class TargetNotReached(UserError):
 
 
 class OfflineJob(Protocol):
-    name: str  # "SFT", "DPO": the start of its log lines
+    """What differs between the offline trainers; a job subclasses this for its defaults (``build``: the causal LM of
+    ``cfg.model``, ``hf_config``: the start model's config.json as it is)."""
+
+    name: str  # "SFT", "DPO", "RM": the start of its log lines
     target_metric: str | None  # the held-out metric trainer.target_accuracy is compared with (None: not supported)
+    cfg: Any  # the run's config (an OfflineConfig)
+
+    def build(self, *, pad_token_id: int) -> Any:
+        """The trained model (a :class:`~hybridrl.megatron.runner.MegatronRunner` with ``export_weights``)."""
+        c: OfflineConfig = self.cfg
+        return MegatronPolicy(model_dir=c.model.path, megatron=c.megatron, optim=c.optim,
+                              total_steps=c.trainer.total_training_steps, pad_token_id=pad_token_id,
+                              lora=LoRAConfig.from_model(c.model, key="model"))  # LoRA: saves the merged weights
+
+    def hf_config(self) -> dict[str, Any]:
+        """What the saved checkpoint's config.json changes from the start model's (nothing: the same architecture)."""
+        return {}
 
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Any, Any]:
         """The training rows (a ``PromptDataset``) and the held-out ones (None: no validation)."""
@@ -87,9 +102,7 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
                                                        seed=t.seed),
                           dp_rank=parallel_state.get_data_parallel_rank(),
                           dp_size=parallel_state.get_data_parallel_world_size())
-    policy = MegatronPolicy(model_dir=cfg.model.path, megatron=cfg.megatron, optim=cfg.optim,
-                            total_steps=t.total_training_steps, pad_token_id=loader.pad_token_id,
-                            lora=LoRAConfig.from_model(cfg.model, key="model"))  # LoRA: saves the merged weights
+    policy = job.build(pad_token_id=loader.pad_token_id)
     say(job.start(policy, tokenizer=tokenizer, pad_token_id=loader.pad_token_id, train=train))
     tracker = Tracker(t, config={}, rank=dist.get_rank())
     metrics: dict[str, float] = {}
@@ -114,7 +127,8 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
     say(f"{job.name}: saving the HF checkpoint to {t.save_path}")
     save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
                        key="trainer.save_path", overwrite=t.overwrite_save_path,
-                       overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path])
+                       overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path],
+                       config_updates=job.hf_config())
     tracker.close()
     return metrics
 

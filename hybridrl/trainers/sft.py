@@ -8,6 +8,8 @@ optimizer batch across micro-batches and DP ranks (the same normalisation as the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -19,18 +21,21 @@ from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
 from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.metrics import DPMeans
-from hybridrl.trainers.offline import dp_strided_passes, fit_offline
+from hybridrl.trainers.offline import OfflineJob, dp_strided_passes, fit_offline
 
 
-def sft_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, max_response_length: int) -> RolloutBatch:
-    """Targets = tokenized ground truth + EOS, right-padded, as a RolloutBatch the actor can train on."""
-    eos = tokenizer.eos_token_id
+def sft_batch(prompts: PromptBatch, tokenizer: PreTrainedTokenizerBase, *, max_response_length: int,
+              end_ids: Sequence[int] | None = None) -> RolloutBatch:
+    """Targets = tokenized ground truth + EOS (or ``end_ids``: what ends a response), right-padded, as a RolloutBatch
+    the actor can train on; a long one is cut to ``max_response_length`` with its end kept."""
+    end = [tokenizer.eos_token_id] if end_ids is None else list(end_ids)
     targets = []
     for meta in prompts.meta:
         if meta.ground_truth is None:
             raise ValueError("an SFT row has no response (data.response_key)")
-        ids = tokenizer(meta.ground_truth, add_special_tokens=False)["input_ids"][:max_response_length - 1]
-        targets.append(ids + [eos])
+        ids = tokenizer(meta.ground_truth, add_special_tokens=False)["input_ids"][:max(max_response_length - len(end),
+                                                                                       0)]
+        targets.append(ids + end)
     B, T = len(targets), max(len(t) for t in targets)
     response_ids_BT = torch.full((B, T), prompts.pad_token_id, dtype=torch.long)
     mask_BT = torch.zeros((B, T), dtype=torch.long)
@@ -50,7 +55,7 @@ def nll_loss(logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor, mb: RolloutBat
     return loss, {"loss_sum": loss.detach()}
 
 
-class SFTJob:
+class SFTJob(OfflineJob):
     """:class:`~hybridrl.trainers.offline.OfflineJob` of supervised fine-tuning."""
 
     name = "SFT"
