@@ -23,6 +23,7 @@ Importing this module imports neither torch nor transformers (static validation 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from hybridrl.hf.mla import MLA, read_mla
 from hybridrl.hf.values import divisors as _divisors
 from hybridrl.hf.values import number as _number
 from hybridrl.hf.values import positive_int as _size
+from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec, language_config
 from hybridrl.megatron.stages import PipelineSplit
 
 Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"]
@@ -160,6 +162,10 @@ class HFArch:
     # a reward model's layout (*ForSequenceClassification, one label): a scalar ``score.weight`` [1, hidden] in place
     # of the LM head; set by the model that trains one (hybridrl.megatron.reward_model), never read from config.json
     score_head: bool = False
+    # a vision-language model's language model (hybridrl.hf.vlm): multimodal RoPE's (time, height, width) split of
+    # the rotary dims, and the vision side; None: a text-only causal LM
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionSpec | None = None
 
     @property
     def heads_per_group(self) -> int:
@@ -238,6 +244,9 @@ class HFArch:
             return cls.from_hf(read_json(path), source=str(path))
         if not isinstance(config, Mapping):
             config = config.to_dict()  # PretrainedConfig: carries its class defaults
+        if config.get("model_type") in VLM_FAMILIES:
+            text, section, vision = language_config(config, source)
+            return dataclasses.replace(_parse(text, source), mrope_section=section, vision=vision)
         return _parse(config, source)
 
 

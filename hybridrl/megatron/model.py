@@ -159,6 +159,8 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
         perform_initialization=False,  # weights come from the HF checkpoint
         **cpu_model_parallel_kwargs(),
     )
+    if arch.mrope_section is not None:  # a VLM's language model: multimodal RoPE (hybridrl.hf.vlm)
+        kwargs["mrope_section"] = list(arch.mrope_section)
     kwargs.update(moe_config_kwargs(arch, overrides))
     kwargs.update(mla_config_kwargs(arch))
     kwargs.update(overrides)
@@ -289,7 +291,7 @@ def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if arch.mrope_section is None else "mrope",
         rotary_percent=arch.rotary_percent,  # the leading dims, rotate-half (HF's partial_rotary_factor)
         rotary_base=arch.rope_theta,  # type: ignore[arg-type]  # annotated int, used as a float
         rope_scaling=scaling is not None,

@@ -1,0 +1,70 @@
+"""Reading a vision-language checkpoint's config.json: its language model as the causal LM it is, plus what the
+vision side needs (Qwen2.5-VL; issue 46).
+
+Qwen2.5-VL's language model is Qwen2 (q/k/v biases, SwiGLU, RMSNorm) with multimodal RoPE: each position has three
+ids (time, height, width) and the rotary dimensions are split ``mrope_section`` = (t, h, w) ways, each part rotated by
+its own id (Wang et al. 2024, "Qwen2-VL", §2.1). Text tokens get the same id three times, so on text alone it is plain
+RoPE. Its weights are stored as a Qwen2 checkpoint's (``model.layers.*``, ``model.embed_tokens``, ``model.norm``,
+``lm_head``) beside the vision tower's (``visual.*``), so the causal-LM converter reads the language model unchanged.
+
+config.json comes in two layouts: transformers ≥ 5 nests the language model's fields under ``text_config`` (its
+``rope_parameters`` holding ``mrope_section``); the published checkpoints (transformers 4) keep them at the top level,
+with ``rope_scaling = {"type": "mrope", "mrope_section": [...]}``. Both are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+VLM_FAMILIES = ("qwen2_5_vl",)
+LANGUAGE_FAMILY = {"qwen2_5_vl": "qwen2"}  # the causal LM each one's language model is
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VisionSpec:
+    """The vision side of a VLM checkpoint, as the Megatron model and the positions need it."""
+
+    config: Mapping[str, Any]  # the vision tower's own config (``vision_config``)
+    image_token_id: int  # the placeholder each image's merged patches replace (``<|image_pad|>``)
+    video_token_id: int | None
+    vision_start_token_id: int
+    spatial_merge_size: int  # patches merged per side into one language-model token
+    tokens_per_second: float  # time ids per second of video (images: one frame, time id 0)
+
+
+def language_config(cfg: Mapping[str, Any], source: str) -> tuple[dict[str, Any], tuple[int, ...], VisionSpec]:
+    """``(the language model's config as its causal-LM family's, mrope_section, the vision spec)`` of a VLM
+    config.json; ``KeyError``/``ValueError`` name ``source`` and the key."""
+    family = cfg["model_type"]
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    text["model_type"] = LANGUAGE_FAMILY[family]
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    key = "rope_parameters" if "rope_parameters" in text else "rope_scaling"
+    rope = dict(text.get(key) or {})
+    section = rope.pop("mrope_section", None)
+    if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) and s > 0 for s in section)):
+        raise KeyError(f"{source}: {key}.mrope_section must be three positive ints (time, height, width), got "
+                       f"{section!r}")
+    rope.pop("type", None)
+    rope["rope_type"] = "default"
+    text[key] = rope
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if 2 * sum(section) != head_dim:
+        raise ValueError(f"{source}: {key}.mrope_section={section} must sum to head_dim / 2 = {head_dim // 2}")
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, Mapping):
+        raise KeyError(f"{source}: missing key 'vision_config' (a {family} checkpoint has a vision tower)")
+
+    def token(name: str) -> int:
+        value = cfg.get(name, text.get(name))
+        if not isinstance(value, int):
+            raise KeyError(f"{source}: missing key {name!r} (the image placeholder's id)")
+        return value
+
+    spec = VisionSpec(config=dict(vision), image_token_id=token("image_token_id"),
+                      video_token_id=cfg.get("video_token_id"), vision_start_token_id=token("vision_start_token_id"),
+                      spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+                      tokens_per_second=float(vision.get("tokens_per_second", 2)))
+    return text, tuple(section), spec

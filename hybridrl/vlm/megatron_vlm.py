@@ -1,0 +1,101 @@
+"""A vision-language model on Megatron: the language model as a ``GPTModel`` with multimodal RoPE, the vision tower
+beside it (Qwen2.5-VL; issue 46).
+
+    h      = embed(ids)                                   the first stage's embedding, [s, b, h]
+    h[ids == image_token_id] = vision(pixel_values, grid_thw)   the merged patch features, in image order
+    logits = GPTModel(decoder_input=h, position_ids=mrope_positions(ids, grid_thw))
+
+The language model is the causal LM the checkpoint's text half is (``HFArch`` with ``mrope_section``; its weights are
+a Qwen2 checkpoint's, read and written by the causal-LM converter), on every TP/PP layout the policy has: Megatron's
+``MultimodalRotaryEmbedding`` rotates each (time, height, width) slice of the rotary dims by its own id
+(:mod:`hybridrl.vlm.positions`). The vision tower is transformers' own module (``visual.*`` weights), replicated on
+every rank that embeds (the first pipeline stage): it is small next to the language model (~0.7 B of Qwen2.5-VL-7B's
+8.3 B) and its patches are few, so splitting it over TP would cost more in communication than it saves.
+
+Limits of this first slice: padded rows only (packed THD rows give Megatron's RoPE one table per sequence, which
+multimodal ids do not fit), CP 1, no sequence parallelism (the embedding's output would be scattered over TP before
+the features could be placed), images only (no video).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.hf.arch import HFArch
+from hybridrl.hf.tensors import SafetensorsReader
+from hybridrl.vlm.positions import mrope_positions
+
+VISION_PREFIX = "visual."  # the vision tower's tensors in the checkpoint
+
+
+def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' Qwen2.5-VL vision tower (patch embedding, blocks, merger) with the checkpoint's ``visual.*``
+    weights, in eval mode, on the CPU."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    assert arch.vision is not None, "not a vision-language model"
+    config = Qwen2_5_VLVisionConfig(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    tower = Qwen2_5_VisionTransformerPretrainedModel(config)
+    with SafetensorsReader(model_dir) as reader:
+        names = [n for n in reader.files if n.startswith(VISION_PREFIX)]
+        state = {n.removeprefix(VISION_PREFIX): reader.read(n) for n in names}
+    missing, unexpected = tower.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: the vision tower's weights do not match its config: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return tower.to(dtype).eval()
+
+
+def vision_tensors(tower: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The vision tower's weights under their checkpoint names (the export beside the language model's stream)."""
+    return [(VISION_PREFIX + name, t.detach().clone()) for name, t in tower.state_dict().items()]
+
+
+def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw_N3: torch.Tensor) -> torch.Tensor:
+    """``[n, hidden]``: the merged patch features of every image, in image order (one row per placeholder)."""
+    out = tower(pixel_values.to(next(tower.parameters()).dtype), grid_thw=grid_thw_N3)
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+
+
+def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_values: torch.Tensor | None,
+                  grid_thw_N3: torch.Tensor | None, image_token_id: int) -> torch.Tensor:
+    """``[s, b, h]``: the first stage's token embeddings with each image placeholder replaced by its feature (the
+    images of sample 0 first, each sample's in order)."""
+    emb_SBH = gpt.embedding(input_ids=ids_BS, position_ids=None)
+    at_BS = ids_BS == image_token_id
+    if pixel_values is None or not bool(at_BS.any()):
+        return emb_SBH
+    assert grid_thw_N3 is not None
+    feats = image_features(tower, pixel_values, grid_thw_N3)
+    if feats.shape[0] != int(at_BS.sum()):
+        raise ValueError(f"{int(at_BS.sum())} image placeholder tokens but {feats.shape[0]} image features "
+                         f"(image_grid_thw {grid_thw_N3.tolist()})")
+    emb_BSH = emb_SBH.transpose(0, 1).clone()
+    emb_BSH[at_BS] = feats.to(emb_BSH.dtype)
+    return emb_BSH.transpose(0, 1).contiguous()
+
+
+def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: torch.Tensor | None,
+                    arch: HFArch) -> torch.Tensor:
+    """``[3, b, s]`` position ids of right-padded rows (padding: 0), each row's images taken from ``grid_thw_N3`` in
+    order."""
+    assert arch.vision is not None
+    out = torch.zeros(3, *ids_BS.shape, dtype=torch.long)
+    image = 0
+    for b, n in enumerate(lengths_B.tolist()):
+        row = ids_BS[b, :n].cpu()
+        k = int((row == arch.vision.image_token_id).sum())
+        grids, taken = [], 0  # this row's images: as many grids as its placeholders need
+        while taken < k:
+            assert grid_thw_N3 is not None
+            t, h, w = (int(x) for x in grid_thw_N3[image])
+            grids.append((t, h, w))
+            taken += t * h * w // arch.vision.spatial_merge_size ** 2
+            image += 1
+        out[:, b, :n] = mrope_positions(row, torch.tensor(grids) if grids else None, arch.vision)
+    return out.to(ids_BS.device)

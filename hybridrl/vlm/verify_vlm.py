@@ -1,0 +1,81 @@
+"""``hybridrl verify-model`` on a vision-language checkpoint: the same check as for a causal LM, with an image in
+every row — Megatron's logits (:mod:`hybridrl.vlm.megatron_vlm`) against transformers' own model on the same ids,
+pixels and grid; the vision tower's weights join the round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.hf.arch import HFArch
+from hybridrl.vlm.megatron_vlm import batch_positions, decoder_input
+
+GRID = (1, 4, 4)  # each row's image: one frame of 4 × 4 patches → 4 placeholder tokens at merge 2
+
+
+def vlm_inputs(arch: HFArch, *, batch: int, seq_len: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [b, s], pixel_values, image_grid_thw)``: random text around one image per row (its vision start and
+    end tokens and placeholders), random pixels."""
+    v = arch.vision
+    assert v is not None
+    n = GRID[0] * GRID[1] * GRID[2] // v.spatial_merge_size ** 2
+    if seq_len < n + 4:
+        raise ValueError(f"--seq-len {seq_len} is too short for an image of {n} tokens and its frame (≥ {n + 4})")
+    special = {v.image_token_id, v.vision_start_token_id, v.video_token_id}
+    text = torch.tensor([t for t in range(arch.vocab_size) if t not in special])
+    ids_BS = text[torch.randint(0, len(text), (batch, seq_len), generator=gen)]
+    start = (seq_len - n - 2) // 2
+    ids_BS[:, start] = v.vision_start_token_id
+    ids_BS[:, start + 1:start + 1 + n] = v.image_token_id
+    c = v.config
+    patch = c.get("in_channels", 3) * c.get("temporal_patch_size", 2) * c.get("patch_size", 14) ** 2
+    pixels = torch.randn(batch * GRID[0] * GRID[1] * GRID[2], patch, generator=gen)
+    return ids_BS, pixels, torch.tensor([GRID] * batch)
+
+
+def megatron_vlm_logits(chunks: list[Any], tower: torch.nn.Module, arch: HFArch, ids_BS: torch.Tensor,
+                        pixels: torch.Tensor, grid_N3: torch.Tensor, *, pp: int) -> torch.Tensor | None:
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), as ``verify``'s causal-LM path."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hybridrl.megatron.cpu import causal_attention_mask
+    from hybridrl.megatron.model import gather_vocab_logits, unwrap_model
+
+    assert arch.vision is not None
+    b, s = ids_BS.shape
+    positions = batch_positions(ids_BS, torch.full((b,), s), grid_N3, arch)
+    mask = causal_attention_mask(s, ids_BS.device)
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+        ids = next(data_iterator)
+        gpt = unwrap_model(model)
+        dec = (decoder_input(gpt, tower, ids, pixels, grid_N3, arch.vision.image_token_id)  # type: ignore[union-attr]
+               if gpt.pre_process else None)
+        output = model(ids, positions, mask, decoder_input=dec)
+        return output, lambda out, non_loss_data=True: out
+
+    n_micro = pp if len(chunks) > 1 else 1
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter([ids_BS] * n_micro) for _ in chunks],
+            model=chunks, num_microbatches=n_micro, seq_length=s, micro_batch_size=b, forward_only=True,
+            collect_non_loss_data=True,
+        )
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return gather_vocab_logits(outputs[0], arch.vocab_size)
+
+
+def hf_vlm_logits(model_dir: Path, arch: HFArch, ids_BS: torch.Tensor, pixels: torch.Tensor,
+                  grid_N3: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForImageTextToText
+
+    assert arch.vision is not None
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return hf.eval()(input_ids=ids_BS, pixel_values=pixels, image_grid_thw=grid_N3,
+                         mm_token_type_ids=(ids_BS == arch.vision.image_token_id).int()).logits
