@@ -161,7 +161,8 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              ep: int = 1, etp: int | None = None, teacher: HFArch | None = None,
              teacher_offload: bool = False, lora_rank: int = 0,
              lora_projections: tuple[str, ...] = (), split: PipelineSplit | None = None,
-             engine_weight_bytes: float | None = None, lm_head: bool = True) -> MemoryEstimate:
+             engine_weight_bytes: float | None = None, lm_head: bool = True, vision_params: int = 0,
+             vision_trained: bool = False) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
     experts of an MoE model split over that many ranks (the largest PP stage counts), each expert over ``etp`` (its
@@ -170,7 +171,9 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     distillation teacher's architecture (its weights offloaded while generating with ``teacher_offload``); ``split``:
     the layers of each pipeline stage (None: ``pp`` equal blocks; the largest stage counts); ``engine_weight_bytes``:
     the engine's weights over all its ranks (None: every parameter in bf16); ``lm_head`` False: the last stage
-    computes no vocabulary logits (a reward model's scalar head)."""
+    computes no vocabulary logits (a reward model's scalar head); ``vision_params``: a VLM's vision tower, replicated
+    on the rank (and in the ref and the engine, whose TP splits it), with gradients and optimizer state when
+    ``vision_trained`` (its activations — a few hundred patches an image — are left out)."""
     etp = tp if etp is None else etp
     split = split or PipelineSplit(num_layers=m.num_layers, pp=pp)
     p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp, split=split)
@@ -192,6 +195,12 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
         kv_per_token = m.num_layers * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * 2
     engine_weights = (total_params * 2 if engine_weight_bytes is None else engine_weight_bytes) / rollout_tp
     params, grads, ref_bytes = p_rank * b, p_rank * 4, p_rank * b if ref else 0.0
+    if vision_params:
+        params, ref_bytes = params + vision_params * b, ref_bytes + (vision_params * b if ref else 0.0)
+        engine_weights += vision_params * 2 / rollout_tp
+        if vision_trained and lora_rank <= 0:
+            grads += vision_params * 4
+            optim += vision_params / (dp if distributed_optimizer else 1) * ((0 if dtype == "float32" else 4) + moments)
     if lora_rank > 0:  # the base is frozen: the adapters alone have gradients and optimizer state
         adapters = lora_parameters(m, rank=lora_rank, projections=lora_projections) / (tp * pp)
         params, grads, ref_bytes = params + adapters * b, adapters * 4, 0.0

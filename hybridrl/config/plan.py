@@ -48,6 +48,7 @@ from hybridrl.config.memory import BYTES, GB, MemoryEstimate, engine_weight_byte
 from hybridrl.config.memory import estimate as estimate_memory
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf.arch import HFArch
+from hybridrl.hf.vlm import vision_parameters
 from hybridrl.interfaces import EngineMemory
 from hybridrl.lora.config import resolve_targets
 from hybridrl.megatron.config import (
@@ -215,6 +216,12 @@ class Plan:
             lines.append(f"stages  {lay.split(self.model.num_layers)} (override_transformer_config: "
                          f"num_layers_in_first_pipeline_stage={lay.first}, "
                          f"num_layers_in_last_pipeline_stage={lay.last})")
+        if self.model is not None and (v := self.model.vision) is not None:
+            frozen = self.config.actor_rollout_ref.actor.freeze_vision_tower
+            lines.append(f"vision  tower of {vision_parameters(v.config) / 1e9:.2f} B parameters ({v.config['depth']} "
+                         f"blocks, hidden {v.config['hidden_size']}, merge {v.spatial_merge_size}×"
+                         f"{v.spatial_merge_size}), replicated on every first-stage rank, "
+                         + ("frozen" if frozen else "trained") + " (actor_rollout_ref.actor.freeze_vision_tower)")
         if self.memory is not None:
             who = "trainer rank" if self.num_engine_ranks else "rank"
             lines.append(f"memory  largest {who}, estimated: {self.memory}")
@@ -291,7 +298,9 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         engine=engine_memory(cfg, device_type), device_bytes=device_memory_gb(cfg) * GB, seq_len=seq,
         teacher=teacher if "teacher" in roles else None,
         teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload, lora_rank=max(mo.lora_rank, 0),
-        lora_projections=_projections(mo.target_modules) if mo.lora_rank > 0 else ())
+        lora_projections=_projections(mo.target_modules) if mo.lora_rank > 0 else (),
+        vision_params=vision_parameters(model.vision.config) if model.vision is not None else 0,
+        vision_trained=not a.freeze_vision_tower)
 
 
 def _projections(target_modules: object) -> tuple[str, ...]:

@@ -77,6 +77,8 @@ class ActorConfig:
     # update and log-prob passes and the ref's; needs Megatron's local attention, CP = 1, no VPP. null: on where it
     # runs and packing is on (config/batch_plan.py: shared_prompt_rows), off elsewhere — it is exact either way
     use_prefix_grouper: bool | None = None
+    # a vision-language model's vision tower (and merger) stays as loaded: no gradients, no optimizer state (verl's key)
+    freeze_vision_tower: bool = False
     ppo_epochs: int = 1
     shuffle: bool = False  # shuffle samples between PPO epochs
     loss_agg_mode: str = "token-mean"  # one of hybridrl.algorithms.loss_agg.LOSS_AGG_MODES

@@ -63,6 +63,11 @@ from hybridrl.megatron.config import interleaved_micro_batches_problem
 from hybridrl.megatron.transformer_overrides import NOT_PASSED, megatron_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 
+# what a vision-language checkpoint meets today (issue 46)
+VLM_NOT_YET = ("a vision-language model: Megatron runs it (hybridrl verify-model feeds it an image) and this plan "
+               "counts its vision tower, but RL training of one does not run yet (images do not reach the rollout "
+               "engines or the training batches)")
+
 
 def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
              model_config: Path | None = None, ranks_per_node: int | None = None,
@@ -94,6 +99,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     else:
         model = check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
     model = apply_override_config(f"{AOR}.model", aor.model, model, issues)
+    if model is not None and model.vision is not None and not planning:
+        issues.add(f"{AOR}.model.path", aor.model.path, VLM_NOT_YET)
     for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
         issues.add(key, value, message)
     if planning:
@@ -126,6 +133,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
                        "process groups); leave it null to follow the actor")
     check_sampling(cfg, issues)
     plan.notes.extend(derived_notes)
+    if model is not None and model.vision is not None:
+        plan.notes.append(f"planned only: {VLM_NOT_YET}")
     steps = plan.batch.total_optimizer_steps if t.total_training_steps is not None else None
     check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     check_algorithm(cfg, issues)

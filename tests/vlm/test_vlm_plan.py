@@ -1,0 +1,58 @@
+"""A vision-language run's plan: Qwen2.5-VL-7B's real config.json validates for 8 × 80 GB with its vision tower in the
+plan and the memory; its parameter count is transformers'; training one is refused with a real checkpoint (it does not
+run yet) and planned with a note."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from support.tiny_vlm import make_tiny_qwen2_5_vl
+
+from hybridrl.cli import main
+from hybridrl.hf.vlm import vision_parameters
+
+REPO = Path(__file__).resolve().parents[2]
+VL7B = str(REPO / "recipes" / "model_configs" / "qwen2.5-vl-7b.json")
+
+
+def _memory_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("memory"))
+
+
+def test_the_7b_recipe_plans_its_vision_tower_on_8_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "recipe=grpo_qwen2_5_vl_7b", "--model-config", VL7B]) == 0
+    out = capsys.readouterr().out
+    assert "vision  tower of 0.68 B parameters (32 blocks, hidden 1280, merge 2×2), replicated on every first-stage " \
+           "rank, trained" in out
+    assert "note: planned only: a vision-language model" in out and "config OK" in out
+    trained = _memory_line(out)
+    train_gb = float(re.search(r"train ([\d.]+) GB", trained)[1])  # type: ignore[index]
+    assert train_gb < 80
+    # a frozen tower has no gradients or optimizer state: 0.68 B × (4 + 12 / DP 2) bytes ≈ 6.8 GB less
+    assert main(["validate", "recipe=grpo_qwen2_5_vl_7b", "--model-config", VL7B,
+                 "actor_rollout_ref.actor.freeze_vision_tower=true"]) == 0
+    frozen = capsys.readouterr().out
+    assert ", frozen (actor_rollout_ref.actor.freeze_vision_tower)" in frozen
+    frozen_gb = float(re.search(r"train ([\d.]+) GB", _memory_line(frozen))[1])  # type: ignore[index]
+    assert train_gb - frozen_gb == pytest.approx(0.6766 * (4 + 12 / 2), abs=0.15)
+
+
+def test_vision_parameter_count_is_transformers() -> None:
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = dict(depth=3, hidden_size=40, intermediate_size=56, num_heads=2, patch_size=6, spatial_merge_size=3,
+                  temporal_patch_size=2, out_hidden_size=72, window_size=36, fullatt_block_indexes=[2])
+    tower = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**config))
+    assert vision_parameters(config) == sum(p.numel() for p in tower.parameters())
+
+
+def test_training_a_vlm_checkpoint_is_refused_before_anything_is_built(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_qwen2_5_vl(tmp_path / "vl", tie=True)
+    code = main(["validate", "recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}",
+                 "actor_rollout_ref.model.build_if_missing=null"])
+    err = capsys.readouterr().err
+    assert code == 2 and "actor_rollout_ref.model.path=" in err and "RL training of one does not run yet" in err
