@@ -48,6 +48,10 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
+    if args.arch == "qwen2_5_vl":
+        from hybridrl.models.tiny_vlm import main as make_tiny_vlm
+
+        return make_tiny_vlm(args)
     from hybridrl.models.tiny import main as make_tiny
 
     return make_tiny(args)
@@ -109,11 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
     sp.add_argument("out", help="output directory")
     sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
-                                       "deepseek_v3"],
+                                       "deepseek_v3", "qwen2_5_vl"],
                     default="qwen2",
                     help="the MoE families get 4 experts, top-2, moe_intermediate_size = hidden (tiny.MOE_DEFAULTS; "
                          "mixtral: experts of --intermediate, tiny.MIXTRAL_DEFAULTS; glm4_moe: tiny.GLM4_MOE_DEFAULTS; "
-                         "deepseek_v3: tiny.DEEPSEEK_V3_DEFAULTS)")
+                         "deepseek_v3: tiny.DEEPSEEK_V3_DEFAULTS); qwen2_5_vl: the text model of these sizes with "
+                         "tiny_vlm's vision tower and processor")
     sp.add_argument("--moe", action="append", default=[], metavar="KEY=VALUE",
                     help="an MoE family's config.json key over its defaults, VALUE read as JSON (repeatable), e.g. "
                          "--moe use_qk_norm=true --moe n_group=4 --moe q_lora_rank=null")
@@ -179,9 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a task's data as OUT_DIR/train.parquet and test.parquet in the row layout data.train_files "
         "reads (prompt, ground_truth, data_source, the source's other columns)",
     )
-    sp.add_argument("task", choices=["gsm8k", "math", "jsonl", "preference"],
+    sp.add_argument("task", choices=["gsm8k", "math", "jsonl", "multimodal", "preference"],
                     help="gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}, or "
-                         "MATH-500's answer column), jsonl (your rows: --question-key, --answer-key), preference "
+                         "MATH-500's answer column), jsonl (your rows: --question-key, --answer-key), multimodal "
+                         "(geo3k-style rows: problem with one <image> per image, answer, images; written with the "
+                         "image bytes), preference "
                          "(DPO pairs: prompt (--question-key), chosen, rejected; written instead of ground_truth)")
     sp.add_argument("out_dir", help="output directory; must be new or empty unless --overwrite")
     sp.add_argument("--from", dest="sources", action="append", metavar="[train=|test=]SOURCE",
@@ -197,10 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     template.add_argument("--no-template", action="store_true", help="the prompt is the raw question")
     sp.add_argument("--prompt-format", choices=["chat", "text"], default="chat",
                     help="chat: [{role: user, content: ...}] (default); text: a plain string")
-    sp.add_argument("--question-key", default=None, help="question column (default: question; math: problem)")
+    sp.add_argument("--question-key", default=None,
+                    help="question column (default: question; math, multimodal: problem)")
     sp.add_argument("--answer-key", default=None, help="answer column (default: answer; math: solution)")
     sp.add_argument("--data-source", default=None,
-                    help="the rows' data_source (default: the task name; jsonl: the first source's stem)")
+                    help="the rows' data_source (default: the task name; jsonl, multimodal: the first source's stem)")
+    sp.add_argument("--images-key", default="images",
+                    help="multimodal: the column holding a row's images (paths, relative to the source file, or "
+                         "{bytes}/{path} entries); default: images")
     sp.add_argument("--hf-name", default=None,
                     help="dataset loaded without --from (default: openai/gsm8k, DigitalLearningGmbH/MATH-lighteval); "
                          "a hub id or a local dataset directory")

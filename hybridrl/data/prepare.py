@@ -1,4 +1,5 @@
-"""``hybridrl prepare gsm8k|math|jsonl|preference OUT_DIR``: a task's data → ``OUT_DIR/{train,test}.parquet``.
+"""``hybridrl prepare gsm8k|math|jsonl|multimodal|preference OUT_DIR``: a task's data → ``OUT_DIR/{train,test}.parquet``
+(the ``multimodal`` task's rows also carry their images).
 
 ``preference`` writes DPO pairs instead (``prompt``, ``chosen``, ``rejected``, ``data_source``, the other
 columns; see :mod:`hybridrl.data.preference`); the rest of this docstring is about the prompt tasks.
@@ -10,7 +11,11 @@ Each output row is what :class:`hybridrl.data.dataset.PromptDataset` reads by de
   ``--no-template``: the question as is);
 - ``ground_truth``: the final answer as a string (GSM8K: after ``####``; MATH: the given ``answer``
   column (MATH-500) or else the last ``\\boxed{}`` of the solution; jsonl: the answer column as is);
-- ``data_source``: ``gsm8k``, ``math``, or ``--data-source`` (jsonl; default: the first source's stem);
+- ``images`` (``multimodal``: a geo3k-style source whose question holds one ``<image>`` per image): the row's
+  ``--images-key`` column (paths, relative ones from the source file's directory, or ``{"bytes"}``/``{"path"}``
+  entries) as verl's parquet holds images, ``[{"bytes": the file's bytes, "path": its path}]``, each checked to
+  open (:mod:`hybridrl.data.images`);
+- ``data_source``: ``gsm8k``, ``math``, or ``--data-source`` (jsonl, multimodal; default: the first source's stem);
 - every other column of the source row, unchanged (GSM8K's ``question`` and full ``answer`` solution,
   MATH's ``problem``, ``level``, ``type``, ``solution``); they reach the reward as ``SampleMeta.extra``.
 
@@ -73,6 +78,7 @@ class Task:
     hf_config: str | None = None
     # a whole-row conversion instead of question/answer extraction (preference pairs); None: the latter
     convert: Callable[..., Row] | None = None
+    images: bool = False  # the rows carry images (PrepareConfig.images_key), embedded as verl's parquet holds them
 
 
 def _preference_row(row: Row, **kwargs: str | None) -> Row:
@@ -93,6 +99,8 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          hf_name="DigitalLearningGmbH/MATH-lighteval"),
     Task(name="jsonl", question_key="question", answer_key="answer", answer_rule="a non-empty answer column",
          ground_truth=_raw_answer, template=None, hf_name=None),
+    Task(name="multimodal", question_key="problem", answer_key="answer", answer_rule="a non-empty answer column",
+         ground_truth=_raw_answer, template=None, hf_name=None, images=True),
     Task(name="preference", question_key="prompt", answer_key="chosen",
          answer_rule="non-empty 'chosen' and 'rejected' responses", ground_truth=_raw_answer, template=None,
          hf_name=None, convert=_preference_row),
@@ -109,7 +117,8 @@ class PrepareConfig:
     prompt_format: PromptFormat = "chat"
     question_key: str | None = None  # None: the task's
     answer_key: str | None = None  # None: the task's
-    data_source: str | None = None  # None: the task's name (jsonl: the first source's stem)
+    data_source: str | None = None  # None: the task's name (jsonl, multimodal: the first source's stem)
+    images_key: str = "images"  # multimodal: the source column holding a row's images
     hf_name: str | None = None  # None: the task's public dataset
     hf_config: str | None = None
     skip_bad: bool = False  # skip rows without a final answer (counted) instead of failing
@@ -164,7 +173,8 @@ def prepare(out_dir: str | os.PathLike[str], config: PrepareConfig) -> dict[str,
         if not is_hf(src) and not Path(src).is_file():
             raise FileNotFoundError(f"{option}{src}: file does not exist")
     task = TASKS[config.task]
-    data_source = config.data_source or (source_stem(sources["train"][0]) if task.name == "jsonl" else task.name)
+    data_source = config.data_source or (source_stem(sources["train"][0]) if task.name in ("jsonl", "multimodal")
+                                         else task.name)
     splits = {split: [row for src in sources[split] for row in _convert_source(src, split, task, data_source, config)]
               for split in SPLITS}
     if config.test_size is not None:
@@ -204,11 +214,26 @@ def _convert_source(src: str, split: str, task: Task, data_source: str, config: 
             continue
         text = template.replace("{question}", question) if template is not None else question
         prompt = [{"role": "user", "content": text}] if config.prompt_format == "chat" else text
-        yield {"prompt": prompt, "ground_truth": ground_truth, "data_source": data_source,
-               **{k: v for k, v in row.items() if k not in LAYOUT}}
+        images = _images(row, text, src=src, where=where, key=config.images_key) if task.images else {}
+        yield {"prompt": prompt, "ground_truth": ground_truth, "data_source": data_source, **images,
+               **{k: v for k, v in row.items() if k not in LAYOUT and not (task.images and k == config.images_key)}}
     if skipped:
         print(f"warning: skipped {len(skipped)} of {total} rows of {src} without a final answer ({task.answer_rule}); "
               f"rows {', '.join(map(str, skipped[:10]))}{', ...' if len(skipped) > 10 else ''}", file=sys.stderr)
+
+
+def _images(row: Row, text: str, *, src: str, where: str, key: str) -> Row:
+    """``{"images": [...]}``: the row's images embedded (module docstring); their number is the question's
+    ``<image>`` placeholders'."""
+    from hybridrl.data.images import IMAGE_PLACEHOLDER, embed_images  # PIL: only for this task
+
+    images = embed_images(row.get(key), base_dir=None if is_hf(src) else Path(src).parent, where=where,
+                          image_key=key)
+    if (n := text.count(IMAGE_PLACEHOLDER)) != len(images):
+        raise ValueError(f"{where}: the question has {n} {IMAGE_PLACEHOLDER} placeholders but {key!r} (--images-key) "
+                         f"holds {len(images)} images; put one {IMAGE_PLACEHOLDER} in the question where each image "
+                         "goes")
+    return {"images": images}
 
 
 def _split_off(rows: list[Row], test_size: float, *, seed: int) -> tuple[list[Row], list[Row]]:
@@ -258,8 +283,8 @@ def main(args: argparse.Namespace) -> int:
             test_size=_test_size(args.test_size), seed=args.seed,
             template=None if args.no_template else (args.template or DEFAULT_TEMPLATE),
             prompt_format=args.prompt_format, question_key=args.question_key, answer_key=args.answer_key,
-            data_source=args.data_source, hf_name=args.hf_name, hf_config=args.hf_config,
-            skip_bad=args.skip_bad, overwrite=args.overwrite,
+            data_source=args.data_source, images_key=args.images_key, hf_name=args.hf_name,
+            hf_config=args.hf_config, skip_bad=args.skip_bad, overwrite=args.overwrite,
         )
         splits = prepare(args.out_dir, config)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
