@@ -29,10 +29,6 @@ def check_model(key: str, m: ModelConfig, issues: Issues, *, before_bootstrap: b
     for p in problems:
         tok = m.tokenizer_path is not None and "tokenizer" in p
         issues.add(f"{key}.tokenizer_path" if tok else f"{key}.path", m.tokenizer_path if tok else m.path, p)
-    if info is not None and info.fp8_blocks is not None:  # planning (--model-config) prints a note instead
-        issues.add(f"{key}.path", m.path, "its weights are FP8 (config.json quantization_config): the Megatron model "
-                   "loads bf16/fp32 weights only (hybridrl.hf.fp8); point it at a bf16 copy (DeepSeek's "
-                   "fp8_cast_bf16.py, without quantization_config)")
     return info
 
 

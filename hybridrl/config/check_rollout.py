@@ -171,6 +171,14 @@ def check_multi_turn(cfg: RLConfig, issues: Issues) -> None:
                    "template, the prompt too: set data.apply_chat_template=true (the rows' prompts: text or messages)")
 
 
+# hybridrl.hf.fp8: the actor loads an FP8 checkpoint dequantised, but an engine on a GPU serves it as shipped
+FP8_SYNC_PROBLEM = (
+    f"{AOR}.model.path holds FP8 weights (config.json quantization_config), which the engine serves as shipped (e4m3 "
+    "GEMMs with block scales); the trainer's weight sync streams bf16 tensors, which that engine cannot take in place "
+    "(slime quantises each weight to e4m3 blocks on the fly before update_weights_from_tensor; hybridrl does not "
+    "yet): point the run at a bf16 copy (DeepSeek's fp8_cast_bf16.py, without quantization_config)")
+
+
 def check_plugins(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
     r, alg = cfg.actor_rollout_ref.rollout, cfg.algorithm
     chosen = [
@@ -204,6 +212,9 @@ def check_plugins(cfg: RLConfig, plan: Plan, issues: Issues) -> None:
         if group == "rollout_engines" and callable(model_problem) and (model_dir / "config.json").is_file():
             if (problem := model_problem(str(model_dir), device_type=plan.device_type)) is not None:
                 issues.add(name_key, name, problem)
+        fp8 = plan.model is not None and plan.model.fp8_blocks is not None and (model_dir / "config.json").is_file()
+        if group == "rollout_engines" and fp8 and plan.device_type != "cpu":  # planning (--model-config): a note
+            issues.add(name_key, name, FP8_SYNC_PROBLEM)
         if group == "rollout_engines" and r.tensor_model_parallel_size > 1 and not cls.supports_tensor_parallel:
             issues.add(f"{AOR}.rollout.tensor_model_parallel_size", r.tensor_model_parallel_size,
                        f"rollout engine {name!r} runs one engine per rank; use 1 (or an engine with TP, e.g. sglang)")

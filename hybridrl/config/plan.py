@@ -391,11 +391,11 @@ def fp8_engine_note(model: HFArch, rollout_tp: int) -> str:
     a, b = model.fp8_blocks or (0, 0)
     return (f"the checkpoint's weights are FP8 (config.json quantization_config: e4m3, one scale per {a}×{b} block): "
             f"the engines are counted serving them as shipped, {fp8 / rollout_tp / GB:.1f} GB a GPU at rollout "
-            f"TP={rollout_tp} (bf16 would be {bf16 / rollout_tp / GB:.1f} GB). NOT RUNNABLE YET: hybridrl's Megatron "
-            "actor loads bf16/fp32 weights only (it refuses this checkpoint; slime converts it with fp8_cast_bf16.py "
-            "first), and its weight sync streams bf16 tensors, which an FP8 engine cannot take in place (slime "
-            "quantises each weight to e4m3 blocks on the fly before update_weights_from_tensor); hybridrl does "
-            "neither today (docs/tasks.md)")
+            f"TP={rollout_tp} (bf16 would be {bf16 / rollout_tp / GB:.1f} GB). The trainer loads it dequantised (each "
+            "e4m3 block × its scale, into bf16/fp32; hybridrl.hf.tensors) and exports bf16. NOT RUNNABLE YET with an "
+            "FP8 engine: the weight sync streams bf16 tensors, which an engine serving FP8 weights cannot take in "
+            "place (slime quantises each weight to e4m3 blocks on the fly before update_weights_from_tensor; hybridrl "
+            "does not yet), so a run on GPUs is refused (docs/tasks.md)")
 
 
 def _device(device_type: str, rank: int, per_node: int) -> str:

@@ -12,10 +12,10 @@ Supported: the dense decoder families Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK RMSNor
 (``mlp_only_layers``, ``decoder_sparse_step``, ``norm_topk_prob`` both ways), Qwen2-MoE (its gated shared
 expert), Mixtral (every layer's MLP the MoE, top-k renormalised, no sliding window), GLM-4.5 (``glm4_moe``:
 DeepSeek-V3's routing — sigmoid scores, a selection bias, grouped top-k, scaled weights — a shared expert, dense first
-layers, attention bias, optional QK norm, partial RoPE) and DeepSeek-V3 (``deepseek_v3``, also Moonlight's: that
-routing with multi-latent attention, :class:`~hybridrl.hf.mla.MLA`): :class:`MoE`, and where each family's
-checkpoint keeps a layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error that names the file,
-the key, its value and what would be valid, so an unsupported checkpoint fails before any
+layers, attention bias, optional QK norm, partial RoPE) and DeepSeek-V3 (``deepseek_v3``, also Moonlight's, and
+Kimi K2's as ``kimi_k2``: that routing with multi-latent attention, :class:`~hybridrl.hf.mla.MLA`): :class:`MoE`, and
+where each family's checkpoint keeps a layer's router and experts (:data:`EXPERT_NAMES`). Anything else is an error
+that names the file, the key, its value and what would be valid, so an unsupported checkpoint fails before any
 process group or model is built.
 
 Importing this module imports neither torch nor transformers (static validation runs without them).
@@ -42,6 +42,10 @@ from hybridrl.megatron.stages import PipelineSplit
 Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
                                 "deepseek_v3")
+# model_types that are a family's architecture under another name, read as that family. Kimi K2 (``kimi_k2``) is
+# DeepSeek-V3's (its config.json: architectures ["DeepseekV3ForCausalLM"], auto_map to its own remote code);
+# transformers registers no ``kimi_k2`` config (docs/operations.md)
+FAMILY_ALIASES: dict[str, Family] = {"kimi_k2": "deepseek_v3"}
 MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 SIGMOID_MOE_FAMILIES: tuple[Family, ...] = ("glm4_moe", "deepseek_v3")
 # what transformers assumes where a sigmoid-routed family's config.json leaves a key out (its config class's defaults)
@@ -261,9 +265,12 @@ def _parse(cfg: Mapping[str, Any], source: str) -> HFArch:
         if value != valid:
             raise NotImplementedError(f"{source}: {key}={value!r} is not supported; valid: {valid!r}")
 
+    if cfg.get("model_type") in FAMILY_ALIASES:
+        cfg = {**cfg, "model_type": FAMILY_ALIASES[cfg["model_type"]]}
     family = need("model_type")
     if family not in FAMILIES:
-        raise NotImplementedError(f"{source}: model_type={family!r} is not supported; valid: {FAMILIES}")
+        raise NotImplementedError(f"{source}: model_type={family!r} is not supported; valid: "
+                                  f"{FAMILIES + tuple(FAMILY_ALIASES)}")
     expect("hidden_act", "silu", "silu")
     expect("use_sliding_window", False, False)
     expect("mlp_bias", False, False)

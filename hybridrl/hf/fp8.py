@@ -2,11 +2,13 @@
 
 DeepSeek-V3's (and R1's, Kimi-K2's) published checkpoints carry ``{"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``: every linear layer's weight is float8 e4m3 with
-one float32 ``<name>_scale_inv`` per 128 × 128 block; the embedding, the output layer, the norms and the routers
-stay bf16. SGLang and vLLM serve such a checkpoint as it is (FP8 GEMMs). hybridrl reads it for the memory plan only:
-its Megatron actor loads bf16/fp32 tensors (no block dequantisation), and its weight sync streams bf16 tensors,
+one float32 ``<name>_scale_inv`` per 128 × 128 block (``scale_inv = amax / 448`` of the block; the weight is
+``e4m3 × scale_inv``); the embedding, the output layer, the norms and the routers stay bf16. SGLang and vLLM serve
+such a checkpoint as it is (FP8 GEMMs). hybridrl plans its engines' memory with it, and its Megatron models load it
+dequantised (:class:`hybridrl.hf.tensors.SafetensorsReader`: each block × its scale, cast to the model's dtype), so they
+train in bf16/fp32 and export bf16 (without ``quantization_config``). Its weight sync streams those bf16 tensors,
 which an FP8 engine cannot take in place (slime quantises each weight to e4m3 blocks on the fly before
-``update_weights_from_tensor``). Any other ``quantization_config`` is refused.
+``update_weights_from_tensor``; hybridrl does not yet). Any other ``quantization_config`` is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the float32 scale of each block of "<name>.weight"
 FP8_FORMAT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 

@@ -80,7 +80,8 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
                        protect: Iterable[str | Path] = (), config_updates: Mapping[str, Any] | None = None) -> None:
     """Write an HF checkpoint (safetensors, shards of ≤ 4 GiB, + ``source_dir``'s side files) from the
     bucketed weight stream; ``config_updates``: keys of ``source_dir``'s config.json replaced in the copy (a
-    reward model's ``architectures``, ``num_labels``).
+    reward model's ``architectures``, ``num_labels``); its ``quantization_config`` is dropped unless the weights
+    written are FP8 (:func:`_update_config`).
 
     Every rank must consume the stream (it is made of collectives); rank 0 writes. ``out_dir`` is checked
     first (:func:`output_problem`, decided by rank 0: every rank raises ``FileExistsError`` together, before
@@ -122,9 +123,8 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
         tmp.mkdir(parents=True)
         _write(shards, tmp)
         copy_side_files(source_dir, tmp)
-        if config_updates:
-            config = json.loads((tmp / CONFIG_FILE).read_text())
-            (tmp / CONFIG_FILE).write_text(json.dumps(config | dict(config_updates), indent=2) + "\n")
+        _update_config(tmp / CONFIG_FILE, dict(config_updates or {}),
+                       fp8=any(t.dtype.is_floating_point and t.element_size() == 1 for s in shards for t in s.values()))
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / SNAPSHOT_MARKER).write_text(json.dumps({"path": str(out.resolve()), "files": files}) + "\n")
         _fsync_tree(tmp)
@@ -139,6 +139,20 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
             old.unlink()
     if distributed:
         dist.barrier()
+
+
+def _update_config(path: Path, updates: dict[str, Any], *, fp8: bool) -> None:
+    """Apply ``updates`` to the copied config.json; drop its ``quantization_config`` unless the written weights are
+    FP8 (a model loaded from an FP8 checkpoint, :mod:`hybridrl.hf.fp8`, writes bf16/fp32: with it left in, engines
+    and transformers would read those weights as e4m3 with block scales)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    new = config | updates
+    if not fp8:
+        new.pop("quantization_config", None)
+    if new != config:
+        path.write_text(json.dumps(new, indent=2) + "\n")
 
 
 def _fsync_tree(d: Path, *, files: bool = True) -> None:

@@ -5,8 +5,9 @@ Megatron model (``vpp`` interleaved model chunks per stage when given; uneven en
 ``--first-stage-layers``/``--last-stage-layers``), load the HF weights, run the
 same token ids through it (Megatron's forward-only pipeline schedule) and through transformers
 (``AutoModelForCausalLM``, fp32, eager attention), then export the weights back through the bucketed
-stream and compare every tensor bit for bit with the safetensors original, on every rank. The last line
-printed is ``max_abs_logit_diff=<float> roundtrip=<exact|MISMATCH>`` (the worst over the checkpoints
+stream and compare every tensor bit for bit with the safetensors original, on every rank. A block-wise FP8
+checkpoint (:mod:`hybridrl.hf.fp8`) is compared dequantised, both ways: transformers gets a dequantised fp32 copy.
+The last line printed is ``max_abs_logit_diff=<float> roundtrip=<exact|MISMATCH>`` (the worst over the checkpoints
 given).
 """
 
@@ -237,7 +238,7 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     logits_BSV = _megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
     diff = torch.zeros((), device=device)
     if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
-        diff = (logits_BSV - _hf_logits(model_dir, ids_BS).to(device)).abs().max()
+        diff = (logits_BSV - _hf_logits(model_dir, ids_BS, arch.fp8_blocks).to(device)).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     seconds["forward"] = time.perf_counter() - t0
 
@@ -286,15 +287,32 @@ def _megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int) -
         return gather_vocab_logits(outputs[0], arch.vocab_size)
 
 
-def _hf_logits(model_dir: Path, ids_BS: Any) -> Any:
+def _hf_logits(model_dir: Path, ids_BS: Any, fp8_blocks: tuple[int, int] | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")  # on CPU
+    with tempfile.TemporaryDirectory() as tmp:
+        if fp8_blocks is not None:
+            model_dir = _dequantised_copy(model_dir, fp8_blocks, Path(tmp))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")  # CPU
     with torch.no_grad():
         return hf.eval()(ids_BS).logits
+
+
+def _dequantised_copy(model_dir: Path, fp8_blocks: tuple[int, int], out: Path) -> Path:
+    """``model_dir``'s FP8 weights dequantised into fp32, without quantization_config, in ``out``: transformers on
+    CPU dequantises to bf16 only, and refuses a weight that ends in a partial block (transformers 5.19
+    ``Fp8Dequantize._dequantize_one``: "not divisible by scale grid"), as DeepSeek-V3's 576-row kv_a_proj does."""
+    from safetensors.torch import save_file
+
+    with SafetensorsReader(model_dir, fp8_blocks=fp8_blocks) as reader:
+        save_file({n: reader.read(n).contiguous() for n in reader.files}, str(out / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def _roundtrip(
@@ -307,7 +325,7 @@ def _roundtrip(
     mismatches: list[str] = []
     seen: set[str] = set()
     buckets: list[tuple[int, int]] = []
-    with SafetensorsReader(model_dir) as reader:
+    with SafetensorsReader(model_dir, fp8_blocks=arch.fp8_blocks) as reader:  # FP8: dequantised
         for bucket in export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes):
             buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket)))
             for name, tensor in bucket:

@@ -113,16 +113,10 @@ def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
 def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path, *,
                     skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter of this rank's model chunks from the HF checkpoint (only the slices it needs),
-    except those whose Megatron name starts with one of ``skip``. Block-wise FP8 checkpoints (:mod:`hybridrl.hf.fp8`)
-    are refused: copying e4m3 tensors into the model without their block scales would load wrong weights."""
-    if arch.fp8_blocks is not None:
-        raise NotImplementedError(
-            f"{model_dir}: its config.json carries quantization_config (FP8 weights, one scale per "
-            f"{arch.fp8_blocks[0]}×{arch.fp8_blocks[1]} block); the Megatron model loads bf16/fp32 weights only: "
-            "convert the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py, as slime does) and drop "
-            "quantization_config from its config.json")
+    except those whose Megatron name starts with one of ``skip``. A block-wise FP8 checkpoint (:mod:`hybridrl.hf.fp8`)
+    loads dequantised (each e4m3 block × its ``weight_scale_inv``) and cast to the model's dtype."""
     padded_vocab = unwrap_model(chunks[0]).vocab_size
-    with SafetensorsReader(model_dir) as reader:
+    with SafetensorsReader(model_dir, fp8_blocks=arch.fp8_blocks) as reader:
         for name, (unit, param) in local_units(chunks, arch, skip).items():
             tp_rank, tp_size = _tp(unit)
             if unit.fp32:  # Float16Module cast the buffer down; Megatron's router keeps it float32 (router.py:

@@ -76,7 +76,7 @@ def test_llama3_rope_scaling() -> None:
 UNSUPPORTED = [
     ({"model_type": "gpt2"},
      r"model_type='gpt2' is not supported; valid: \('qwen2', 'qwen3', 'llama', 'qwen3_moe', 'qwen2_moe', 'mixtral', "
-     r"'glm4_moe', 'deepseek_v3'\)"),
+     r"'glm4_moe', 'deepseek_v3', 'kimi_k2'\)"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; valid: 'silu'"),
     ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type='yarn' is not supported"),

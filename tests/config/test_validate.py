@@ -382,9 +382,16 @@ def test_uneven_pipeline_stages_are_planned_and_bad_ones_name_their_key(base: li
     assert "uneven end stages" in only(base, f"{pp}=3", world=3)  # 4 layers: the hint names the keys
 
 
-def test_a_checkpoint_in_fp8_is_refused_for_the_trainer(base: list[str], tmp_path: Path) -> None:
-    """DeepSeek-V3 ships FP8 weights (config.json quantization_config, hybridrl.hf.fp8): the Megatron model would copy
-    e4m3 tensors without their block scales, so a run with one is refused (planning with --model-config notes it)."""
+def test_a_checkpoint_in_fp8_trains_but_its_engine_on_gpus_is_refused(base: list[str], tmp_path: Path) -> None:
+    """DeepSeek-V3 ships FP8 weights (config.json quantization_config, hybridrl.hf.fp8): the Megatron model loads them
+    dequantised (tests/megatron/test_fp8_checkpoint.py), so the run validates; on GPUs the engine would serve FP8 and
+    the bf16 weight sync could not update it, so the rollout engine is refused there. Another quantization_config is
+    refused."""
+    from dataclasses import replace
+
+    from hybridrl.config.check_rollout import FP8_SYNC_PROBLEM, check_plugins
+    from hybridrl.config.errors import Issues
+
     model = Path(base[0].split("=", 1)[1])
     fp8 = tmp_path / "fp8"
     fp8.mkdir()
@@ -393,7 +400,12 @@ def test_a_checkpoint_in_fp8_is_refused_for_the_trainer(base: list[str], tmp_pat
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (fp8 / "config.json").write_text(json.dumps(config))
-    assert "its weights are FP8 (config.json quantization_config)" in only(base, f"{AOR}.model.path={fp8}")
+    cfg = compose_config([*base, f"{AOR}.model.path={fp8}"])
+    plan = validate(cfg, world_size=1)
+    assert plan.model is not None and plan.model.fp8_blocks == (128, 128)
+    found = Issues()
+    check_plugins(cfg, replace(plan, device_type="cuda"), found)
+    assert [(i.key, i.message) for i in found] == [(f"{AOR}.rollout.name", FP8_SYNC_PROBLEM)]
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (fp8 / "config.json").write_text(json.dumps(config))
     assert "quantization_config={'quant_method': 'awq', 'bits': 4} is not supported" in only(
@@ -404,8 +416,8 @@ def test_the_deepseek_v3_recipe_plans_671b_on_128_h200_over_uneven_stages(capsys
     """grpo_deepseek_v3 with DeepSeek-V3's config.json (recipes/model_configs/deepseek-v3.json: 61 layers, 3 dense,
     256 experts top-8 + a shared one, MLA, FP8 weights): TP=8 × PP=4 × DP=4, EP=32 at expert TP 1 on 16 × 8 H200, the
     layers 16 + 15 + 15 + 15 over the stages, within 141 GB in both phases with the engines serving FP8 (84 GB a GPU);
-    the plan prints that the run cannot start yet (bf16-only actor and weight sync). PP=4 without the uneven split,
-    an end that leaves unequal middle stages, and 80 GB GPUs are refused, each naming its key."""
+    the plan prints that the run cannot start yet (the bf16 weight sync into FP8 engines). PP=4 without the uneven
+    split, an end that leaves unequal middle stages, and 80 GB GPUs are refused, each naming its key."""
     v3 = str(Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "deepseek-v3.json")
     code, out, err = cli(capsys, "recipe=grpo_deepseek_v3", "--model-config", v3)
     assert code == 0, err
@@ -424,6 +436,32 @@ def test_the_deepseek_v3_recipe_plans_671b_on_128_h200_over_uneven_stages(capsys
                        f"{o}.num_layers_in_first_pipeline_stage=15", "trainer.device_memory_gb=80")
     assert code == 2 and f"{o}.num_layers_in_first_pipeline_stage=15: leaves 31 of the model's 61 layers" in err
     assert "trainer.device_memory_gb=80.0: the largest rank's model state" in err, err
+
+
+def test_kimi_k2_reads_as_deepseek_v3_and_its_recipe_plans_on_256_h200(capsys: pytest.CaptureFixture[str]) -> None:
+    """Kimi K2's config.json (recipes/model_configs/kimi-k2.json) says model_type kimi_k2 for DeepSeek-V3's
+    architecture: read as deepseek_v3 (384 experts top-8 in one group, × 2.827, only layer 0 dense, 64 MLA heads, YaRN
+    ×32, FP8 in 128×128 blocks), the same model as that config under deepseek_v3. grpo_kimi_k2 plans it on 32 × 8 H200
+    within 141 GB (the FP8 engine at TP=8 is 128.6 GB a GPU); on grpo_deepseek_v3's 16 nodes it does not fit."""
+    from hybridrl.hf.arch import HFArch
+
+    k2 = Path(__file__).resolve().parents[2] / "recipes" / "model_configs" / "kimi-k2.json"
+    config = json.loads(k2.read_text())
+    arch = HFArch.from_hf(k2)
+    assert arch.family == "deepseek_v3" and arch.moe is not None and arch.mla is not None
+    assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.scaling_factor, arch.num_attention_heads) == (
+        384, 8, 2.827, 64)
+    assert arch.moe.sparse_layers == (False,) + (True,) * 60 and arch.fp8_blocks == (128, 128)
+    assert arch.mla.yarn is not None and arch.mla.yarn[:2] == (32.0, 4096) and arch.rope_theta == 50000.0
+    assert HFArch.from_hf({**config, "model_type": "deepseek_v3"}) == arch
+    code, out, err = cli(capsys, "recipe=grpo_kimi_k2", "--model-config", str(k2))
+    assert code == 0, err
+    assert "actor   TP=8 PP=4 CP=1 DP=8 EP=64 ETP=1" in out and "EP=64: 6 experts per rank" in out
+    memory = re.search(r"engine weights ([\d.]+), .* → generate ([\d.]+) GB, train ([\d.]+) GB", out)
+    assert memory and float(memory[1]) == 128.6 and max(float(memory[2]), float(memory[3])) < 141, out
+    assert "NOT RUNNABLE YET" in out
+    code, _, err = cli(capsys, "recipe=grpo_deepseek_v3", "--model-config", str(k2))
+    assert code == 2 and "holds no sequence" in err, err
 
 
 def test_every_wait_is_below_the_collectives_timeout(base: list[str]) -> None:
