@@ -68,3 +68,16 @@ def language_config(cfg: Mapping[str, Any], source: str) -> tuple[dict[str, Any]
                       spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
                       tokens_per_second=float(vision.get("tokens_per_second", 2)))
     return text, tuple(section), spec
+
+
+def vision_parameters(config: Mapping[str, Any]) -> int:
+    """The Qwen2.5-VL vision tower's parameter count from its ``vision_config``: the patch embedding (a bias-free
+    3-D convolution), ``depth`` blocks (two RMSNorms, q/k/v and output projections with biases, a SwiGLU MLP with
+    biases) and the merger (an RMSNorm, then two linears from ``hidden · merge²`` to ``out_hidden_size``)."""
+    h, ffn = int(config["hidden_size"]), int(config["intermediate_size"])
+    patch = int(config.get("in_channels", 3)) * int(config.get("temporal_patch_size", 2)) \
+        * int(config.get("patch_size", 14)) ** 2 * h
+    block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * ffn + ffn) + (ffn * h + h)
+    merged = h * int(config.get("spatial_merge_size", 2)) ** 2
+    merger = h + (merged * merged + merged) + (merged * int(config["out_hidden_size"]) + int(config["out_hidden_size"]))
+    return patch + int(config["depth"]) * block + merger
