@@ -225,6 +225,11 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     load_hf_weights(chunks, arch, model_dir)
     for chunk in chunks:
         chunk.eval()
+    tower = None
+    if arch.vision is not None:  # a VLM: its vision tower beside the language model, an image in every row
+        from hybridrl.vlm.megatron_vlm import build_vision_tower
+
+        tower = build_vision_tower(arch, model_dir)
     stage_layers: list[int] = [0] * args.pp
     dist.all_gather_object(stage_layers, sum(len(unwrap_model(c).decoder.layers) for c in chunks),
                            group=parallel_state.get_pipeline_model_parallel_group())
@@ -235,17 +240,25 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     ids_BS = torch.randint(0, arch.vocab_size, (args.batch, args.seq_len), generator=gen)
     _log(f"forward {args.batch}×{args.seq_len} tokens through Megatron and transformers")
     device = next(chunks[0].parameters()).device
-    logits_BSV = _megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
+    if tower is not None:
+        from hybridrl.vlm.verify_vlm import hf_vlm_logits, megatron_vlm_logits, vlm_inputs
+
+        ids_BS, pixels, grid = vlm_inputs(arch, batch=args.batch, seq_len=args.seq_len, gen=gen)
+        logits_BSV = megatron_vlm_logits(chunks, tower, arch, ids_BS.to(device), pixels, grid, pp=args.pp)
+        hf_logits = lambda: hf_vlm_logits(model_dir, arch, ids_BS, pixels, grid)  # noqa: E731
+    else:
+        logits_BSV = _megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
+        hf_logits = lambda: _hf_logits(model_dir, ids_BS, arch.fp8_blocks)  # noqa: E731
     diff = torch.zeros((), device=device)
     if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
-        diff = (logits_BSV - _hf_logits(model_dir, ids_BS, arch.fp8_blocks).to(device)).abs().max()
+        diff = (logits_BSV - hf_logits().to(device)).abs().max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     seconds["forward"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     _log(f"exporting the weights as HF tensors (buckets ≤ {args.bucket_bytes} B) and comparing them "
          "bit for bit with the safetensors originals")
-    mismatches, n_tensors, buckets = _roundtrip(chunks, arch, model_dir, args.bucket_bytes)
+    mismatches, n_tensors, buckets = _roundtrip(chunks, arch, model_dir, args.bucket_bytes, tower=tower)
     bad = torch.tensor(float(len(mismatches)), device=device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     seconds["export"] = time.perf_counter() - t0
@@ -316,17 +329,23 @@ def _dequantised_copy(model_dir: Path, fp8_blocks: tuple[int, int], out: Path) -
 
 
 def _roundtrip(
-    chunks: list[Any], arch: HFArch, model_dir: Path, bucket_bytes: int
+    chunks: list[Any], arch: HFArch, model_dir: Path, bucket_bytes: int, *, tower: Any = None
 ) -> tuple[list[str], int, list[tuple[int, int]]]:
+    """Every exported tensor against the checkpoint's, bit for bit (a VLM's ``tower``: its weights as one more
+    bucket)."""
+    import itertools
+
     import torch
 
     from hybridrl.megatron.weights import export_hf_weights
+    from hybridrl.vlm.megatron_vlm import vision_tensors
 
     mismatches: list[str] = []
     seen: set[str] = set()
     buckets: list[tuple[int, int]] = []
     with SafetensorsReader(model_dir, fp8_blocks=arch.fp8_blocks) as reader:  # FP8: dequantised
-        for bucket in export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes):
+        stream = export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes)
+        for bucket in itertools.chain(stream, [vision_tensors(tower)] if tower is not None else []):
             buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket)))
             for name, tensor in bucket:
                 if name in seen or name not in reader.files:
