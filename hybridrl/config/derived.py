@@ -14,6 +14,8 @@ verl counts it.
 ``actor_rollout_ref.model.enable_gradient_checkpointing`` (verl's key) turns on Megatron's activation recompute
 for every trained and frozen model of the run — full granularity, uniform method, one layer per checkpoint,
 as verl's Megatron workers set it — unless ``megatron.override_transformer_config`` sets ``recompute_*`` itself.
+``actor.router_replay.mode=R3`` turns on the rollout engine's ``return_routed_experts`` where its config has that
+switch (vLLM: the experts are recorded only by an engine started so).
 
 verl's "none" spellings, as verl reads them (:func:`apply_verl_rules`): ``optim.lr_warmup_steps`` < 0 means
 ``lr_warmup_steps_ratio`` of the steps (only 0 is accepted here: no warm-up), ``trainer.test_freq`` < 0 never
@@ -45,8 +47,27 @@ def derive(cfg: RLConfig) -> tuple[RLConfig, str | None, list[str]]:
     apply_gradient_checkpointing(out)
     notes = apply_verl_rules(out)
     resolve_plugin_kwargs(out)
+    apply_routed_experts(out)
     apply_model_overrides(out)
     return out, problem, ([note] if note is not None else []) + notes
+
+
+def apply_routed_experts(cfg: RLConfig) -> None:
+    """R3 router replay needs the engine to record its routing from the start: an engine whose config has a
+    ``return_routed_experts`` switch (vLLM's aux output) gets it on unless ``engine_kwargs`` sets it."""
+    from dataclasses import fields
+
+    from hybridrl.registry import PluginError, Registry
+
+    r = cfg.actor_rollout_ref.rollout
+    if cfg.actor_rollout_ref.actor.router_replay.mode != "R3":
+        return
+    try:
+        config = Registry("rollout_engines").load(r.name, key="actor_rollout_ref.rollout.name").Config
+    except (PluginError, AttributeError):
+        return  # validation reports an engine that does not load
+    if "return_routed_experts" in {f.name for f in fields(config)}:
+        r.engine_kwargs.setdefault("return_routed_experts", True)
 
 
 def count_rows(files: list[str]) -> int | None:

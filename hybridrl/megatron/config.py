@@ -78,8 +78,6 @@ ROUTER_REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
 ROUTED_EXPERTS_UPSTREAM = {
     "sglang": " (SGLang 0.5.21 can return them: the server's --enable-return-routed-experts and a request's "
               "return_routed_experts; hybridrl's sglang engine does not read them yet)",
-    "vllm": " (vLLM 0.32 can return them: AuxOutputConfig.enable_return_routed_experts; hybridrl's vllm engine does "
-            "not read them yet)",
 }
 
 

@@ -23,6 +23,10 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items re
   ``sleep(level=engine_kwargs.sleep_level)``: level 1 drops the KV cache and offloads the weights to host memory,
   level 2 drops both (the next weight swap writes them back). ``resume_memory`` wakes it. On CPU vLLM has no sleep
   mode (item 9): both calls are no-ops, and ``hybridrl validate`` says so.
+- **Router replay (R3).** With ``engine_kwargs.return_routed_experts`` (set by the run when
+  ``actor.router_replay.mode=R3``) the engine starts with vLLM's aux output and each finished sample carries the experts
+  of every position it ran, its MoE layers in order (``Generation.routed_experts``). GPU only (item 13); written
+  against vLLM 0.32's API and not yet run on a GPU here (``tests/gpu/test_router_replay_vllm_gpu.py``).
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an ``atexit`` hook,
   SIGTERM/SIGINT, and a watcher process for a SIGKILLed trainer (item 5,
   :func:`hybridrl.rollout.engines.processes.start_reaper`) kill exactly the engine's processes.
@@ -58,6 +62,7 @@ class VLLMEngineError(RuntimeError):
 class VLLMRolloutEngine(ServerEngine):
     label: ClassVar[str] = "vLLM"
     scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (vllm_compat item 12)
+    supports_routed_experts: ClassVar[bool] = True  # with engine_kwargs.return_routed_experts, on GPU (item 13)
     error: ClassVar[type[RuntimeError]] = VLLMEngineError
     # abort(): the step loop aborts its unfinished requests, keeping their tokens
 
@@ -78,6 +83,9 @@ class VLLMRolloutEngine(ServerEngine):
         seed: int = 0  # the engine's own randomness (requests without a per-sample seed)
         rpc_timeout_s: float | None = 600.0  # one weight-swap call to the engine's workers; null: no limit
         log_level: str = "error"  # vLLM's log level (debug | info | warning | error)
+        # record each position's experts for R3 router replay (vLLM's aux output; GPU only, vllm_compat item 13); the
+        # run sets it when actor_rollout_ref.actor.router_replay.mode=R3
+        return_routed_experts: bool = False
         engine_args: dict[str, Any] = field(default_factory=dict)  # any other vLLM EngineArgs, verbatim
 
         def __post_init__(self) -> None:
@@ -97,6 +105,8 @@ class VLLMRolloutEngine(ServerEngine):
         device cannot run."""
         if device_type != "cpu":
             return []
+        if config.return_routed_experts:
+            raise ValueError(compat.ROUTED_EXPERTS_CPU)
         if config.enable_sleep_mode:
             raise ValueError("enable_sleep_mode=true needs a GPU (vLLM has no sleep mode on CPU); unset it")
         if tp_size > 1:
@@ -124,6 +134,11 @@ class VLLMRolloutEngine(ServerEngine):
                          gpu_memory_utilization=gpu_memory_utilization)
         self.cpu = self.device.type == "cpu"
         self.sleep_mode = not self.cpu if config.enable_sleep_mode is None else config.enable_sleep_mode
+        self.moe_layers: list[int] | None = None  # the MoE layers among vLLM's routed-experts rows (R3)
+        if config.return_routed_experts:
+            if self.cpu:
+                raise VLLMEngineError(compat.ROUTED_EXPERTS_CPU)
+            self.moe_layers = _moe_layers(self.model_path)
         if self.cpu:
             if config.enable_sleep_mode:
                 raise VLLMEngineError(f"{CONFIG_KEY}.enable_sleep_mode=true needs a GPU: vLLM has no sleep mode on "
@@ -161,12 +176,16 @@ class VLLMRolloutEngine(ServerEngine):
         for name in ("max_num_seqs", "max_model_len", "enable_prefix_caching"):
             if getattr(c, name) is not None:
                 args[name] = getattr(c, name)
+        if c.return_routed_experts:
+            args["enable_return_routed_experts"] = True
         return args | c.engine_args
 
     def _start(self) -> None:
         import psutil
 
         env = compat.engine_env(cpu=self.cpu, threads=self.config.cpu_threads or 1, log_level=self.config.log_level)
+        if self.config.return_routed_experts:
+            env |= compat.ROUTED_EXPERTS_ENV
         if not self.cpu:
             env["CUDA_VISIBLE_DEVICES"] = _visible_devices(self.device, self.tp_size)
         before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -211,13 +230,17 @@ class VLLMRolloutEngine(ServerEngine):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        if params.return_routed_experts and self.moe_layers is None:
+            raise VLLMEngineError("SamplingParams.return_routed_experts: the engine was started without "
+                                  f"{CONFIG_KEY}.return_routed_experts (R3 sets it)")
         requests = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in expanded]
         sampling = [VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=limits[i], stop_token_ids=stop, logprobs=0, detokenize=False,
             seed=self.seed(seeds, i, j)) for i, j in expanded]
         outs = self._run(requests, sampling)
-        made = {key: self._generation(key[0], out) for key, out in zip(expanded, outs, strict=True)}
+        made = {key: self._generation(key[0], out, len(prompts[key[0]]) if params.return_routed_experts else None)
+                for key, out in zip(expanded, outs, strict=True)}
         # a prompt capped at 0 new tokens gets empty samples (vLLM needs max_tokens ≥ 1)
         return [made.get((i, j)) or Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="length",
                                                weight_version=self.version)
@@ -265,7 +288,8 @@ class VLLMRolloutEngine(ServerEngine):
                 engine.abort_request(left)
         return [latest.get(i) for i in ids]
 
-    def _generation(self, prompt_index: int, out: Any) -> Generation:
+    def _generation(self, prompt_index: int, out: Any, routed_prompt_len: int | None = None) -> Generation:
+        """``out`` as a Generation; with ``routed_prompt_len`` (R3) its routed experts too."""
         if out is None or not out.finished:  # abort(): what it had (cumulative outputs)
             sample = None if out is None else out.outputs[0]
             token_ids = [] if sample is None else [int(t) for t in sample.token_ids]
@@ -282,8 +306,28 @@ class VLLMRolloutEngine(ServerEngine):
         if len(steps) != len(token_ids):
             raise VLLMEngineError(f"vLLM returned {len(token_ids)} tokens but {len(steps)} log-probs")
         logprobs = [float(step[t].logprob) for step, t in zip(steps, token_ids, strict=True)]
+        routed = None
+        if routed_prompt_len is not None:
+            routed = self._routed_experts(sample.routed_experts, routed_prompt_len + len(token_ids) - 1)
         return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
-                          finish_reason=sample.finish_reason, weight_version=self.version)
+                          finish_reason=sample.finish_reason, weight_version=self.version, routed_experts=routed)
+
+    def _routed_experts(self, rows: Any, positions: int) -> torch.Tensor:
+        """vLLM's ``[positions, layers, top-k]`` rows as ``Generation.routed_experts`` (int16, MoE layers only)."""
+        if rows is None:
+            raise VLLMEngineError("vLLM returned no routed experts for a finished sample (engine config: "
+                                  f"{self.describe()})")
+        routed = torch.as_tensor(rows).to(torch.int16)
+        assert self.moe_layers is not None
+        if routed.ndim != 3 or routed.shape[0] != positions:
+            raise VLLMEngineError(f"vLLM's routed experts have the shape {tuple(routed.shape)}; expected "
+                                  f"[{positions} positions (prompt + output − 1), layers, top-k]")
+        if routed.shape[1] != len(self.moe_layers):  # one row per layer, the dense ones too: keep the MoE layers'
+            if routed.shape[1] <= self.moe_layers[-1]:
+                raise VLLMEngineError(f"vLLM's routed experts cover {routed.shape[1]} layers; the model's MoE layers "
+                                      f"are {self.moe_layers}")
+            routed = routed[:, self.moe_layers]
+        return routed
 
     # ---- weight swap: one layerwise-reload session of the workers ----
     def _begin_update(self) -> None:
@@ -346,6 +390,16 @@ def _token_scores(prompt_logprobs: list[Any], seq: list[int], start: int, topk: 
         scores.topk_ids = torch.tensor([[tid for _, tid, _ in r] for r in ranked], dtype=torch.long)
         scores.topk_logprobs = torch.tensor([[float(lp) for _, _, lp in r] for r in ranked])
     return scores
+
+
+def _moe_layers(model_path: str) -> list[int]:
+    """The indices of the model's MoE layers (the rows R3 replays)."""
+    from hybridrl.hf.arch import HFArch
+
+    moe = HFArch.from_hf(model_path).moe
+    if moe is None:
+        raise VLLMEngineError(f"{CONFIG_KEY}.return_routed_experts: {model_path} has no MoE layers to record")
+    return [i for i, sparse in enumerate(moe.sparse_layers) if sparse]
 
 
 def _visible_devices(device: torch.device, tp_size: int) -> str:

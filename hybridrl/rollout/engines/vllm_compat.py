@@ -60,6 +60,12 @@ needed (it fails once upstream changes, so the item can go).
     ones. A teacher served by vLLM (``score``) therefore scores at T = 1 only; validation refuses a vLLM teacher
     beside a rollout temperature other than 1 (the actor's log-probs are tempered), naming
     ``actor_rollout_ref.rollout.temperature``.
+13. **Routed experts need the V2 model runner, and it needs Triton.** vLLM 0.32 returns each position's experts
+    (``CompletionOutput.routed_experts``, ``[prompt + output − 1, layers, top-k]``, R3 router replay) only with
+    ``enable_return_routed_experts``, which refuses to start without ``VLLM_USE_V2_MODEL_RUNNER=1`` ("AuxOutput
+    Connector requires Model Runner V2"); the V2 runner refuses to start without Triton ("Model Runner V2 requires
+    Triton"), which the CPU build lacks. So the engine sets the variable when it records routing, and R3 with vLLM is
+    refused on CPU at validation (:data:`ROUTED_EXPERTS_CPU`).
 
 Nothing here imports vllm at module import time.
 """
@@ -77,6 +83,9 @@ LOGPROBS_MODE = "processed_logprobs"  # item 3
 PROMPT_LOGPROBS_UNTEMPERED = "item 12 of hybridrl.rollout.engines.vllm_compat"
 CPU_KV_CACHE_BYTES = 256 << 20  # item 6: 256 MiB (a tiny model's 8k tokens take ~4 MiB per layer)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # item 7: vLLM's CPU attention
+ROUTED_EXPERTS_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # item 13
+ROUTED_EXPERTS_CPU = ("return_routed_experts (R3 router replay) needs vLLM's V2 model runner, which needs Triton: GPU "
+                      "only (item 13 of hybridrl.rollout.engines.vllm_compat); on CPU use the hf engine for R3, or R2")
 
 
 def engine_env(*, cpu: bool, threads: int, log_level: str) -> dict[str, str]:
