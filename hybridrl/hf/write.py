@@ -77,11 +77,13 @@ def _own_snapshot(d: Path) -> bool:
 
 def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, source_dir: str | Path,
                        key: str = "out_dir", overwrite: bool = False, overwrite_option: str | None = None,
-                       protect: Iterable[str | Path] = (), config_updates: Mapping[str, Any] | None = None) -> None:
+                       protect: Iterable[str | Path] = (), config_updates: Mapping[str, Any] | None = None,
+                       chat_template: bool = True) -> None:
     """Write an HF checkpoint (safetensors, shards of ≤ 4 GiB, + ``source_dir``'s side files) from the
     bucketed weight stream; ``config_updates``: keys of ``source_dir``'s config.json replaced in the copy (a
     reward model's ``architectures``, ``num_labels``); its ``quantization_config`` is dropped unless the weights
-    written are FP8 (:func:`_update_config`).
+    written are FP8 (:func:`_update_config`). ``chat_template=False``: the tokenizer is saved without the source's
+    chat template (a model trained on plain text, which a reader must not render as chat).
 
     Every rank must consume the stream (it is made of collectives); rank 0 writes. ``out_dir`` is checked
     first (:func:`output_problem`, decided by rank 0: every rank raises ``FileExistsError`` together, before
@@ -125,6 +127,8 @@ def save_hf_checkpoint(stream: Iterable[WeightBucket], out_dir: str | Path, *, s
         copy_side_files(source_dir, tmp)
         _update_config(tmp / CONFIG_FILE, dict(config_updates or {}),
                        fp8=any(t.dtype.is_floating_point and t.element_size() == 1 for s in shards for t in s.values()))
+        if not chat_template:
+            _drop_chat_template(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / SNAPSHOT_MARKER).write_text(json.dumps({"path": str(out.resolve()), "files": files}) + "\n")
         _fsync_tree(tmp)
@@ -153,6 +157,17 @@ def _update_config(path: Path, updates: dict[str, Any], *, fp8: bool) -> None:
         new.pop("quantization_config", None)
     if new != config:
         path.write_text(json.dumps(new, indent=2) + "\n")
+
+
+def _drop_chat_template(d: Path) -> None:
+    """The saved tokenizer without a chat template (transformers keeps it in chat_template.jinja or in
+    tokenizer_config.json)."""
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    config = d / "tokenizer_config.json"
+    if config.is_file():
+        tokenizer = json.loads(config.read_text())
+        if tokenizer.pop("chat_template", None) is not None:
+            config.write_text(json.dumps(tokenizer, indent=2) + "\n")
 
 
 def _fsync_tree(d: Path, *, files: bool = True) -> None:

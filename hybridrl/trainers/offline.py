@@ -77,6 +77,10 @@ class OfflineJob(Protocol):
         """What the saved checkpoint's config.json changes from the start model's (nothing: the same architecture)."""
         return {}
 
+    def keeps_chat_template(self) -> bool:
+        """Whether the saved tokenizer keeps the start model's chat template (yes: a policy is read as it was)."""
+        return True
+
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[Any, Any]:
         """The training rows (a ``PromptDataset``) and the held-out ones (None: no validation)."""
 
@@ -128,7 +132,7 @@ def fit_offline(cfg: OfflineConfig, job: OfflineJob, *, train_batch_size: int, s
     save_hf_checkpoint(policy.export_weights(bucket_bytes=256 << 20), t.save_path, source_dir=cfg.model.path,
                        key="trainer.save_path", overwrite=t.overwrite_save_path,
                        overwrite_option="trainer.overwrite_save_path=true", protect=[cfg.model.path],
-                       config_updates=job.hf_config())
+                       config_updates=job.hf_config(), chat_template=job.keeps_chat_template())
     tracker.close()
     return metrics
 

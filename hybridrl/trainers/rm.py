@@ -17,7 +17,9 @@ renders it, the response, and then what ends a response — EOS; with ``data.app
 that has a chat template, the text the template puts after an assistant message (e.g. ``<|im_end|>\\n``:
 :func:`hybridrl.rewards.model.assistant_turn_end`), which is how :class:`~hybridrl.rewards.model.ModelReward` renders
 a scored sample. The saved config.json is the start model's with ``architectures`` = its ``*ForSequenceClassification``,
-``num_labels`` = 1 and ``pad_token_id`` = the id the score's position skips (the tokenizer's pad).
+``num_labels`` = 1 and ``pad_token_id`` = the id the score's position skips (the tokenizer's pad); trained on plain
+text (``data.apply_chat_template=false``), its tokenizer is saved without a chat template, so ``reward.name=model``
+reads samples as plain text as well.
 
 As in SFT and DPO there is no mid-run checkpoint or resume: the run ends with the HF checkpoint.
 """
@@ -137,6 +139,12 @@ class RMJob(OfflineJob):
 
     def hf_config(self) -> dict[str, Any]:
         return sequence_classification_config(self.cfg.model.path, pad_token_id=self.pad_token_id)
+
+    def keeps_chat_template(self) -> bool:
+        """A reward model trained on plain text (``data.apply_chat_template=false``) is saved without a chat
+        template, so that ``reward.name=model`` reads it as plain text too (it renders chat when the RM's tokenizer
+        has a template)."""
+        return self.cfg.data.apply_chat_template
 
 
 def fit_rm(cfg: RMConfig) -> dict[str, float]:

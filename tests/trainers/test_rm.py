@@ -145,9 +145,8 @@ def test_grpo_scores_with_the_saved_reward_model(rm_run: Path, tiny: dict[str, P
     """``reward.name=model`` loads the saved checkpoint as it is and an RL run trains on its scores: each sample's
     reward is transformers' score of its prompt + response."""
     rm, out = rm_run / "tp1" / "hf", rm_run / "grpo"
-    # the recipe trained on plain text (data.apply_chat_template=false): the reward manager reads it as plain text too
+    # trained on plain text (data.apply_chat_template=false), saved without a chat template: read as plain text
     torchrun([TRAIN, *base_overrides(tiny, out, "reward.name=model", f"+reward.kwargs.path={rm}",
-                                     "+reward.kwargs.apply_chat_template=false",
                                      "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                                      "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2",
@@ -165,10 +164,16 @@ def test_grpo_scores_with_the_saved_reward_model(rm_run: Path, tiny: dict[str, P
         assert s["score"] == pytest.approx(expected, abs=1e-4)
 
 
-def test_chat_rendering_is_what_the_reward_manager_scores(rm_run: Path) -> None:
+def test_chat_rendering_is_what_the_reward_manager_scores(rm_run: Path, tmp_path: Path) -> None:
     """With a chat template, a trained sequence (the dataset's templated prompt + response + the template's end of an
-    assistant turn) is token for token what ``ModelReward`` builds to score that prompt and response."""
-    rm = rm_run / "tp1" / "hf"
+    assistant turn) is token for token what ``ModelReward`` builds to score that prompt and response. (The recipe's
+    own export, trained on plain text, has no template: it is read as plain text.)"""
+    import shutil
+
+    assert load_reward_model(str(rm_run / "tp1" / "hf"), dtype=torch.float32)[0].chat_template is None
+    rm = tmp_path / "chat-rm"
+    shutil.copytree(rm_run / "tp1" / "hf", rm)
+    shutil.copy(rm_run / "random" / "chat_template.jinja", rm / "chat_template.jinja")  # as if trained on chat
     reward = ModelReward(ModelReward.Config(path=str(rm)), tokenizer=load_reward_model(str(rm),
                                                                                        dtype=torch.float32)[0])
     tok = reward.rm_tokenizer
