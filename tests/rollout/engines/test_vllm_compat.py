@@ -143,23 +143,24 @@ def test_item9_no_sleep_mode_on_cpu(vllm_models: tuple[Path, Path]) -> None:
     assert "not supported on CPU" in inspect.getsource(CPUWorker.sleep)
 
 
-def test_item13_routed_experts_need_the_v2_runner_which_needs_triton(vllm_models: tuple[Path, Path],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item13_routed_experts_need_the_v2_runner_which_needs_triton(vllm_models: tuple[Path, Path]) -> None:
     """vLLM returns routed experts (R3) only on its V2 model runner, and the V2 runner refuses to start without
-    Triton (the CPU build): the engine sets the variable when it records routing; CPU refuses R3 with vllm."""
-    from vllm.engine.arg_utils import EngineArgs
+    Triton (the CPU build): the engine sets the variable when it records routing; CPU refuses R3 with vllm. Each
+    check in a process of its own: vLLM caches its environment variables once a config is made, so a variable set
+    here would outlive the test and break every later engine of this process."""
+    import os
+    import subprocess
+    import sys
 
-    def config() -> None:
-        EngineArgs(model=str(vllm_models[0]), enable_return_routed_experts=True, skip_tokenizer_init=True,
-                   kv_cache_memory_bytes=compat.CPU_KV_CACHE_BYTES).create_engine_config()
-
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    with pytest.raises(Exception, match="AuxOutput Connector requires Model Runner V2"):
-        config()
-    for name, value in compat.ROUTED_EXPERTS_ENV.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(Exception, match="Model Runner V2 requires Triton"):
-        config()
+    code = ("from vllm.engine.arg_utils import EngineArgs\n"
+            f"EngineArgs(model={str(vllm_models[0])!r}, enable_return_routed_experts=True, skip_tokenizer_init=True, "
+            f"kv_cache_memory_bytes={compat.CPU_KV_CACHE_BYTES}).create_engine_config()")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    for extra, error in (({}, "AuxOutput Connector requires Model Runner V2"),
+                         (compat.ROUTED_EXPERTS_ENV, "Model Runner V2 requires Triton")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode != 0 and error in proc.stderr, proc.stderr[-2000:]
 
 
 def test_item10_offline_requests_keep_only_their_final_output() -> None:
