@@ -37,6 +37,7 @@ from transformers import (
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, IM_START, PAD_TOKEN, char_vocab
 from hybridrl.models.tiny import INIT_STD, TinyModelSpec, _count_params, _parse_vocab, init_weights
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 MERGE = 2  # spatial_merge_size: 2×2 patches make one token, as in every Qwen2.5-VL
 VISION_START, VISION_END, VISION_PAD = "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"
@@ -119,25 +120,28 @@ def make_tiny_vlm(out_dir: str | os.PathLike[str], *, text: TinyModelSpec | None
         raise ValueError(f"vocab={spec.vocab!r} must be 'chars' or an int >= the tokenizer's {len(tokenizer)} tokens")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (PAD_TOKEN, EOS_TOKEN, *VISION_TOKENS)}
     head_dim = spec.hidden // spec.heads
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer) if spec.vocab == "chars" else spec.vocab, hidden_size=spec.hidden,
-            intermediate_size=spec.intermediate or 3 * spec.hidden, num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-            max_position_embeddings=spec.max_positions, rms_norm_eps=1e-6, initializer_range=INIT_STD,
-            tie_word_embeddings=spec.tie, bos_token_id=None, eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)},
-        ),
-        vision_config=dict(
-            depth=vision.depth, hidden_size=vision.hidden, intermediate_size=2 * vision.hidden, num_heads=vision.heads,
-            patch_size=vision.patch_size, spatial_merge_size=MERGE, temporal_patch_size=2,
-            window_size=vision.window_size, out_hidden_size=spec.hidden, fullatt_block_indexes=[vision.depth - 1],
-            tokens_per_second=2, initializer_range=INIT_STD,
-        ),
-        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END], tie_word_embeddings=spec.tie, dtype="float32",
-    )
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with transformers_rope_rules():  # the vision tower's axial RoPE, even after SGLang's import (sglang_compat)
+        config = Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer) if spec.vocab == "chars" else spec.vocab, hidden_size=spec.hidden,
+                intermediate_size=spec.intermediate or 3 * spec.hidden, num_hidden_layers=spec.layers,
+                num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                max_position_embeddings=spec.max_positions, rms_norm_eps=1e-6, initializer_range=INIT_STD,
+                tie_word_embeddings=spec.tie, bos_token_id=None, eos_token_id=ids[EOS_TOKEN],
+                pad_token_id=ids[PAD_TOKEN],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": mrope_section(head_dim)},
+            ),
+            vision_config=dict(
+                depth=vision.depth, hidden_size=vision.hidden, intermediate_size=2 * vision.hidden,
+                num_heads=vision.heads, patch_size=vision.patch_size, spatial_merge_size=MERGE, temporal_patch_size=2,
+                window_size=vision.window_size, out_hidden_size=spec.hidden,
+                fullatt_block_indexes=[vision.depth - 1], tokens_per_second=2, initializer_range=INIT_STD,
+            ),
+            image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+            vision_end_token_id=ids[VISION_END], tie_word_embeddings=spec.tie, dtype="float32",
+        )
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     init_weights(model, seed=spec.seed)
     # stop on <|im_end|> (chat) and <|endoftext|> (raw text); greedy unless the caller samples
     model.generation_config = GenerationConfig(eos_token_id=[ids[EOS_TOKEN], ids[PAD_TOKEN]],
@@ -162,7 +166,8 @@ def main(args: argparse.Namespace) -> int:
         hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab="chars" if args.vocab == "chars" else _parse_vocab(args.vocab),
         max_positions=args.max_positions, tie=args.tie, seed=args.seed))
-    config = Qwen2_5_VLConfig.from_pretrained(out)
+    with transformers_rope_rules():
+        config = Qwen2_5_VLConfig.from_pretrained(out)
     text, vision = config.text_config, config.vision_config
     print(f"wrote {out}: qwen2_5_vl, {_count_params(out / 'model.safetensors'):,} parameters; text hidden "
           f"{text.hidden_size}, {text.num_hidden_layers} layers, {text.num_attention_heads} heads / "

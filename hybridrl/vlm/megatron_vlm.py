@@ -27,6 +27,7 @@ import torch
 from hybridrl.hf.arch import HFArch
 from hybridrl.hf.tensors import SafetensorsReader
 from hybridrl.vlm.positions import mrope_positions
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 VISION_PREFIX = "visual."  # the vision tower's tensors in the checkpoint
 
@@ -38,9 +39,10 @@ def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtyp
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     assert arch.vision is not None, "not a vision-language model"
-    config = Qwen2_5_VLVisionConfig(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
-    config._attn_implementation = "sdpa"
-    tower = Qwen2_5_VisionTransformerPretrainedModel(config)
+    with transformers_rope_rules():  # its axial RoPE even after SGLang's import (hybridrl.vlm.sglang_compat)
+        config = Qwen2_5_VLVisionConfig(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
+        config._attn_implementation = "sdpa"
+        tower = Qwen2_5_VisionTransformerPretrainedModel(config)
     with SafetensorsReader(model_dir) as reader:
         names = [n for n in reader.files if n.startswith(VISION_PREFIX)]
         state = {n.removeprefix(VISION_PREFIX): reader.read(n) for n in names}

@@ -11,6 +11,7 @@ import torch
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.vlm.megatron_vlm import batch_positions, decoder_input
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 GRID = (1, 4, 4)  # each row's image: one frame of 4 × 4 patches → 4 placeholder tokens at merge 2
 
@@ -75,7 +76,8 @@ def hf_vlm_logits(model_dir: Path, arch: HFArch, ids_BS: torch.Tensor, pixels: t
     from transformers import AutoModelForImageTextToText
 
     assert arch.vision is not None
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with transformers_rope_rules():  # hybridrl.vlm.sglang_compat
+        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         return hf.eval()(input_ids=ids_BS, pixel_values=pixels, image_grid_thw=grid_N3,
                          mm_token_type_ids=(ids_BS == arch.vision.image_token_id).int()).logits

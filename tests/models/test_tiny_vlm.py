@@ -3,6 +3,7 @@ and generate on them, and the checkpoint, processor and CLI round-trip through `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,21 @@ from hybridrl.cli import main as cli_main
 from hybridrl.models.char_tokenizer import make_char_tokenizer
 from hybridrl.models.tiny import TinyModelSpec
 from hybridrl.models.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START, make_tiny_vlm, mrope_section
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "model")
 
+
+
+@pytest.fixture(autouse=True)
+def _transformers_rope_rules() -> Iterator[None]:
+    """transformers' own RoPE rules for its Qwen2.5-VL, whatever another test of the process imported (SGLang patches
+    them: :mod:`hybridrl.vlm.sglang_compat`)."""
+    with transformers_rope_rules():
+        yield
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:
     gen = torch.Generator().manual_seed(seed)

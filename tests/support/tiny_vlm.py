@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
+
 IMAGE, VIDEO, START, END = 200, 201, 202, 203  # its placeholder and frame token ids
 
 
@@ -14,18 +16,21 @@ def make_tiny_qwen2_5_vl(out: Path, *, tie: bool, seed: int = 0) -> Path:
     2 KV heads, vocab 211, mrope_section 2/3/3) with discriminating norms and biases."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
-                         tie_word_embeddings=tie, bos_token_id=None, eos_token_id=210, pad_token_id=209,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=8,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=96, window_size=32,
-                           fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-        tie_word_embeddings=tie)
+    with transformers_rope_rules():  # hybridrl.vlm.sglang_compat: SGLang imported by another test of the process
+        config = Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                             rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=210,
+                             pad_token_id=209, rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                                "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=8,
+                               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=96, window_size=32,
+                               fullatt_block_indexes=[1]),
+            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+            tie_word_embeddings=tie)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with transformers_rope_rules():
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
     with torch.no_grad():  # norms ≈ 1 ± 0.2 and biases ≈ ±0.1: a misplaced one shows in the logits
         for name, p in model.named_parameters():
             if p.ndim == 1:
