@@ -9,8 +9,8 @@ SGLang engine (a trainer with ``rollout.name=sglang``, a test worker) hits it.
 
 :func:`transformers_rope_rules` restores transformers' own method while a block builds or loads a Qwen2.5-VL config
 or model, and puts SGLang's back after (SGLang's engine relies on it for its configs).
-``tests/vlm/test_sglang_compat.py`` shows it is still needed: it fails once SGLang's patch no longer changes the vision
-config.
+``tests/vlm/test_vlm_sglang_compat.py`` shows it is still needed: it fails once SGLang's patch no longer changes the
+vision config.
 """
 
 from __future__ import annotations
