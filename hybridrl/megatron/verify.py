@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,13 +242,15 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
     _log(f"forward {args.batch}×{args.seq_len} tokens through Megatron and transformers")
     device = next(chunks[0].parameters()).device
     if tower is not None:
-        from hybridrl.vlm.verify_vlm import hf_vlm_logits, megatron_vlm_logits, vlm_inputs
+        from hybridrl.vlm.verify_vlm import hf_vlm_logits, vlm_forward, vlm_inputs
 
         ids_BS, pixels, grid = vlm_inputs(arch, batch=args.batch, seq_len=args.seq_len, gen=gen)
-        logits_BSV = megatron_vlm_logits(chunks, tower, arch, ids_BS.to(device), pixels, grid, pp=args.pp)
+        ids = ids_BS.to(device)
+        logits_BSV = megatron_logits(chunks, arch, ids, pp=args.pp,
+                                     forward=vlm_forward(tower, arch, ids, pixels, grid))
         hf_logits = lambda: hf_vlm_logits(model_dir, arch, ids_BS, pixels, grid)  # noqa: E731
     else:
-        logits_BSV = _megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
+        logits_BSV = megatron_logits(chunks, arch, ids_BS.to(device), pp=args.pp)
         hf_logits = lambda: _hf_logits(model_dir, ids_BS, arch.fp8_blocks)  # noqa: E731
     diff = torch.zeros((), device=device)
     if logits_BSV is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
@@ -267,8 +270,10 @@ def _verify_one(model_dir: Path, parallel: Any, args: argparse.Namespace) -> Mod
                        buckets=buckets, bucket_bytes=args.bucket_bytes, seconds=seconds, stage_layers=stage_layers)
 
 
-def _megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int) -> Any:
-    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), on the model's device.
+def megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int,
+                    forward: Callable[[Any, Any, Any], Any] | None = None) -> Any:
+    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), on the model's device;
+    ``forward(model, ids, mask)`` runs a chunk (None: with ``arange`` positions; a VLM gives its own).
 
     The interleaved schedule (several chunks) needs a multiple of PP micro-batches: the same one is
     fed PP times and the first output is taken.
@@ -285,7 +290,8 @@ def _megatron_logits(chunks: list[Any], arch: HFArch, ids_BS: Any, *, pp: int) -
     mask = causal_attention_mask(s, ids_BS.device)
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-        output = model(next(data_iterator), position_ids_BS, mask)
+        ids = next(data_iterator)
+        output = model(ids, position_ids_BS, mask) if forward is None else forward(model, ids, mask)
         return output, lambda out, non_loss_data=True: out
 
     n_micro = pp if len(chunks) > 1 else 1

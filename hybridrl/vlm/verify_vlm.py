@@ -4,6 +4,7 @@ pixels and grid; the vision tower's weights join the round trip."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,38 +38,23 @@ def vlm_inputs(arch: HFArch, *, batch: int, seq_len: int,
     return ids_BS, pixels, torch.tensor([GRID] * batch)
 
 
-def megatron_vlm_logits(chunks: list[Any], tower: torch.nn.Module, arch: HFArch, ids_BS: torch.Tensor,
-                        pixels: torch.Tensor, grid_N3: torch.Tensor, *, pp: int) -> torch.Tensor | None:
-    """Full-vocab logits ``[b, s, V]`` on the last pipeline stage (None elsewhere), as ``verify``'s causal-LM path."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def vlm_forward(tower: torch.nn.Module, arch: HFArch, ids_BS: torch.Tensor, pixels: torch.Tensor,
+                grid_N3: torch.Tensor) -> Callable[[Any, torch.Tensor, Any], Any]:
+    """``forward(model, ids, mask)`` for ``verify``'s Megatron pass: each chunk run with the image features in its
+    first stage's embeddings and the rows' multimodal positions."""
+    from hybridrl.megatron.model import unwrap_model
 
-    from hybridrl.megatron.cpu import causal_attention_mask
-    from hybridrl.megatron.model import gather_vocab_logits, unwrap_model
-
-    assert arch.vision is not None
+    v = arch.vision
+    assert v is not None
     b, s = ids_BS.shape
     positions = batch_positions(ids_BS, torch.full((b,), s), grid_N3, arch)
-    mask = causal_attention_mask(s, ids_BS.device)
 
-    def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
-        ids = next(data_iterator)
+    def forward(model: Any, ids: torch.Tensor, mask: Any) -> Any:
         gpt = unwrap_model(model)
-        dec = (decoder_input(gpt, tower, ids, pixels, grid_N3, arch.vision.image_token_id)  # type: ignore[union-attr]
-               if gpt.pre_process else None)
-        output = model(ids, positions, mask, decoder_input=dec)
-        return output, lambda out, non_loss_data=True: out
+        dec = decoder_input(gpt, tower, ids, pixels, grid_N3, v.image_token_id) if gpt.pre_process else None
+        return model(ids, positions, mask, decoder_input=dec)
 
-    n_micro = pp if len(chunks) > 1 else 1
-    with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter([ids_BS] * n_micro) for _ in chunks],
-            model=chunks, num_microbatches=n_micro, seq_length=s, micro_batch_size=b, forward_only=True,
-            collect_non_loss_data=True,
-        )
-        if not parallel_state.is_pipeline_last_stage():
-            return None
-        return gather_vocab_logits(outputs[0], arch.vocab_size)
+    return forward
 
 
 def hf_vlm_logits(model_dir: Path, arch: HFArch, ids_BS: torch.Tensor, pixels: torch.Tensor,
