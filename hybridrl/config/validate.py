@@ -193,6 +193,9 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
         model = planned_model(model_config, issues)
     else:
         model = check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
+        if model is not None and model.vision is not None:
+            issues.add("model.path", cfg.model.path, "a vision-language model: the offline trainers (SFT, DPO, the "
+                       "reward model) do not take images yet (issue 46); Megatron runs it (hybridrl verify-model)")
     model = apply_override_config("model", cfg.model, model, issues)
     for key, value, message in lora_problems(cfg.model, key="model"):
         issues.add(key, value, message)

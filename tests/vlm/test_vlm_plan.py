@@ -56,3 +56,6 @@ def test_training_a_vlm_checkpoint_is_refused_before_anything_is_built(tmp_path:
                  "actor_rollout_ref.model.build_if_missing=null"])
     err = capsys.readouterr().err
     assert code == 2 and "actor_rollout_ref.model.path=" in err and "RL training of one does not run yet" in err
+    # nor an offline trainer's (SFT here; DPO and the reward model run the same checks)
+    assert main(["validate", "recipe=sft_tiny", f"model.path={model}", "model.build_if_missing=null"]) == 2
+    assert "the offline trainers (SFT, DPO, the reward model) do not take images yet" in capsys.readouterr().err
