@@ -23,9 +23,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridrl.vlm.inputs import ImageInputs
 
 Index = slice | Sequence[int] | torch.Tensor  # slice, list of ints, 1-D long or bool tensor
 
@@ -45,6 +48,9 @@ class SampleMeta:
     # adds it to reward.name's score
     env_reward: float | None = None
     env_error: str | None = None  # the sample's environment failed (reward.on_error=zero: it scores 0.0)
+    # the prompt's images (a vision-language model; hybridrl.vlm.inputs.ImageInputs), None: a text prompt. The
+    # engine generates with them and the actor/ref feed them to the vision tower
+    images: ImageInputs | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -127,6 +127,11 @@ class RolloutEngine(Protocol):
                  max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """``params.n`` samples per prompt, prompt-major (all of prompt 0's, then prompt 1's, ...).
 
+        Optional images (a vision-language model; an engine with ``supports_images = True``, validation refuses
+        images for the others): ``images[i]`` (:class:`hybridrl.vlm.inputs.ImageInputs` or None) are prompt ``i``'s,
+        whose ids already hold each image's ``<|image_pad|>`` placeholders, expanded; the rollout passes
+        ``images=`` only when a prompt of the call has one.
+
         ``max_new_tokens[i]`` (each ≤ ``params.max_new_tokens``; None: that for all) caps prompt ``i``'s samples: a
         multi-turn rollout's episodes have different budgets left. Optional: the rollout passes it only to an
         engine whose ``generate`` takes it (and otherwise cuts the samples itself), so an older engine still runs;

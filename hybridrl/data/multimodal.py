@@ -45,6 +45,7 @@ from hybridrl.data.images import (
     load_image,
 )
 from hybridrl.data.rows import Row
+from hybridrl.vlm.inputs import ImageInputs
 
 
 @dataclass(slots=True, kw_only=True)
@@ -137,7 +138,9 @@ class MultimodalPromptDataset(PromptDataset):
         assert encoded.input_ids == item.prompt_ids, (
             f"{where}: the processor's tokens changed since the dataset was built")
         extra = {k: v for k, v in item.meta.extra.items() if k != self.image_config.image_key}
-        return MultimodalPromptItem(prompt_ids=item.prompt_ids, meta=replace(item.meta, extra=extra),
+        inputs = ImageInputs(pixel_values=encoded.pixel_values, image_grid_thw=encoded.image_grid_thw,
+                             images=encoded.images) if encoded.images else None
+        return MultimodalPromptItem(prompt_ids=item.prompt_ids, meta=replace(item.meta, extra=extra, images=inputs),
                                     images=encoded.images, pixel_values=encoded.pixel_values,
                                     image_grid_thw=encoded.image_grid_thw)
 

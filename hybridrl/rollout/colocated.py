@@ -29,6 +29,7 @@ from hybridrl.distributed import host_group
 from hybridrl.interfaces import Generation, RolloutEngine, SamplingParams, WeightBucket
 from hybridrl.rollout.batching import rollout_batch_from_generations
 from hybridrl.seeds import prompt_seed
+from hybridrl.vlm.inputs import ImageInputs
 
 # builds this rank's engine: (device, tp_size) -> engine
 EngineFactory = Callable[..., RolloutEngine]
@@ -45,16 +46,19 @@ class EngineRouting:
     def generate(self, prompts: PromptBatch, params: SamplingParams, *, seed: int) -> RolloutBatch:
         """``params.n`` samples of every prompt of ``prompts`` (the whole batch, the same on every rank);
         returns this rank's DP share of them."""
+        images = [m.images for m in prompts.meta]
         with self.awake():
             gens = self.generate_ids(prompts.token_lists(), params,
-                                     seeds=[prompt_seed(seed, i) for i in range(len(prompts))])
+                                     seeds=[prompt_seed(seed, i) for i in range(len(prompts))],
+                                     **({"images": images} if any(x is not None for x in images) else {}))
         return self.dp_share(prompts, gens)
 
     def awake(self) -> AbstractContextManager[None]:
         raise NotImplementedError
 
     def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                     max_new_tokens: Sequence[int] | None = None,
+                     images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         raise NotImplementedError
 
     def update_weights(self, stream: Iterable[WeightBucket], *, version: int) -> None:
@@ -103,12 +107,15 @@ class ColocatedEngines(EngineRouting):
                 self.engine.release_memory()
 
     def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                     max_new_tokens: Sequence[int] | None = None,
+                     images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         """``params.n`` samples of each token-id context (the same list on every rank; ``seeds[i]`` fixes context
-        ``i``'s; ``max_new_tokens[i]`` caps it), split over the engines in contiguous shares; every rank gets all of
-        them, in context order (``prompt_index``: the context's position). Call inside :meth:`awake`."""
+        ``i``'s; ``max_new_tokens[i]`` caps it; ``images[i]`` are its images), split over the engines in contiguous
+        shares; every rank gets all of them, in context order (``prompt_index``: the context's position). Call
+        inside :meth:`awake`."""
         share = self.plan.engine_prompts(self.placement.index, len(contexts))
-        made = generate_share(self.engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
+        made = generate_share(self.engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens,
+                              images=images)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, made, group=host_group.get())  # host objects: over gloo
         return [g for part in everyone for g in part]  # engines in rank order: context order, then sample order
@@ -140,8 +147,8 @@ def build_engine_factory(name: str, engine_kwargs: dict[str, Any], *, model_path
 
 
 def generate_share(engine: RolloutEngine | None, share: range, contexts: Sequence[list[int]],
-                   params: SamplingParams, *, seeds: Sequence[int],
-                   max_new_tokens: Sequence[int] | None) -> list[Generation]:
+                   params: SamplingParams, *, seeds: Sequence[int], max_new_tokens: Sequence[int] | None,
+                   images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
     """``engine``'s samples of the contexts at positions ``share`` (``prompt_index``: the position in
     ``contexts``); [] on a rank without an engine."""
     if engine is None or not len(share):
@@ -149,7 +156,11 @@ def generate_share(engine: RolloutEngine | None, share: range, contexts: Sequenc
     caps = None if max_new_tokens is None else [max_new_tokens[i] for i in share]
     # RolloutEngine.generate's optional per-prompt caps (an engine written before them does without)
     takes_caps = "max_new_tokens" in inspect.signature(engine.generate).parameters
-    kw = {} if caps is None or not takes_caps else {"max_new_tokens": caps}
+    kw: dict[str, Any] = {} if caps is None or not takes_caps else {"max_new_tokens": caps}
+    if images is not None and any(images[i] is not None for i in share):
+        if not getattr(engine, "supports_images", False):  # validation refuses this before anything is built
+            raise ValueError(f"rollout engine {type(engine).__name__} does not take images")
+        kw["images"] = [images[i] for i in share]
     gens = engine.generate([contexts[i] for i in share], params, seeds=[seeds[i] for i in share], **kw)
     if caps is not None and not kw:  # an engine without per-prompt caps: cut its samples here
         gens = [_cut(g, caps[g.prompt_index]) for g in gens]
