@@ -50,7 +50,7 @@ class ActorRolloutRef:
         lora = LoRAConfig.from_model(config.model, key="actor_rollout_ref.model")
         self.actor = MegatronPolicy(model_dir=model_dir, megatron=a.megatron, optim=a.optim,
                                     total_steps=plan.batch.total_optimizer_steps, pad_token_id=pad_token_id, lora=lora,
-                                    router_replay=a.router_replay.mode)
+                                    router_replay=a.router_replay.mode, freeze_vision_tower=a.freeze_vision_tower)
         self.ref = (reference_policy(self.actor, model_dir=model_dir, megatron=a.megatron, pad_token_id=pad_token_id)
                     if "ref" in plan.roles else None)
         _check_plan_matches_megatron(plan)

@@ -32,7 +32,7 @@ from hybridrl.megatron.config import ROUTER_REPLAY_MODES, MegatronConfig, MicroB
 from hybridrl.megatron.context_parallel import gather_sequence, shard_sequence
 from hybridrl.megatron.hidden_states import output_weight
 from hybridrl.megatron.lora import LoRAModel, apply_lora
-from hybridrl.megatron.model import build_model_chunks
+from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
 from hybridrl.megatron.router_replay import RouterReplay, unpacked_routing
 from hybridrl.megatron.runner import FP16_INITIAL_LOSS_SCALE, Head, MegatronRunner, _Micro, parallel_config
 from hybridrl.megatron.vocab_parallel import vocab_parallel_is_argmax, vocab_parallel_logprob_entropy
@@ -40,6 +40,7 @@ from hybridrl.megatron.vocab_topk import vocab_parallel_logprobs_at, vocab_paral
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
 from hybridrl.ops import compiled_kernels, lm_head_logprob_entropy
 from hybridrl.tracking import say
+from hybridrl.vlm.megatron_vlm import attach_vision_tower
 
 __all__ = ["FP16_INITIAL_LOSS_SCALE", "LossFn", "MegatronPolicy", "parallel_config"]
 
@@ -82,13 +83,16 @@ class MegatronPolicy(MegatronRunner):
 
     def __init__(self, *, model_dir: str, megatron: MegatronConfig, optim: OptimConfig | None,
                  total_steps: int, pad_token_id: int, lora: LoRAConfig | None = None,
-                 router_replay: str = "disabled") -> None:
+                 router_replay: str = "disabled", freeze_vision_tower: bool = False) -> None:
         """``lora``: train adapters on the frozen base (:mod:`hybridrl.megatron.lora`; ``self.lora``);
         ``router_replay``: an MoE actor's ``actor.router_replay.mode`` (:mod:`hybridrl.megatron.router_replay`)."""
         arch = HFArch.from_hf(model_dir)
         chunks = build_model_chunks(arch, parallel_config(megatron), dtype=megatron.dtype,
                                     overrides=megatron.override_transformer_config)
         load_hf_weights(chunks, arch, model_dir)  # cast into the model's dtype
+        if arch.vision is not None:  # a VLM: its vision tower in the first stage (hybridrl.vlm.megatron_vlm)
+            attach_vision_tower(chunks, arch, model_dir, dtype=TORCH_DTYPES[megatron.dtype],
+                                trainable=optim is not None and not freeze_vision_tower)
         self.lora: LoRAModel | None = apply_lora(chunks, arch, lora) if lora is not None else None
         super().__init__(chunks, arch=arch, megatron=megatron, optim=optim, total_steps=total_steps,
                          pad_token_id=pad_token_id)

@@ -72,6 +72,7 @@ from hybridrl.megatron.rope_positions import positioned_rope
 from hybridrl.megatron.router_losses import router_loss_metrics
 from hybridrl.megatron.router_replay import RouterReplay
 from hybridrl.megatron.sequences import PackedRows
+from hybridrl.vlm.megatron_vlm import forward_rows
 
 
 def parallel_config(m: MegatronConfig) -> ParallelConfig:
@@ -198,6 +199,10 @@ class MegatronRunner:
                     with positioned_rope(model, rows.position_ids_BS):
                         output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
                                        attention_mask=rows.attention_mask, **fp16_kwargs)
+                elif self.arch.vision is not None:  # image features into the first stage, multimodal positions
+                    output = forward_rows(model, self.arch, rows.tokens_BS,
+                                          rows.prompt_len_B + rows.response_mask_BT.sum(-1),
+                                          [m.images for m in mb.batch.meta], masks[rows.seq_len], **fp16_kwargs)
                 else:
                     tokens_BS = rows.tokens_BS
                     position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)

@@ -36,6 +36,7 @@ from hybridrl.megatron.convert import (
 )
 from hybridrl.megatron.lora import is_lora_name
 from hybridrl.megatron.model import unwrap_model
+from hybridrl.vlm.megatron_vlm import VISION_ATTR, vision_stream
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\..+)")
@@ -97,6 +98,8 @@ def _chunk_units(gpt: GPTModel, arch: HFArch, units: dict[str, Unit],
     for name, param in itertools.chain(gpt.named_parameters(), biases):
         if name.startswith(skip) or is_lora_name(name):  # adapters: hybridrl.megatron.lora
             continue
+        if name.startswith(VISION_ATTR + "."):  # a VLM's vision tower: its own stream (hybridrl.vlm.megatron_vlm)
+            continue
         canonical = name
         if match := _LAYER.fullmatch(name):
             local, suffix = int(match[1]), match[2]
@@ -157,8 +160,6 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    ep_size = parallel_state.get_expert_model_parallel_world_size() if arch.moe is not None else 1
-
     local = local_units(chunks, arch)
     if arch.tie_word_embeddings and pp_size > 1 and "embedding.word_embeddings.weight" not in local:
         local.pop("output_layer.weight", None)  # the first stage exports the tied embedding
@@ -176,6 +177,25 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
 
     bucket: WeightBucket = []
     size = 0
+    for hf_name, tensor in itertools.chain(_language_stream(arch, local, layers, owner, dtype, device, merge),
+                                           vision_stream(chunks) if arch.vision is not None else ()):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _language_stream(arch: HFArch, local: dict[str, tuple[Unit, torch.Tensor]], layers: set[int],
+                     owner: dict[object, int], dtype: torch.dtype, device: torch.device,
+                     merge: Callable[[str, torch.Tensor], torch.Tensor] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`export_hf_weights`' tensors of the causal LM, one at a time, in HF order."""
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if arch.moe is not None else 1
     for unit in all_units(arch):
         tp_size = _tp(unit)[1]
         if unit.megatron_name in local:
@@ -194,12 +214,4 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
             dist.broadcast(full, src=dist.get_global_rank(pp_group, stage), group=pp_group)
         for hf_name, tensor in zip(unit.hf_names, hf_from_full(unit, arch, full, tp_size=tp_size),
                                    strict=True):
-            tensor = (tensor if merge is None else merge(hf_name, tensor)).contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((hf_name, tensor))
-            size += nbytes
-    if bucket:
-        yield bucket
+            yield hf_name, (tensor if merge is None else merge(hf_name, tensor)).contiguous()

@@ -12,6 +12,13 @@ a Qwen2 checkpoint's, read and written by the causal-LM converter), on every TP/
 every rank that embeds (the first pipeline stage): it is small next to the language model (~0.7 B of Qwen2.5-VL-7B's
 8.3 B) and its patches are few, so splitting it over TP would cost more in communication than it saves.
 
+In the RL loop and the offline trainers the tower is a submodule of the first stage's ``GPTModel``
+(:func:`attach_vision_tower`, ``vision_model``), so Megatron's DDP reduces its gradients over DP, the one optimizer
+updates it (unless ``actor_rollout_ref.actor.freeze_vision_tower``) and clips it with the rest, and the checkpoint
+saves it; :func:`vision_stream` adds its tensors to the weight stream the engines and exports read. Its gradient is
+the same on every TP rank (its features enter a layer whose column-parallel input all-reduces its gradient over TP),
+so the DP reduction is all it needs.
+
 Limits of this first slice: padded rows only (packed THD rows give Megatron's RoPE one table per sequence, which
 multimodal ids do not fit), CP 1, no sequence parallelism (the embedding's output would be scattered over TP before
 the features could be placed), images only (no video).
@@ -19,10 +26,12 @@ the features could be placed), images only (no video).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.hf.tensors import SafetensorsReader
@@ -30,6 +39,7 @@ from hybridrl.vlm.positions import mrope_positions
 from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 VISION_PREFIX = "visual."  # the vision tower's tensors in the checkpoint
+VISION_ATTR = "vision_model"  # the tower's name inside the first stage's GPTModel
 
 
 def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -101,3 +111,71 @@ def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: 
             image += 1
         out[:, b, :n] = mrope_positions(row, torch.tensor(grids) if grids else None, arch.vision)
     return out.to(ids_BS.device)
+
+
+def attach_vision_tower(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path, *,
+                        dtype: torch.dtype, trainable: bool) -> None:
+    """Put the checkpoint's vision tower into the first stage's model chunk (``vision_model``; none on later
+    stages): before DDP wraps the chunks, so that a trainable tower is trained with them; a frozen one has no
+    gradient and no optimizer state (``freeze_vision_tower``)."""
+    from hybridrl.megatron.model import unwrap_model
+
+    for chunk in chunks:
+        gpt = unwrap_model(chunk)
+        if gpt.pre_process:
+            tower = build_vision_tower(arch, model_dir, dtype=dtype).requires_grad_(trainable)
+            setattr(gpt, VISION_ATTR, tower.to(next(gpt.parameters()).device))
+
+
+def tower_of(gpt: Any) -> torch.nn.Module | None:
+    return getattr(gpt, VISION_ATTR, None)
+
+
+def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, lengths_B: torch.Tensor,
+                 images: Sequence[Any], attention_mask: Any, **kwargs: Any) -> Any:
+    """One padded micro-batch through a VLM chunk: rows of real tokens then padding (``lengths_B`` real tokens),
+    ``images[b]`` the :class:`~hybridrl.vlm.inputs.ImageInputs` of row b (None: text only). A row whose
+    placeholders were cut away (a filler row cut to its last prompt token) takes no image."""
+    from hybridrl.megatron.model import unwrap_model
+    from hybridrl.vlm.inputs import stack_images
+
+    v = arch.vision
+    assert v is not None
+    has_image = (tokens_BS == v.image_token_id).any(-1).tolist()
+    stacked = stack_images([x if keep else None for x, keep in zip(images, has_image, strict=True)])
+    pixels = None if stacked is None else stacked.pixel_values.to(tokens_BS.device)
+    grid = None if stacked is None else stacked.image_grid_thw.to(tokens_BS.device)
+    positions = batch_positions(tokens_BS, lengths_B, grid, arch)
+    gpt = unwrap_model(model)
+    dec = None
+    if gpt.pre_process:
+        tower = tower_of(gpt)
+        assert tower is not None, "a VLM's first stage without its vision tower (attach_vision_tower)"
+        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, v.image_token_id)
+    return model(tokens_BS, positions, attention_mask, decoder_input=dec, **kwargs)
+
+
+def vision_stream(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision tower's tensors under their checkpoint names (``visual.*``), on every rank: the first pipeline
+    stage holds the tower and broadcasts each tensor over the PP group (every rank of it must consume the stream)."""
+    from megatron.core import parallel_state
+
+    from hybridrl.megatron.model import unwrap_model
+
+    towers = [t for c in chunks if (t := tower_of(unwrap_model(c))) is not None]
+    local = [(VISION_PREFIX + n, t.detach()) for n, t in towers[0].state_dict().items()] if towers else []
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        for name, t in local:
+            yield name, t.clone()
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first = dist.get_global_rank(group, 0)
+    box: list[Any] = [[(n, tuple(t.shape), t.dtype) for n, t in local]]
+    dist.broadcast_object_list(box, src=first, group=group)
+    device = next(unwrap_model(chunks[0]).parameters()).device
+    mine = dict(local)
+    for name, shape, dtype in box[0]:
+        t = mine[name].clone() if name in mine else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=first, group=group)
+        yield name, t

@@ -1,0 +1,122 @@
+"""Worker: a VLM policy on Megatron takes images — log-probs against transformers, one train step, the export.
+
+    python -m torch.distributed.run --nproc-per-node N vlm_policy_step.py MODEL_DIR OUT_FILE TP PP [frozen]
+
+A batch of 4 samples (one image of 6 placeholders, one of 4, text only, two images), micro-batches of 2 (each with
+its own images). Rank 0 saves: the log-probs before the step, transformers' on the same ids and pixels, the step's
+metrics, the exported weights after it (language model and ``visual.*``), and — at TP = PP = 1 — whether a fresh
+policy restored from the step's checkpoint state takes a second step bitwise like the first one (the vision tower
+is in the checkpoint and the optimizer). ``frozen``: ``freeze_vision_tower``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from hybridrl.batch import RolloutBatch, SampleMeta
+from hybridrl.checkpoint.rl import _model_and_optimizer_state, _restore
+from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.megatron.config import MicroBatching
+from hybridrl.megatron.parallel import destroy_parallel, init_parallel, seed_everything
+from hybridrl.megatron.policy import MegatronPolicy, parallel_config
+from hybridrl.trainers.sft import nll_loss
+from hybridrl.vlm.inputs import ImageInputs
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
+
+torch.set_num_threads(1)
+IMAGE, START, END = 200, 202, 203  # tests/support/tiny_vlm.py's ids
+PAD, T = 209, 6
+GRIDS = [[(1, 4, 6)], [(1, 4, 4)], [], [(1, 8, 2), (1, 2, 4)]]  # each sample's images
+PATCH = 3 * 2 * 8 * 8  # channels × temporal patch × patch²
+
+
+def fixed_batch() -> RolloutBatch:
+    g = torch.Generator().manual_seed(7)
+    prompts, metas = [], []
+    for b, grids in enumerate(GRIDS):
+        ids = torch.randint(0, 200, (2 + b,), generator=g).tolist()
+        for t, h, w in grids:
+            ids += [START, *[IMAGE] * (t * h * w // 4), END, *torch.randint(0, 200, (2,), generator=g).tolist()]
+        prompts.append(ids)
+        patches = sum(t * h * w for t, h, w in grids)
+        metas.append(SampleMeta(images=ImageInputs(pixel_values=torch.randn(patches, PATCH, generator=g),
+                                                   image_grid_thw=torch.tensor(grids)) if grids else None))
+    P = max(map(len, prompts))
+    prompt_ids = torch.full((len(prompts), P), PAD)
+    prompt_mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for b, ids in enumerate(prompts):
+        prompt_ids[b, P - len(ids):], prompt_mask[b, P - len(ids):] = torch.tensor(ids), 1
+    response_ids = torch.randint(0, 200, (len(prompts), T), generator=g)
+    response_mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b in range(len(prompts)):
+        response_mask[b, :3 + b % 4] = 1
+    response_ids[response_mask == 0] = PAD
+    n = len(prompts)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                        response_mask=response_mask, rollout_logprobs=torch.zeros(n, T),
+                        weight_version=torch.zeros(n, dtype=torch.long), group_index=torch.arange(n), meta=metas,
+                        pad_token_id=PAD)
+
+
+def hf_logprobs(model_dir: str, batch: RolloutBatch) -> torch.Tensor:
+    from transformers import AutoModelForImageTextToText
+
+    with transformers_rope_rules():
+        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = torch.zeros(batch.response_ids.shape)
+    for b in range(len(batch)):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
+        n = int(batch.response_mask[b].sum())
+        ids = torch.cat([prompt, batch.response_ids[b, :n]])[None]
+        img = batch.meta[b].images
+        kw = {} if img is None else dict(pixel_values=img.pixel_values, image_grid_thw=img.image_grid_thw,
+                                         mm_token_type_ids=(ids == IMAGE).int())
+        with torch.no_grad():
+            logits = hf(input_ids=ids, **kw).logits[0, len(prompt) - 1:len(prompt) + n - 1]
+        out[b, :n] = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    return out
+
+
+def main() -> None:
+    model_dir, out_file, tp, pp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    frozen = "frozen" in sys.argv[5:]
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    init_parallel(parallel_config(megatron))
+    seed_everything(1)
+
+    def build() -> MegatronPolicy:
+        return MegatronPolicy(model_dir=model_dir, megatron=megatron, total_steps=3, pad_token_id=PAD,
+                              optim=OptimConfig(optimizer="adam", lr=1e-2, adam_eps=1e-6, clip_grad=1.0),
+                              freeze_vision_tower=frozen)
+
+    policy, batch, micro = build(), fixed_batch(), MicroBatching(micro_batch_size=2)
+    before, _ = policy.compute_log_probs(batch, batching=micro)
+    step = policy.train_step(batch, nll_loss, batching=micro, loss_agg_mode="token-mean")
+    exported = {k: v.clone() for bucket in policy.export_weights(bucket_bytes=1 << 16) for k, v in bucket}
+    resumed = None
+    if tp == pp == 1 and not frozen:
+        ckpt = out_file.with_suffix(".ckpt")
+        ckpt.mkdir()
+        assert policy.scheduler is not None
+        dist_checkpointing.save(_model_and_optimizer_state(policy, loading=False), str(ckpt))
+        fresh = build()
+        _restore(fresh, ckpt, policy.scheduler.state_dict())
+        for p in (policy, fresh):
+            p.train_step(batch, nll_loss, batching=micro, loss_agg_mode="token-mean")
+        a, b = ({k: v for bucket in p.export_weights(bucket_bytes=1 << 16) for k, v in bucket} for p in (policy, fresh))
+        resumed = all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    if dist.get_rank() == 0:
+        torch.save({"before": before, "hf": hf_logprobs(model_dir, batch), "step": step, "exported": exported,
+                    "resumed_bitwise": resumed}, out_file)
+        print(f"tp{tp}pp{pp}: max |Δ logprob| {float((before - hf_logprobs(model_dir, batch)).abs().max()):.2e} "
+              f"loss {step['loss']:.4f} grad_norm {step['grad_norm']:.4f}", flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
