@@ -7,7 +7,9 @@ prepares them as ``hybridrl prepare gsm8k --from`` does.
 ``model.build_if_missing: tiny`` writes a random tiny model (the architecture below) with a char
 tokenizer, ``tiny_bpe`` the same with a byte-level BPE tokenizer trained here on the synthetic GSM8K
 text (:mod:`hybridrl.models.bpe_tokenizer`), ``tiny_moe`` a random tiny Qwen3-MoE with the char tokenizer
-(``grpo_moe_tiny``'s), ``tiny_deepseek_v3`` a random tiny DeepSeek-V3 with it (``grpo_deepseek_v3_tiny``'s), and
+(``grpo_moe_tiny``'s), ``tiny_deepseek_v3`` a random tiny DeepSeek-V3 with it (``grpo_deepseek_v3_tiny``'s),
+``tiny_vlm`` a random tiny Qwen2.5-VL with its processor (``grpo_vlm_tiny``'s; ``data.build_if_missing: dots`` its
+image task), and
 ``sft:<recipe>`` runs that SFT recipe with
 ``trainer.save_path`` set to the model path. It builds only inside the hybridrl cache
 (``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``), where the tiny recipes point: a path elsewhere
@@ -59,6 +61,10 @@ TINY_MOE_MODEL = {**TINY_MODEL, "arch": "qwen3_moe",
 # topk_group), sigmoid scores with e_score_correction_bias, top-2 renormalised × routed_scaling_factor 2.5, a shared
 # expert; untied embeddings, as DeepSeek-V3's
 TINY_DEEPSEEK_V3_MODEL = {**TINY_MODEL, "arch": "deepseek_v3", "tie": False, "moe": dict(moe_intermediate_size=128)}
+# grpo_vlm_tiny's: a random tiny Qwen2.5-VL (hybridrl.models.tiny_vlm: TINY_MODEL's language model, its default
+# vision tower of depth 2, hidden 64) and the dots-counting task (hybridrl.data.dots; 56 × 56 images, 4 image tokens)
+TINY_VLM_MODEL = {k: v for k, v in TINY_MODEL.items() if k not in ("arch", "max_positions")}
+DOTS = dict(num_train=4000, num_test=200, min_dots=1, max_dots=9, seed=0)
 ARITHMETIC = dict(min_digits=1, max_digits=2, operators=["+"], num_train=4000, num_test=200, seed=0)
 GSM8K_TINY = dict(num_train=2000, num_test=64, seed=0)
 TINY_BPE = dict(vocab_size=512, corpus_rows=2000, seed=0)  # BPE trained on this many synthetic GSM8K rows
@@ -70,10 +76,10 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
-DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft")
+DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft", "dots")
 # each random start model's make_tiny_model arguments (tiny_bpe: TINY_MODEL's, with a BPE tokenizer trained here)
 RANDOM_MODELS = {"tiny": TINY_MODEL, "tiny_bpe": TINY_MODEL, "tiny_moe": TINY_MOE_MODEL,
-                 "tiny_deepseek_v3": TINY_DEEPSEEK_V3_MODEL}
+                 "tiny_deepseek_v3": TINY_DEEPSEEK_V3_MODEL, "tiny_vlm": TINY_VLM_MODEL}
 MODEL_KINDS = (*RANDOM_MODELS, "sft:<recipe>")
 
 
@@ -128,7 +134,7 @@ def ensure_data(kind: str | None, train_files: list[str], val_files: list[str]) 
 def _data_writers() -> dict[str, Callable[..., None]]:
     return {"arithmetic": write_arithmetic_task, "arithmetic_preference": write_arithmetic_preference,
             "gsm8k_tiny": write_gsm8k_tiny_task, "products": write_products_task,
-            "arithmetic_tool_sft": write_tool_sft_task}
+            "arithmetic_tool_sft": write_tool_sft_task, "dots": write_dots_task}
 
 
 def _data_build_key(kind: str) -> str:
@@ -136,6 +142,8 @@ def _data_build_key(kind: str) -> str:
     sources = [inspect.getsource(_data_writers()[kind]), f"{ARITHMETIC}{GSM8K_TINY}"]
     if kind in ("products", "arithmetic_tool_sft"):
         sources.append(inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic")))
+    if kind == "dots":
+        sources += [f"{DOTS}", inspect.getsource(importlib.import_module("hybridrl.data.dots"))]
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 
@@ -170,6 +178,15 @@ def write_tool_sft_task(train: Path, test: Path | None = None) -> None:
         f"{train}"
         + (f", {test}" if test else ""))
     _write_splits(tool_sft_splits(), [Path(train)] + ([Path(test)] if test is not None else []))
+
+
+def write_dots_task(train: Path, test: Path | None = None) -> None:
+    """Count the dots in a 56 × 56 image (``DOTS``; :mod:`hybridrl.data.dots`): ``grpo_vlm_tiny``'s task, in verl's
+    multimodal layout (the images' PNG bytes in the rows)."""
+    from hybridrl.data.dots import DotsTaskConfig, dots_splits
+
+    say(f"writing the dots-counting task ({DOTS}) to {train}" + (f", {test}" if test else ""))
+    _write_splits(dots_splits(DotsTaskConfig(**DOTS)), [Path(train)] + ([Path(test)] if test is not None else []))
 
 
 def _write_splits(splits: Sequence[list[Row]], targets: list[Path]) -> None:
@@ -245,7 +262,7 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
     out = Path(path)
     if kind in RANDOM_MODELS:
         def build() -> None:
-            from hybridrl.models.tiny import make_tiny_model
+            from hybridrl.models.tiny import TinyModelSpec, make_tiny_model
 
             what = (f"a BPE tokenizer {TINY_BPE} trained on synthetic GSM8K" if kind == "tiny_bpe"
                     else "a char tokenizer")
@@ -254,6 +271,10 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             if kind == "tiny_bpe":
                 make_tiny_bpe_model(tmp)
+            elif kind == "tiny_vlm":
+                from hybridrl.models.tiny_vlm import make_tiny_vlm
+
+                make_tiny_vlm(tmp, text=TinyModelSpec(**TINY_VLM_MODEL))  # type: ignore[arg-type]
             else:
                 make_tiny_model(tmp, **spec)  # type: ignore[arg-type]
             tmp.rename(out)
@@ -299,7 +320,8 @@ def _sft_build_key(recipe: str) -> str:
     # the settings of the builds the recipe names (so a change to one task does not rebuild the other's models)
     extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE),
                                                             ("tiny_moe", TINY_MOE_MODEL),
-                                                            ("tiny_deepseek_v3", TINY_DEEPSEEK_V3_MODEL))
+                                                            ("tiny_deepseek_v3", TINY_DEEPSEEK_V3_MODEL),
+                                                            ("tiny_vlm", TINY_VLM_MODEL), ("dots", DOTS))
                     if kind in text)
     if "arithmetic_tool_sft" in text:  # the transcripts' layout is part of the warm start
         extra += "\n" + inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic"))

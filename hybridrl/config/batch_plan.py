@@ -108,7 +108,7 @@ def shared_prompt_rows(cfg: RLConfig, actor: RoleLayout, *, mla: bool) -> bool:
 
 
 def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigIssue], *,
-               device_type: str = "cpu", mla: bool = False) -> BatchPlan:
+               device_type: str = "cpu", mla: bool = False, vlm: bool = False) -> BatchPlan:
     d, aor = cfg.data, cfg.actor_rollout_ref
     a, n = aor.actor, max(aor.rollout.n, 1)
 
@@ -155,8 +155,9 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
     # prompts are generated in near-equal shares per DP rank (sizes differing by one where DP does not divide
     # data.train_batch_size); the update splits each mini-batch's samples over DP (distributed/dp_batches), as verl
     dp = roles["actor"].dp
-    packed = a.megatron.use_remove_padding
-    shared = shared_prompt_rows(cfg, roles["actor"], mla=mla)
+    # a vision-language model runs padded rows (multimodal positions do not fit packed rows' one table per sequence)
+    packed = a.megatron.use_remove_padding and not vlm
+    shared = shared_prompt_rows(cfg, roles["actor"], mla=mla) and not vlm
     update = MicroBatching(micro_batch_size=max(a.ppo_micro_batch_size_per_gpu, 1),
                            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                            shared_prompts=shared, packed=packed)
@@ -169,7 +170,7 @@ def batch_plan(cfg: RLConfig, roles: dict[str, RoleLayout], issues: list[ConfigI
         passes[role] = MicroBatching(micro_batch_size=max(sub.log_prob_micro_batch_size_per_gpu, 1),
                                      max_tokens=(sub.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
                                      if dynamic else None, shared_prompts=shared,
-                                     packed=packed if own is None else own)
+                                     packed=packed if own is None else own and not vlm)
     critic = None
     if "critic" in roles:
         critic_update = MicroBatching(micro_batch_size=max(cr.ppo_micro_batch_size_per_gpu, 1),

@@ -142,7 +142,7 @@ def validate_dpo(cfg: DPOConfig, *, world_size: int | None = None, before_bootst
     issues = dpo_problems(cfg)
     try:
         validate_sft(sft_view(cfg), world_size=world_size, before_bootstrap=before_bootstrap,
-                     model_config=model_config)
+                     model_config=model_config, takes_images=False)
     except ConfigError as e:
         issues = [*e.issues, *issues]
     if issues:

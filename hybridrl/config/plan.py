@@ -139,7 +139,8 @@ class Plan:
                             devices=tuple(_device(device_type, world + r, per_node) for r in ranks))
             for e, ranks in enumerate(shares(teacher_ranks, teacher_ranks // ttp)
                                       if teacher_ranks and teacher_ranks % ttp == 0 else []))
-        batch = batch_plan(cfg, roles, issues, device_type=device_type, mla=model is not None and model.mla is not None)
+        batch = batch_plan(cfg, roles, issues, device_type=device_type, mla=model is not None and model.mla is not None,
+                           vlm=model is not None and model.vision is not None)
         memory, engine_note = None, ""
         if model is not None:
             memory = _memory(cfg, roles, batch, model, rtp, len(engines), device_type, teacher_model)

@@ -102,7 +102,7 @@ def validate_rm(cfg: RMConfig, *, world_size: int | None = None, before_bootstra
     issues = rm_problems(cfg, model_config=model_config)
     try:
         validate_sft(sft_view(cfg), world_size=world_size, before_bootstrap=before_bootstrap,
-                     model_config=model_config)
+                     model_config=model_config, takes_images=False)
     except ConfigError as e:
         issues = [*e.issues, *issues]
     if issues:

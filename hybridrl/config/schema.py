@@ -244,6 +244,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     ground_truth_key: str = "ground_truth"
+    # a vision-language model's prompts: the column of each row's images (verl's key; hybridrl.data.multimodal)
+    image_key: str = "images"
     apply_chat_template: bool = True  # when the tokenizer has one
     max_prompt_length: int = 64  # tokens; longer prompts are dropped (counted warning)
     max_response_length: int = 64  # tokens generated at most

@@ -13,6 +13,7 @@ class SFTDataConfig:
     val_files: list[str] = field(default_factory=list)  # held-out pairs: `val/loss` every trainer.test_freq steps
     prompt_key: str = "prompt"
     response_key: str = "ground_truth"  # the target text; EOS is appended
+    image_key: str = "images"  # a vision-language model's rows: the column of their images (hybridrl.data.multimodal)
     apply_chat_template: bool = True
     max_prompt_length: int = 64
     max_response_length: int = 64  # longer targets are truncated (EOS kept)

@@ -51,6 +51,7 @@ from hybridrl.config.check_run import (
     check_trainer,
     device_type,
 )
+from hybridrl.config.check_vlm import vlm_problems
 from hybridrl.config.derived import derive
 from hybridrl.config.errors import ConfigError, Issues
 from hybridrl.config.plan import AOR, Plan, RoleLayout
@@ -63,10 +64,8 @@ from hybridrl.megatron.config import interleaved_micro_batches_problem
 from hybridrl.megatron.transformer_overrides import NOT_PASSED, megatron_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 
-# what a vision-language checkpoint meets today (issue 46)
-VLM_NOT_YET = ("a vision-language model: Megatron runs it (hybridrl verify-model feeds it an image) and this plan "
-               "counts its vision tower, but RL training of one does not run yet (images do not reach the rollout "
-               "engines or the training batches)")
+VLM_NOTE = ("a vision-language model: its prompts' images go to the rollout engine and to the policy's vision tower "
+            "(first pipeline stage); its micro-batches are padded rows (use_remove_padding applies to text models)")
 
 
 def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
@@ -99,8 +98,6 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     else:
         model = check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
     model = apply_override_config(f"{AOR}.model", aor.model, model, issues)
-    if model is not None and model.vision is not None and not planning:
-        issues.add(f"{AOR}.model.path", aor.model.path, VLM_NOT_YET)
     for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
         issues.add(key, value, message)
     if planning:
@@ -134,7 +131,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     check_sampling(cfg, issues)
     plan.notes.extend(derived_notes)
     if model is not None and model.vision is not None:
-        plan.notes.append(f"planned only: {VLM_NOT_YET}")
+        plan.notes.append(VLM_NOTE)
     steps = plan.batch.total_optimizer_steps if t.total_training_steps is not None else None
     check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
     check_algorithm(cfg, issues)
@@ -150,6 +147,8 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     check_expert_parallel_batches(cfg, issues)
     check_shared_prompt_model(cfg, model, issues)
     check_multi_turn(cfg, issues)
+    for key, value, message in vlm_problems(cfg, model, planning=planning):
+        issues.add(key, value, message)
     if "critic" in plan.roles:
         check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
     check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
@@ -184,18 +183,29 @@ def _will_build(cfg: RLConfig) -> bool:
 
 
 def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootstrap: bool = False,
-                 model_config: Path | None = None) -> RoleLayout:
+                 model_config: Path | None = None, takes_images: bool = True) -> RoleLayout:
     """Static checks of an SFT run (the subset of ``validate`` that applies); returns its layout. ``model_config``:
-    plan for another machine (the architecture from this config.json; local weights, tokenizer and data unchecked)."""
+    plan for another machine (the architecture from this config.json; local weights, tokenizer and data unchecked).
+    ``takes_images``: False for the trainers that check their config through this one but have no image path yet
+    (DPO, the reward model)."""
     issues = Issues()
     world = world_size if world_size is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if model_config is not None:
         model = planned_model(model_config, issues)
     else:
         model = check_model("model", cfg.model, issues, before_bootstrap=before_bootstrap)
-        if model is not None and model.vision is not None:
-            issues.add("model.path", cfg.model.path, "a vision-language model: the offline trainers (SFT, DPO, the "
-                       "reward model) do not take images yet (issue 46); Megatron runs it (hybridrl verify-model)")
+        if model is not None and model.vision is not None and not takes_images:
+            issues.add("model.path", cfg.model.path, "a vision-language model: DPO and the reward model do not take "
+                       "images yet (issue 46); SFT and the RL trainer do")
+    if model is not None and model.vision is not None:
+        m = cfg.megatron
+        cp, lora = m.context_parallel_size, cfg.model.lora_rank
+        for key, value, refused in (("megatron.context_parallel_size", cp, cp > 1),
+                                    ("megatron.sequence_parallel", m.sequence_parallel, m.sequence_parallel),
+                                    ("model.lora_rank", lora, lora > 0)):
+            if refused:
+                issues.add(key, value, "not with a vision-language model yet (image features enter the embeddings "
+                           "before CP or sequence parallelism split them; LoRA: full fine-tuning only)")
     model = apply_override_config("model", cfg.model, model, issues)
     for key, value, message in lora_problems(cfg.model, key="model"):
         issues.add(key, value, message)
@@ -255,3 +265,4 @@ def _trainer_world_note(plan: Plan) -> str:
     less += [f"{AOR}.teacher.inference.num_ranks={plan.num_teacher_ranks}"] if plan.num_teacher_ranks else []
     return (f" (the {plan.trainer_world_size} trainer ranks: the world size {plan.world_size} less "
             f"{' and '.join(less)})" if less else "")
+

@@ -98,6 +98,7 @@ _SAME = [  # (key, note): verl's meaning, hybridrl's name
     ("data.train_files", "parquet/jsonl files (or hf://)"),
     ("data.val_files", "held-out files"),
     ("data.prompt_key", "the prompt column"),
+    ("data.image_key", "the images column (a vision-language model)"),
     ("data.train_batch_size", "prompts per step"),
     ("data.gen_batch_size", "prompts per generation round under filter_groups"),
     ("data.val_batch_size", "prompts per evaluation batch"),

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 # non-weight files of an HF checkpoint that travel with it
 SIDE_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model")
+              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model",
+              # a vision-language model's processor: transformers 5's one file, and the hub's older layout
+              "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+              "chat_template.json")
 SHARD_BYTES = 4 << 30
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +101,12 @@ def build_components(cfg: RLConfig, plan: Plan) -> Components:
                                  apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length,
                                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                                  tools=tool_schemas(cfg))
-    train = PromptDataset(d.train_files, config=ds_cfg, tokenizer=tokenizer)
+    prompts = prompt_datasets(plan, ds_cfg, tokenizer_path, tokenizer, image_key=d.image_key)
+    train = prompts(d.train_files)
     loader = PromptLoader(train, sampler=SamplerConfig(train_batch_size=plan.batch.prompts_per_generation,
                                                        shuffle=d.shuffle,
                                                        seed=cfg.trainer.seed), dp_rank=0, dp_size=1)
-    val = PromptDataset(d.val_files, config=ds_cfg, tokenizer=tokenizer) if d.val_files else None
+    val = prompts(d.val_files) if d.val_files else None
     teacher = RemoteTeacher(plan, timeout_s=cfg.trainer.dist_timeout_s) if plan.teacher_engines else None
     hybrid = ActorRolloutRef(aor, plan=plan, objective=actor_objective(cfg), pad_token_id=loader.pad_token_id,
                              critic=cfg.critic, seed=cfg.trainer.seed, balance_batch=cfg.trainer.balance_batch,
@@ -158,3 +159,19 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def prompt_datasets(plan: Plan, config: PromptDatasetConfig, tokenizer_path: str, tokenizer: PreTrainedTokenizerBase,
+                    *, image_key: str) -> Callable[[list[str]], PromptDataset]:
+    """``files -> dataset``: text prompts, or, for a vision-language model, prompts with images read through its
+    processor (:mod:`hybridrl.data.multimodal`)."""
+    if plan.model is None or plan.model.vision is None:
+        return lambda files: PromptDataset(files, config=config, tokenizer=tokenizer)
+    from transformers import AutoProcessor
+
+    from hybridrl.data.multimodal import MultimodalDatasetConfig, MultimodalPromptDataset
+
+    processor = AutoProcessor.from_pretrained(tokenizer_path)
+    mm = MultimodalDatasetConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                                 image_key=image_key)
+    return lambda files: MultimodalPromptDataset(files, config=mm, processor=processor)

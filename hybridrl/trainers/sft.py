@@ -8,6 +8,7 @@ optimizer batch across micro-batches and DP ranks (the same normalisation as the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ from hybridrl.batch import RolloutBatch
 from hybridrl.config.sft_schema import SFTConfig
 from hybridrl.data.collate import PromptBatch, collate_prompts
 from hybridrl.data.dataset import PromptDataset, PromptDatasetConfig
+from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.config import MicroBatching
 from hybridrl.megatron.policy import MegatronPolicy
 from hybridrl.metrics import DPMeans
@@ -63,15 +65,28 @@ class SFTJob(OfflineJob):
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
+        # a vision-language model: rows with images, read through its processor, in padded micro-batches (its
+        # multimodal positions do not fit packed rows; hybridrl.vlm.megatron_vlm)
+        self.vlm = HFArch.from_hf(cfg.model.path).vision is not None
         self.micro = MicroBatching(micro_batch_size=cfg.data.micro_batch_size_per_gpu,
-                                   packed=cfg.megatron.use_remove_padding)
+                                   packed=cfg.megatron.use_remove_padding and not self.vlm)
 
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[PromptDataset, PromptDataset | None]:
         d = self.cfg.data
         config = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.response_key,
                                      apply_chat_template=d.apply_chat_template, max_prompt_length=d.max_prompt_length)
-        train = PromptDataset(d.train_files, tokenizer=tokenizer, config=config)
-        return train, PromptDataset(d.val_files, tokenizer=tokenizer, config=config) if d.val_files else None
+        if self.vlm:
+            from transformers import AutoProcessor
+
+            from hybridrl.data.multimodal import MultimodalDatasetConfig, MultimodalPromptDataset
+
+            processor = AutoProcessor.from_pretrained(self.cfg.model.tokenizer_path or self.cfg.model.path)
+            mm = MultimodalDatasetConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                                         image_key=d.image_key)
+            make = lambda files: MultimodalPromptDataset(files, config=mm, processor=processor)  # noqa: E731
+        else:
+            make = lambda files: PromptDataset(files, tokenizer=tokenizer, config=config)  # noqa: E731
+        return make(d.train_files), make(d.val_files) if d.val_files else None
 
     def start(self, policy: MegatronPolicy, *, tokenizer: PreTrainedTokenizerBase, pad_token_id: int,
               train: PromptDataset) -> str:

@@ -1,0 +1,58 @@
+"""What an RL run of a vision-language model meets today (issue 46): the checks, before anything is built.
+
+The policy's first stage runs the vision tower and each row gets multimodal positions in padded micro-batches
+(:mod:`hybridrl.vlm.megatron_vlm`); the prompts' images reach an engine that takes them (``supports_images``). Each
+refusal below names what does not carry images yet and what to set instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.config.schema import RLConfig
+from hybridrl.hf.arch import HFArch
+from hybridrl.registry import PluginError, Registry
+
+AOR = "actor_rollout_ref"
+
+
+def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list[tuple[str, Any, str]]:
+    """``(key, value, message)`` for each setting a VLM run cannot take."""
+    if model is None or model.vision is None:
+        return []
+    aor, out = cfg.actor_rollout_ref, []
+    r = aor.rollout
+    try:
+        engine = Registry("rollout_engines").load(r.name, key=f"{AOR}.rollout.name")
+    except PluginError:  # reported by check_plugins
+        engine = None
+    if engine is not None and not getattr(engine, "supports_images", False) and not planning:
+        out.append((f"{AOR}.rollout.name", r.name, "this engine does not take images; a vision-language model "
+                    "needs one that does (hf, vllm)"))
+    m = aor.actor.megatron
+    # megatron.use_remove_padding and a null use_prefix_grouper fall back to padded rows (batch_plan): packed rows
+    # give RoPE one position table per sequence, which multimodal positions do not fit
+    for key, value, refused, why in (
+            ("megatron.context_parallel_size", m.context_parallel_size, m.context_parallel_size > 1,
+             "image features enter the embeddings before CP splits the sequence; use 1"),
+            ("megatron.sequence_parallel", m.sequence_parallel, m.sequence_parallel, "image features enter the "
+             "embeddings before sequence parallelism scatters them; set it to false"),
+            ("use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
+             "shared-prompt rows carry no multimodal positions; set it to false")):
+        if refused:
+            out.append((f"{AOR}.actor.{key}", value, f"not with a vision-language model yet: {why}"))
+    refusals = (
+        (f"{AOR}.model.lora_rank", aor.model.lora_rank, aor.model.lora_rank > 0, "set it to 0 (full fine-tuning)"),
+        (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,
+         "multi-turn episodes do not carry images yet; set it to false"),
+        (f"{AOR}.rollout.placement", r.placement, r.placement != "colocated",
+         "engines on ranks of their own do not receive images yet; use colocated"),
+        (f"{AOR}.teacher.model.path", aor.teacher.model.path, aor.teacher.enabled,
+         "a distillation teacher does not score images yet; leave it null"),
+        ("critic.enable", cfg.critic.enable, bool(cfg.critic.enable) or cfg.algorithm.adv_estimator == "gae",
+         "the critic has no vision tower yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"),
+    )
+    for key, value, refused, fix in refusals:
+        if refused:
+            out.append((key, value, f"not with a vision-language model yet: {fix}"))
+    return out
