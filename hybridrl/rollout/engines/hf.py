@@ -17,6 +17,10 @@ Sampling is seeded per sample: each row draws its uniforms from a counter-based 
 ``(seeds[i], j)`` and the decoding step (SplitMix64, Steele et al. 2014), and picks its token by
 inverting the CDF of its filtered distribution. A sample therefore does not depend on the other rows
 of the batch, so the same seeds give the same samples however prompts are grouped into calls or engines.
+
+A vision-language checkpoint (Qwen2.5-VL) generates with each prompt's images (``generate(images=)``): their features
+enter the prefill's embeddings and every position has multimodal RoPE ids (:mod:`hybridrl.rollout.engines.hf_images`).
+``score`` stays text-only (a teacher's sequences carry no images).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, TokenScores, WeightBucket, check_limits
-from hybridrl.rollout.engines.hf_compat import RoutingRecorder, checkpoint_views
+from hybridrl.rollout.engines.hf_compat import RoutingRecorder, checkpoint_views, vlm_checkpoint_names
+from hybridrl.rollout.engines.hf_images import Images, check_images, load_model, prefill_embeddings, row_positions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +46,7 @@ class HFRolloutEngine:
     supports_tensor_parallel: ClassVar[bool] = False
     supports_abort: ClassVar[bool] = True
     supports_routed_experts: ClassVar[bool] = True  # SamplingParams.return_routed_experts (an MoE model's routing)
+    supports_images: ClassVar[bool] = True  # generate(images=): a vision-language checkpoint's (hf_images)
 
     @dataclass(kw_only=True, slots=True)
     class Config:
@@ -63,13 +69,14 @@ class HFRolloutEngine:
     def __init__(self, config: Config, *, model_path: str, device: str | torch.device = "cpu", **ctx: Any) -> None:
         self.config = config
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype])
+        self.model_path = model_path
+        self.model, self.vision = load_model(model_path, _DTYPES[config.dtype])  # vision: None for a causal LM
         self.model.to(self.device).eval()
         gen = GenerationConfig.from_model_config(self.model.config)
         # generation_config.json's stop ids (a list: e.g. <|im_end|> and <|endoftext|>), as SGLang reads them;
         # config.json's single eos_token_id let a tiny model run on past <|endoftext|>
         self.eos_ids: list[int] = eos_token_ids(model_path)
-        pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id
+        pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.get_text_config().pad_token_id
         self.pad_id: int = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         self.params = _weights(self.model)
         self.version = 0
@@ -81,23 +88,24 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,
-                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                 max_new_tokens: Sequence[int] | None = None, images: Images | None = None) -> list[Generation]:
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         limits = check_limits(max_new_tokens, prompts, params)
+        check_images(images, len(prompts), self.vision, self.model_path)
         expanded = [(i, p, sample_stream(seeds[i], j), limits[i]) for i, p in enumerate(prompts)
                     for j in range(params.n)]
         out: list[Generation] = []
         try:
             for start in range(0, len(expanded), self.config.max_batch_size):
                 chunk = expanded[start:start + self.config.max_batch_size]
-                out += self._generate_chunk(chunk, params)
+                out += self._generate_chunk(chunk, params, images)
         finally:
             self.routers.stop()  # no router hook outlives a call
         return out
 
-    def _generate_chunk(self, chunk: list[tuple[int, list[int], int, int]],
-                        params: SamplingParams) -> list[Generation]:
+    def _generate_chunk(self, chunk: list[tuple[int, list[int], int, int]], params: SamplingParams,
+                        images: Images | None) -> list[Generation]:
         B, P = len(chunk), max(len(p) for _, p, _, _ in chunk)
         ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask_BP = torch.zeros((B, P), dtype=torch.long)
@@ -115,8 +123,12 @@ class HFRolloutEngine:
         rows_A = torch.arange(B, device=self.device)  # the rows still decoded (A of them): their index in B
         done_A = limit_B <= 0  # rows with no room: nothing to sample
         past = None
-        step_ids, attn = ids_BP, mask_BP
-        pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+        step_ids, attn = ids_BP, mask_BP  # step_ids: the tokens each decoding step feeds (t ≥ 1)
+        if self.vision is None:
+            pos_AP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+            next_A = mask_BP.sum(-1)  # the position of each row's first generated token
+        else:  # multimodal RoPE: [3, B, P], rows on dim -2 (hf_images)
+            pos_AP, next_A = (x.to(self.device) for x in row_positions([c[:2] for c in chunk], images, self.vision, P))
         n_B = torch.zeros(B, dtype=torch.long, device=self.device)  # tokens sampled per row
         # the experts of every position run (prompt ‖ response), MoE layers in order: R3 router replay
         route_BSLK = self.routers.start(B, P + T) if params.return_routed_experts else None
@@ -128,14 +140,17 @@ class HFRolloutEngine:
         for t in range(T):
             if self._abort.is_set():  # interrupted: every row keeps what it has
                 break
-            if t == 0 and once:
+            if t == 0:  # the prefill: on the first row of each prompt (once), else on every row
                 first_U = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
-                                     (owner_B[1:] != owner_B[:-1]).nonzero().squeeze(-1) + 1])
-                out = self.model(input_ids=step_ids[first_U], attention_mask=attn[first_U],
-                                 position_ids=pos_AP[first_U], use_cache=True, logits_to_keep=1,
-                                 **{self._cache_kw: past})
-                getattr(out, self._cache_kw).batch_select_indices(owner_B)  # each sample's copy of its prompt's
-                out.logits = out.logits[owner_B]
+                                     (owner_B[1:] != owner_B[:-1]).nonzero().squeeze(-1) + 1]) if once else rows_A
+                emb_UPH = None if self.vision is None else prefill_embeddings(
+                    self.model, ids_BP[first_U], [chunk[u][0] for u in first_U.tolist()], images, self.vision)
+                tokens = {"input_ids": ids_BP[first_U]} if emb_UPH is None else {"inputs_embeds": emb_UPH}
+                out = self.model(**tokens, attention_mask=attn[first_U], position_ids=pos_AP[..., first_U, :],
+                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: past})
+                if once:
+                    getattr(out, self._cache_kw).batch_select_indices(owner_B)  # each sample's copy of its prompt's
+                    out.logits = out.logits[owner_B]
             else:
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos_AP, use_cache=True,
                                  logits_to_keep=1, **{self._cache_kw: past})
@@ -155,13 +170,16 @@ class HFRolloutEngine:
                 break
             step_ids = token_A[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # rows already done are discarded
-            pos_AP = pos_AP[:, -1:] + 1
+            if t == 0:  # a VLM's generated tokens: the same id on all three axes
+                pos_AP = next_A[:, None] if self.vision is None else next_A[None, :, None].expand(3, -1, 1)
+            else:
+                pos_AP = pos_AP + 1
             if self.config.drop_finished and 4 * int(done_A.sum()) >= len(done_A) and hasattr(
                     past, "batch_select_indices"):  # a row's math never depends on the others: drop the done
                 keep_A = (~done_A).nonzero().squeeze(-1)
                 past.batch_select_indices(keep_A)
                 rows_A, done_A, step_ids, attn, pos_AP = (
-                    rows_A[keep_A], done_A[keep_A], step_ids[keep_A], attn[keep_A], pos_AP[keep_A])
+                    rows_A[keep_A], done_A[keep_A], step_ids[keep_A], attn[keep_A], pos_AP[..., keep_A, :])
         tok_BT = tok_BT[:, :steps].cpu()
         lp_BT = lp_BT[:, :steps].cpu()
         results, stops, n_B = [], set(stop.tolist()), n_B.tolist()
@@ -253,10 +271,12 @@ class HFRolloutEngine:
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters by name, the checkpoint tensors it keeps as buffers (a sigmoid router's
     ``e_score_correction_bias``: GLM-4.5, DeepSeek-V3), and its fused MoE experts by the checkpoint's per-expert names
-    too (:mod:`hybridrl.rollout.engines.hf_compat` item 1): what ``update_weights`` copies into."""
+    too (:mod:`hybridrl.rollout.engines.hf_compat` item 1), a vision-language model's parameters by the checkpoint's
+    names (item 3): what ``update_weights`` copies into."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     biases = {n: b for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")}
-    return {**params, **biases, **checkpoint_views(params, model.config.model_type)}
+    return {**params, **biases, **checkpoint_views(params, model.config.model_type),
+            **vlm_checkpoint_names(params, model.config.model_type)}
 
 
 _MASK64 = (1 << 64) - 1

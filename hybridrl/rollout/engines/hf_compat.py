@@ -1,7 +1,7 @@
 """Every adaptation the ``hf`` rollout engine makes to transformers 5.19's behaviour, in one place.
 
-Each item names the upstream behaviour it works around; ``tests/rollout/test_hf_compat.py`` shows that each is still
-needed (it fails once upstream changes, so the item can go).
+Each item names the upstream behaviour it works around; ``tests/rollout/engines/test_hf_compat.py`` shows that each is
+still needed (it fails once upstream changes, so the item can go).
 
 1. **Fused experts in memory.** transformers ≥ 5 holds an MoE layer's experts (Qwen3-MoE, Qwen2-MoE, Mixtral) as two
    fused parameters — ``mlp.experts.gate_up_proj`` ``[E, 2f, h]`` (each expert's [gate; up]) and
@@ -13,6 +13,11 @@ needed (it fails once upstream changes, so the item can go).
 2. **The experts a router chose.** transformers' MoE blocks return only the mixed hidden states; the chosen experts
    exist as the third output of the block's router (``mlp.gate``: logits, weights, top-k indices), which
    :class:`RoutingRecorder` reads with a forward hook for R3 router replay.
+3. **A VLM's parameters are renamed in memory.** transformers ≥ 5 nests Qwen2.5-VL's language model under
+   ``model.language_model.*`` and its vision tower under ``model.visual.*``; the checkpoint (the hub layout, and the
+   trainer's weight stream) names them ``model.*`` (``model.layers``, ``model.embed_tokens``, ``model.norm``) and
+   ``visual.*`` — transformers renames them when it loads (and back when it saves). :func:`vlm_checkpoint_names`
+   names the parameters by the checkpoint's names, so a streamed tensor is copied into its parameter in place.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from hybridrl.hf.arch import EXPERT_NAMES
+from hybridrl.hf.vlm import VLM_FAMILIES
 
 _FUSED = re.compile(r"(.+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
 
@@ -51,6 +57,18 @@ def checkpoint_views(params: Mapping[str, torch.Tensor], model_type: str) -> dic
             else:
                 out[f"{block}.experts.{e}.{names.down}.weight"] = data[e]
     return out
+
+
+# transformers' name of a VLM's parameter → the checkpoint's (item 3); lm_head.weight keeps its name
+_VLM_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def vlm_checkpoint_names(params: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: parameter}`` for a vision-language model's renamed parameters (item 3); {} for another."""
+    if model_type not in VLM_FAMILIES:
+        return {}
+    return {disk + name.removeprefix(memory): param for name, param in params.items()
+            for memory, disk in _VLM_RENAMES if name.startswith(memory)}
 
 
 class RoutingRecorder:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybridrl.interfaces import SamplingParams
-from hybridrl.models.tiny import make_tiny_model
+from hybridrl.models.tiny import TinyModelSpec, make_tiny_model
 from hybridrl.rollout.engines.hf import HFRolloutEngine
 
 MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1])
@@ -83,3 +83,28 @@ def test_item2_only_the_router_tells_which_experts_a_token_went_to(moe_model: Pa
     recorder.collect(route, torch.tensor([0]), torch.arange(5))
     recorder.stop()
     assert route.shape == (1, 5, 1, 2) and int(route.min()) >= 0 and not recorder._hooks
+
+
+def test_item3_transformers_renames_a_vlms_parameters(tmp_path: Path) -> None:
+    """transformers loads Qwen2.5-VL's ``model.*`` and ``visual.*`` tensors as ``model.language_model.*`` and
+    ``model.visual.*``; :func:`vlm_checkpoint_names` names every parameter as the checkpoint does — the names
+    transformers' own save-time renaming gives (the same tensors, so a copy into one lands in the parameter)."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from hybridrl.models.tiny_vlm import TinyVisionSpec, make_tiny_vlm
+    from hybridrl.rollout.engines.hf_compat import vlm_checkpoint_names
+    from hybridrl.vlm.sglang_compat import transformers_rope_rules
+
+    path = make_tiny_vlm(tmp_path / "vlm", text=TinyModelSpec(hidden=32, layers=1, heads=2, kv_heads=1, tie=False),
+                         vision=TinyVisionSpec(depth=1, hidden=16, heads=1))
+    with transformers_rope_rules():
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    on_disk = set(load_file(path / "model.safetensors"))
+    assert {"model.embed_tokens.weight", "visual.patch_embed.proj.weight"} <= on_disk - set(params)
+    names = vlm_checkpoint_names(params, "qwen2_5_vl")
+    assert set(names) | {"lm_head.weight"} == on_disk
+    saved = revert_weight_conversion(model, params)
+    assert all(saved[n] is t for n, t in names.items())
+    assert vlm_checkpoint_names(params, "qwen2") == {}
