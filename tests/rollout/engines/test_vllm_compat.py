@@ -1,6 +1,7 @@
 """Each adaptation in :mod:`hybridrl.rollout.engines.vllm_compat` is still needed: these tests fail once vLLM changes
 the behaviour an item works around (then the item, and its test, can go). Item 5 (engine processes outliving a SIGKILLed
-parent) is shown in ``test_vllm_engine.py`` (``sigkill_unwatched``). The probes that run inside the engine's worker
+parent) is shown in ``test_vllm_engine.py`` (``sigkill_unwatched``); items 14 and 15 and item 2's encoder cache, which
+need a vision-language model's engine, in ``test_vllm_engine_images.py``. The probes that run inside the engine's worker
 use the package's engine (``conftest.py``), whose workers accept callables."""
 
 from __future__ import annotations
