@@ -49,6 +49,8 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
          "engines on ranks of their own do not receive images yet; use colocated"),
         (f"{AOR}.teacher.model.path", aor.teacher.model.path, aor.teacher.enabled,
          "a distillation teacher does not score images yet; leave it null"),
+        ("data.apply_chat_template", cfg.data.apply_chat_template, not cfg.data.apply_chat_template,
+         "the processor's chat template renders a prompt's image parts; set it to true"),
         ("critic.enable", cfg.critic.enable, bool(cfg.critic.enable) or cfg.algorithm.adv_estimator == "gae",
          "the critic has no vision tower yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)"),
     )

@@ -219,7 +219,9 @@ class Plan:
                          f"num_layers_in_last_pipeline_stage={lay.last})")
         if self.model is not None and (v := self.model.vision) is not None:
             frozen = self.config.actor_rollout_ref.actor.freeze_vision_tower
-            lines.append(f"vision  tower of {vision_parameters(v.config) / 1e9:.2f} B parameters ({v.config['depth']} "
+            n = vision_parameters(v.config)
+            size = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+            lines.append(f"vision  tower of {size} parameters ({v.config['depth']} "
                          f"blocks, hidden {v.config['hidden_size']}, merge {v.spatial_merge_size}×"
                          f"{v.spatial_merge_size}), replicated on every first-stage rank, "
                          + ("frozen" if frozen else "trained") + " (actor_rollout_ref.actor.freeze_vision_tower)")

@@ -200,7 +200,7 @@ class MegatronRunner:
                         output = model(input_ids=rows.tokens_BS, position_ids=rows.position_ids_BS,
                                        attention_mask=rows.attention_mask, **fp16_kwargs)
                 elif self.arch.vision is not None:  # image features into the first stage, multimodal positions
-                    output = forward_rows(model, self.arch, rows.tokens_BS,
+                    output = forward_rows(model, self.arch, rows.tokens_BS, rows.prompt_len_B,
                                           rows.prompt_len_B + rows.response_mask_BT.sum(-1),
                                           [m.images for m in mb.batch.meta], masks[rows.seq_len], **fp16_kwargs)
                 else:

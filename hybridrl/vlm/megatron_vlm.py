@@ -75,11 +75,15 @@ def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw_
 
 
 def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_values: torch.Tensor | None,
-                  grid_thw_N3: torch.Tensor | None, image_token_id: int) -> torch.Tensor:
+                  grid_thw_N3: torch.Tensor | None, image_token_id: int,
+                  images_in_BS: torch.Tensor | None = None) -> torch.Tensor:
     """``[s, b, h]``: the first stage's token embeddings with each image placeholder replaced by its feature (the
-    images of sample 0 first, each sample's in order)."""
+    images of sample 0 first, each sample's in order); ``images_in_BS``: where placeholders are images (the prompts;
+    None: everywhere)."""
     emb_SBH = gpt.embedding(input_ids=ids_BS, position_ids=None)
     at_BS = ids_BS == image_token_id
+    if images_in_BS is not None:
+        at_BS &= images_in_BS
     if pixel_values is None or not bool(at_BS.any()):
         return emb_SBH
     assert grid_thw_N3 is not None
@@ -93,13 +97,16 @@ def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_
 
 
 def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: torch.Tensor | None,
-                    arch: HFArch) -> torch.Tensor:
+                    arch: HFArch, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
     """``[3, b, s]`` position ids of right-padded rows (padding: 0), each row's images taken from ``grid_thw_N3`` in
-    order."""
+    order. With ``prompt_len_B`` only a row's first ``prompt_len_B[b]`` tokens are multimodal; the tokens after them
+    (a response: whatever the policy sampled, a placeholder id included, is text) continue from the prompt's largest
+    id + 1 on all three axes, as an engine decodes them (transformers' ``rope_deltas``)."""
     assert arch.vision is not None
     out = torch.zeros(3, *ids_BS.shape, dtype=torch.long)
     image = 0
-    for b, n in enumerate(lengths_B.tolist()):
+    for b, total in enumerate(lengths_B.tolist()):
+        n = total if prompt_len_B is None else int(prompt_len_B[b])
         row = ids_BS[b, :n].cpu()
         k = int((row == arch.vision.image_token_id).sum())
         grids, taken = [], 0  # this row's images: as many grids as its placeholders need
@@ -110,6 +117,9 @@ def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: 
             taken += t * h * w // arch.vision.spatial_merge_size ** 2
             image += 1
         out[:, b, :n] = mrope_positions(row, torch.tensor(grids) if grids else None, arch.vision)
+        if n < total:
+            first = int(out[:, b, :n].max()) + 1 if n else 0
+            out[:, b, n:total] = torch.arange(first, first + total - n)
     return out.to(ids_BS.device)
 
 
@@ -131,27 +141,29 @@ def tower_of(gpt: Any) -> torch.nn.Module | None:
     return getattr(gpt, VISION_ATTR, None)
 
 
-def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, lengths_B: torch.Tensor,
-                 images: Sequence[Any], attention_mask: Any, **kwargs: Any) -> Any:
-    """One padded micro-batch through a VLM chunk: rows of real tokens then padding (``lengths_B`` real tokens),
-    ``images[b]`` the :class:`~hybridrl.vlm.inputs.ImageInputs` of row b (None: text only). A row whose
-    placeholders were cut away (a filler row cut to its last prompt token) takes no image."""
+def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B: torch.Tensor,
+                 lengths_B: torch.Tensor, images: Sequence[Any], attention_mask: Any, **kwargs: Any) -> Any:
+    """One padded micro-batch through a VLM chunk: rows of real tokens then padding (``lengths_B`` real tokens, the
+    first ``prompt_len_B`` the prompt's), ``images[b]`` the :class:`~hybridrl.vlm.inputs.ImageInputs` of row b's
+    prompt (None: text only). A row whose placeholders were cut away (a filler row cut to its last prompt token)
+    takes no image; a response's tokens are text whatever their ids."""
     from hybridrl.megatron.model import unwrap_model
     from hybridrl.vlm.inputs import stack_images
 
     v = arch.vision
     assert v is not None
-    has_image = (tokens_BS == v.image_token_id).any(-1).tolist()
+    prompt_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)[None] < prompt_len_B[:, None]
+    has_image = ((tokens_BS == v.image_token_id) & prompt_BS).any(-1).tolist()
     stacked = stack_images([x if keep else None for x, keep in zip(images, has_image, strict=True)])
     pixels = None if stacked is None else stacked.pixel_values.to(tokens_BS.device)
     grid = None if stacked is None else stacked.image_grid_thw.to(tokens_BS.device)
-    positions = batch_positions(tokens_BS, lengths_B, grid, arch)
+    positions = batch_positions(tokens_BS, lengths_B, grid, arch, prompt_len_B)
     gpt = unwrap_model(model)
     dec = None
     if gpt.pre_process:
         tower = tower_of(gpt)
         assert tower is not None, "a VLM's first stage without its vision tower (attach_vision_tower)"
-        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, v.image_token_id)
+        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, v.image_token_id, prompt_BS)
     return model(tokens_BS, positions, attention_mask, decoder_input=dec, **kwargs)
 
 

@@ -1,6 +1,6 @@
 """A vision-language run's plan: Qwen2.5-VL-7B's real config.json validates for 8 × 80 GB with its vision tower in the
-plan and the memory; its parameter count is transformers'; training one is refused with a real checkpoint (it does not
-run yet) and planned with a note."""
+plan and the memory; its parameter count is transformers'; a text recipe pointed at a VLM checkpoint, and the offline
+trainers without an image path (DPO, the reward model), are refused before anything is built."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_the_7b_recipe_plans_its_vision_tower_on_8_gpus(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "vision  tower of 0.68 B parameters (32 blocks, hidden 1280, merge 2×2), replicated on every first-stage " \
            "rank, trained" in out
-    assert "note: planned only: a vision-language model" in out and "config OK" in out
+    assert "note: a vision-language model: its prompts' images go to the rollout engine" in out and "config OK" in out
     trained = _memory_line(out)
     train_gb = float(re.search(r"train ([\d.]+) GB", trained)[1])  # type: ignore[index]
     assert train_gb < 80
@@ -49,13 +49,12 @@ def test_vision_parameter_count_is_transformers() -> None:
     assert vision_parameters(config) == sum(p.numel() for p in tower.parameters())
 
 
-def test_training_a_vlm_checkpoint_is_refused_before_anything_is_built(tmp_path: Path,
+def test_what_does_not_take_images_is_refused_before_anything_is_built(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     model = make_tiny_qwen2_5_vl(tmp_path / "vl", tie=True)
     code = main(["validate", "recipe=grpo_tiny", f"actor_rollout_ref.model.path={model}",
                  "actor_rollout_ref.model.build_if_missing=null"])
     err = capsys.readouterr().err
-    assert code == 2 and "actor_rollout_ref.model.path=" in err and "RL training of one does not run yet" in err
-    # nor an offline trainer's (SFT here; DPO and the reward model run the same checks)
-    assert main(["validate", "recipe=sft_tiny", f"model.path={model}", "model.build_if_missing=null"]) == 2
-    assert "the offline trainers (SFT, DPO, the reward model) do not take images yet" in capsys.readouterr().err
+    assert code == 2 and "data.apply_chat_template=False" in err and "renders a prompt's image parts" in err
+    assert main(["validate", "recipe=dpo_tiny", f"model.path={model}", "model.build_if_missing=null"]) == 2
+    assert "DPO and the reward model do not take images yet" in capsys.readouterr().err
