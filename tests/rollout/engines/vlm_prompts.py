@@ -1,0 +1,97 @@
+"""Test-only helpers of the engines' image tests (issue 46): prompts with images as the trainer makes them, and
+transformers' own Qwen2.5-VL as the reference for the sampled tokens' log-probs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from hybridrl.vlm.inputs import ImageInputs
+from hybridrl.vlm.sglang_compat import transformers_rope_rules
+
+
+def tiny_vlm_pair(tmp: Path, **spec: Any) -> tuple[Path, Path]:
+    """Tiny VLMs A and B (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`; seeds 1 and 2: other language model and
+    vision tower) of the text ``spec`` (:class:`hybridrl.models.tiny.TinyModelSpec`)."""
+    from hybridrl.models.tiny import TinyModelSpec
+    from hybridrl.models.tiny_vlm import make_tiny_vlm
+
+    return (make_tiny_vlm(tmp / "a", text=TinyModelSpec(seed=1, **spec)),
+            make_tiny_vlm(tmp / "b", text=TinyModelSpec(seed=2, **spec)))
+
+
+def image(h: int, w: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def encode(processor: Any, text: str, images: list[Image.Image]) -> tuple[list[int], ImageInputs | None]:
+    """The trainer's prompt (:func:`hybridrl.data.multimodal.encode_prompt`'s way): ids with the expanded
+    placeholders, and the images as the sample carries them."""
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    rendered = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                             tokenize=False)
+    out = processor(text=[rendered], images=images or None, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    if not images:
+        return ids, None
+    return ids, ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"], images=images)
+
+
+def encode_all(model_dir: Path, sizes: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[ImageInputs | None]]:
+    """Prompt ``k`` asks "what is k?" about images of ``sizes[k]`` ((h, w) each; none: a text prompt)."""
+    from transformers import AutoProcessor
+
+    with transformers_rope_rules():
+        processor = AutoProcessor.from_pretrained(model_dir)
+    encoded = [encode(processor, f"what is {k}?", [image(h, w, 10 * k + n) for n, (h, w) in enumerate(hw)])
+               for k, hw in enumerate(sizes)]
+    return [ids for ids, _ in encoded], [im for _, im in encoded]
+
+
+class Reference:
+    """transformers' Qwen2.5-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and images."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        with transformers_rope_rules():  # hybridrl.vlm.sglang_compat
+            self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+        self.image_token = self.model.config.image_token_id
+
+    def logprobs(self, prompt: list[int], images: ImageInputs | None, tokens: list[int],
+                 temperature: float) -> list[float]:
+        """A sampled ``<|image_pad|>`` is text, as engines decode it: only the prompt's placeholders take the image
+        features and image positions (transformers' own ``forward`` would take every one as a placeholder)."""
+        ids = torch.tensor([prompt + tokens])
+        types = torch.zeros_like(ids, dtype=torch.int)
+        types[0, :len(prompt)] = (ids[0, :len(prompt)] == self.image_token).int()
+        with torch.no_grad():
+            if images is None:
+                logits = self.model(input_ids=ids, mm_token_type_ids=types).logits
+            else:
+                inner = self.model.model
+                emb = inner.get_input_embeddings()(ids)
+                features = inner.get_image_features(images.pixel_values, images.image_grid_thw).pooler_output
+                emb[types.bool()] = torch.cat(features).to(emb.dtype)
+                positions, _ = inner.get_rope_index(ids, types, image_grid_thw=images.image_grid_thw)
+                logits = self.model(inputs_embeds=emb, position_ids=positions).logits
+        scaled = logits[0, len(prompt) - 1:-1] / (temperature or 1.0)
+        return scaled.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def max_gap(gens: list[Any], prompts: list[list[int]], images: list[ImageInputs | None], ref: Reference,
+            temperature: float) -> float:
+    """The largest |engine − reference| sampled-token log-prob over ``gens``."""
+    return max(max(abs(a - b) for a, b in zip(g.logprobs, ref.logprobs(
+        prompts[g.prompt_index], images[g.prompt_index], g.token_ids, temperature), strict=True)) for g in gens)
+
+
+def flipped(images: list[ImageInputs | None]) -> list[ImageInputs | None]:
+    """The same grids with each prompt's patches in reverse order: other pixels at the same placeholders."""
+    return [None if im is None else ImageInputs(pixel_values=im.pixel_values.flip(0), image_grid_thw=im.image_grid_thw,
+                                                images=im.images) for im in images]
