@@ -8,6 +8,13 @@ from hybridrl.config.schema import MegatronConfig, ModelConfig, OptimConfig
 
 
 @dataclass(kw_only=True, slots=True)
+class SFTModelConfig(ModelConfig):
+    # a vision-language model's vision tower (and merger) stays as loaded: no gradients, no optimizer state (the RL
+    # trainer's actor_rollout_ref.actor.freeze_vision_tower)
+    freeze_vision_tower: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
 class SFTDataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet / jsonl
     val_files: list[str] = field(default_factory=list)  # held-out pairs: `val/loss` every trainer.test_freq steps
@@ -47,7 +54,7 @@ class SFTTrainerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SFTConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     data: SFTDataConfig = field(default_factory=SFTDataConfig)

@@ -66,12 +66,13 @@ class OfflineJob(Protocol):
     target_metric: str | None  # the held-out metric trainer.target_accuracy is compared with (None: not supported)
     cfg: Any  # the run's config (an OfflineConfig)
 
-    def build(self, *, pad_token_id: int) -> Any:
+    def build(self, *, pad_token_id: int, freeze_vision_tower: bool = False) -> Any:
         """The trained model (a :class:`~hybridrl.megatron.runner.MegatronRunner` with ``export_weights``)."""
         c: OfflineConfig = self.cfg
         return MegatronPolicy(model_dir=c.model.path, megatron=c.megatron, optim=c.optim,
                               total_steps=c.trainer.total_training_steps, pad_token_id=pad_token_id,
-                              lora=LoRAConfig.from_model(c.model, key="model"))  # LoRA: saves the merged weights
+                              lora=LoRAConfig.from_model(c.model, key="model"),  # LoRA: saves the merged weights
+                              freeze_vision_tower=freeze_vision_tower)
 
     def hf_config(self) -> dict[str, Any]:
         """What the saved checkpoint's config.json changes from the start model's (nothing: the same architecture)."""

@@ -71,6 +71,9 @@ class SFTJob(OfflineJob):
         self.micro = MicroBatching(micro_batch_size=cfg.data.micro_batch_size_per_gpu,
                                    packed=cfg.megatron.use_remove_padding and not self.vlm)
 
+    def build(self, *, pad_token_id: int) -> MegatronPolicy:
+        return OfflineJob.build(self, pad_token_id=pad_token_id, freeze_vision_tower=self.cfg.model.freeze_vision_tower)
+
     def datasets(self, tokenizer: PreTrainedTokenizerBase) -> tuple[PromptDataset, PromptDataset | None]:
         d = self.cfg.data
         config = PromptDatasetConfig(prompt_key=d.prompt_key, ground_truth_key=d.response_key,

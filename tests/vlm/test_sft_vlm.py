@@ -1,6 +1,7 @@
 """SFT of a vision-language model (``sft_vlm_tiny``'s path on a small random Qwen2.5-VL): the rows' images reach the
-vision tower, which trains; the saved checkpoint is a complete Qwen2.5-VL that transformers and its processor load
-(the processor's files travel with it) and its held-out loss is transformers' on the same rows. ~15 s."""
+vision tower, which trains (``model.freeze_vision_tower``: stays as loaded while the language model trains); the saved
+checkpoint is a complete Qwen2.5-VL that transformers and its processor load (the processor's files travel with it)
+and its held-out loss is transformers' on the same rows. ~15 s each."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ SFT = str(Path(__file__).resolve().parents[2] / "launch" / "sft.py")
 
 
 @pytest.mark.e2e
-def test_sft_on_images_trains_the_tower_and_saves_a_loadable_vlm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_sft_on_images_trains_the_tower_and_saves_a_loadable_vlm(tmp_path: Path, frozen: bool) -> None:
     import subprocess
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -34,13 +36,16 @@ def test_sft_on_images_trains_the_tower_and_saves_a_loadable_vlm(tmp_path: Path)
            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=3",
            "trainer.test_freq=3", "trainer.target_accuracy=null", "optim.lr=1e-2", "optim.lr_warmup_steps=0",
            f"trainer.output_dir={out}",
-           f"trainer.save_path={saved}", "megatron.use_remove_padding=true"]  # padded rows all the same
+           f"trainer.save_path={saved}", "megatron.use_remove_padding=true",  # padded rows all the same
+           f"model.freeze_vision_tower={str(frozen).lower()}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
                                                                                   **__import__("os").environ})
     assert proc.returncode == 0, proc.stderr[-4000:]
     start, after = load_file(model / "model.safetensors"), load_file(saved / "model.safetensors")
     assert after.keys() == start.keys()
-    assert max(float((after[k] - start[k]).abs().max()) for k in start if k.startswith("visual.")) > 1e-3
+    moved = max(float((after[k] - start[k]).abs().max()) for k in start if k.startswith("visual."))
+    assert moved == 0.0 if frozen else moved > 1e-3
+    assert max(float((after[k] - start[k]).abs().max()) for k in start if not k.startswith("visual.")) > 1e-3
     assert (saved / "processor_config.json").is_file()
     val = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "val/loss" in line][-1]
     # the saved model's held-out loss, by transformers with the processor's pixels
