@@ -39,12 +39,14 @@ def _overrides(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("engine", ["hf", "vllm", "sglang"])
+# sglang: tests/rollout/engines/test_sglang_engine_images.py (its generation and in-place swap with images, the tower's
+# checkpoint names included); the CI budget keeps one engine start here per engine the issue names
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_grpo_on_images_keeps_engine_and_actor_equal(torchrun, vlm_task: dict[str, Path], tmp_path: Path,
                                                      engine: str) -> None:
     """Two steps of 2 optimizer steps at lr 1e-2 with an entropy bonus (a gradient whatever the rewards of a random
     model: the tower moves): the engine's log-probs of its own samples equal the actor's at step 2 too, which they
-    would not if the tower's new weights missed the engine. hf ~15 s; vllm ~50 s, sglang ~45 s (their engine starts)."""
+    would not if the tower's new weights missed the engine. hf ~15 s; vllm ~50 s (its engine start)."""
     out = tmp_path / "run"
     torchrun([TRAIN, *_overrides(vlm_task, out, f"actor_rollout_ref.rollout.name={engine}")], nproc=1)
     rows = [r for r in read_metrics(out) if "rollout/logprob_abs_diff" in r]

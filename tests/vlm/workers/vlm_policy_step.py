@@ -1,12 +1,14 @@
 """Worker: a VLM policy on Megatron takes images — log-probs against transformers, one train step, the export.
 
-    python -m torch.distributed.run --nproc-per-node N vlm_policy_step.py MODEL_DIR OUT_FILE TP PP [frozen]
+    python -m torch.distributed.run --nproc-per-node 2 vlm_policy_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-A batch of 4 samples (one image of 6 placeholders, one of 4, text only, two images), micro-batches of 2 (each with
-its own images). Rank 0 saves: the log-probs before the step, transformers' on the same ids and pixels, the step's
-metrics, the exported weights after it (language model and ``visual.*``), and — at TP = PP = 1 — whether a fresh
-policy restored from the step's checkpoint state takes a second step bitwise like the first one (the vision tower
-is in the checkpoint and the optimizer). ``frozen``: ``freeze_vision_tower``.
+A layout is ``tp<a>pp<b>[-frozen]`` (DP: what remains of the 2 ranks; ``-frozen``: ``freeze_vision_tower``), run one
+after the other in the same ranks. A batch of 4 samples (one image of 6 placeholders, one of 4, text only, two
+images), each DP rank its half, micro-batches of 2 (each with its own images); the loss is normalised over the whole
+batch, so every DP size takes one step. Rank 0 saves ``OUT_DIR/<layout>.pt``: the largest |Δ log-prob| against
+transformers (on every rank's rows), the step's metrics, the exported weights after it (language model and
+``visual.*``), and — at DP = 2 — whether a fresh policy restored from the step's checkpoint state takes a second step
+bitwise like the first one (the vision tower is in the checkpoint and the optimizer).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 
 from hybridrl.batch import RolloutBatch, SampleMeta
 from hybridrl.checkpoint.rl import _model_and_optimizer_state, _restore
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.megatron.config import MicroBatching
-from hybridrl.megatron.parallel import destroy_parallel, init_parallel, seed_everything
+from hybridrl.megatron.parallel import init_parallel, seed_everything
 from hybridrl.megatron.policy import MegatronPolicy, parallel_config
 from hybridrl.trainers.sft import nll_loss
 from hybridrl.vlm.inputs import ImageInputs
@@ -82,9 +84,9 @@ def hf_logprobs(model_dir: str, batch: RolloutBatch) -> torch.Tensor:
     return out
 
 
-def main() -> None:
-    model_dir, out_file, tp, pp = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    frozen = "frozen" in sys.argv[5:]
+def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
+    sizes, frozen = name.removesuffix("-frozen"), name.endswith("-frozen")
+    tp, pp = (int(x) for x in sizes.removeprefix("tp").split("pp"))
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     init_parallel(parallel_config(megatron))
     seed_everything(1)
@@ -94,14 +96,21 @@ def main() -> None:
                               optim=OptimConfig(optimizer="adam", lr=1e-2, adam_eps=1e-6, clip_grad=1.0),
                               freeze_vision_tower=frozen)
 
-    policy, batch, micro = build(), fixed_batch(), MicroBatching(micro_batch_size=2)
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    full, micro = fixed_batch(), MicroBatching(micro_batch_size=2)
+    batch = full.index(list(range(dp_rank * len(full) // dp, (dp_rank + 1) * len(full) // dp)))
+    policy = build()
     before, _ = policy.compute_log_probs(batch, batching=micro)
+    diff = torch.tensor(float((before - hf_logprobs(model_dir, batch)).abs().max()))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     step = policy.train_step(batch, nll_loss, batching=micro, loss_agg_mode="token-mean")
     exported = {k: v.clone() for bucket in policy.export_weights(bucket_bytes=1 << 16) for k, v in bucket}
     resumed = None
-    if tp == pp == 1 and not frozen:
-        ckpt = out_file.with_suffix(".ckpt")
-        ckpt.mkdir()
+    if dp == 2 and not frozen:
+        ckpt = out_dir / f"{name}.ckpt"
+        if dist.get_rank() == 0:
+            ckpt.mkdir()
+        dist.barrier()
         assert policy.scheduler is not None
         dist_checkpointing.save(_model_and_optimizer_state(policy, loading=False), str(ckpt))
         fresh = build()
@@ -111,11 +120,16 @@ def main() -> None:
         a, b = ({k: v for bucket in p.export_weights(bucket_bytes=1 << 16) for k, v in bucket} for p in (policy, fresh))
         resumed = all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
     if dist.get_rank() == 0:
-        torch.save({"before": before, "hf": hf_logprobs(model_dir, batch), "step": step, "exported": exported,
-                    "resumed_bitwise": resumed}, out_file)
-        print(f"tp{tp}pp{pp}: max |Δ logprob| {float((before - hf_logprobs(model_dir, batch)).abs().max()):.2e} "
-              f"loss {step['loss']:.4f} grad_norm {step['grad_norm']:.4f}", flush=True)
-    destroy_parallel()
+        torch.save({"logprob_diff": float(diff), "step": step, "exported": exported, "resumed_bitwise": resumed},
+                   out_dir / f"{name}.pt")
+        print(f"{name}: max |Δ logprob| {float(diff):.2e} loss {step['loss']:.4f} grad_norm {step['grad_norm']:.4f}",
+              flush=True)
+    parallel_state.destroy_model_parallel()  # the next layout re-initialises the model-parallel groups
+
+
+def main() -> None:
+    for name in sys.argv[3:]:
+        run_layout(sys.argv[1], Path(sys.argv[2]), name)
 
 
 if __name__ == "__main__":
