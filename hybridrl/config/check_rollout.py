@@ -12,7 +12,7 @@ from hybridrl.config.errors import Issues
 from hybridrl.config.plan import AOR, Plan
 from hybridrl.config.schema import ROLLOUT_MODES, RLConfig
 from hybridrl.hf.arch import HFArch
-from hybridrl.megatron.config import ROUTED_EXPERTS_UPSTREAM, ROUTER_REPLAY_MODES
+from hybridrl.megatron.config import ROUTER_REPLAY_MODES
 from hybridrl.registry import PluginError, Registry
 from hybridrl.rollout.async_training import KEY as ASYNC_KEY
 from hybridrl.rollout.async_training import config_problems as async_problems
@@ -141,8 +141,8 @@ def check_router_replay(cfg: RLConfig, model: HFArch | None, issues: Issues) -> 
         engine = engine_class(r.name)
         if engine is not None and not getattr(engine, "supports_routed_experts", False):
             issues.add(f"{AOR}.rollout.name", r.name, f"does not return the experts it routed each token to, which "
-                       f"{key}=R3 replays: use hf, or R2 (the trainer's own routing at the old-log-prob pass)"
-                       + ROUTED_EXPERTS_UPSTREAM.get(r.name, ""))
+                       f"{key}=R3 replays: use hf, vllm or sglang (GPU), or R2 (the trainer's own routing at the "
+                       "old-log-prob pass)")
         if r.multi_turn.enable:
             issues.add(f"{AOR}.rollout.multi_turn.enable", True, f"valid, but not built yet with {key}=R3 (an "
                        f"episode's turns would each need their routing joined); use R2, or single-turn")

@@ -15,7 +15,7 @@ verl counts it.
 for every trained and frozen model of the run — full granularity, uniform method, one layer per checkpoint,
 as verl's Megatron workers set it — unless ``megatron.override_transformer_config`` sets ``recompute_*`` itself.
 ``actor.router_replay.mode=R3`` turns on the rollout engine's ``return_routed_experts`` where its config has that
-switch (vLLM: the experts are recorded only by an engine started so).
+switch (vLLM, SGLang: the experts are recorded only by an engine started so).
 
 verl's "none" spellings, as verl reads them (:func:`apply_verl_rules`): ``optim.lr_warmup_steps`` < 0 means
 ``lr_warmup_steps_ratio`` of the steps (only 0 is accepted here: no warm-up), ``trainer.test_freq`` < 0 never
@@ -54,7 +54,8 @@ def derive(cfg: RLConfig) -> tuple[RLConfig, str | None, list[str]]:
 
 def apply_routed_experts(cfg: RLConfig) -> None:
     """R3 router replay needs the engine to record its routing from the start: an engine whose config has a
-    ``return_routed_experts`` switch (vLLM's aux output) gets it on unless ``engine_kwargs`` sets it."""
+    ``return_routed_experts`` switch (vLLM's aux output, SGLang's server arg) gets it on unless ``engine_kwargs``
+    sets it."""
     from dataclasses import fields
 
     from hybridrl.registry import PluginError, Registry

@@ -74,11 +74,6 @@ LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
 
 
 ROUTER_REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
-# what the other engines' versions here can return of their routing (R3), for the refusal's message
-ROUTED_EXPERTS_UPSTREAM = {
-    "sglang": " (SGLang 0.5.21 can return them: the server's --enable-return-routed-experts and a request's "
-              "return_routed_experts; hybridrl's sglang engine does not read them yet)",
-}
 
 
 @dataclass(kw_only=True, slots=True)

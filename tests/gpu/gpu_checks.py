@@ -68,12 +68,12 @@ def grpo_tiny_overrides(work: Path, engine: str) -> list[str]:
             "trainer.resume=never", *ENGINE_OVERRIDES[engine]]
 
 
-def moe_r3_vllm_overrides(work: Path) -> list[str]:
-    """grpo_moe_tiny on CUDA with the vllm engine recording its routing and the trainer replaying it (R3)."""
-    return ["recipe=grpo_moe_tiny", "trainer.device=cuda", "actor_rollout_ref.rollout.name=vllm",
+def moe_r3_overrides(work: Path, engine: str) -> list[str]:
+    """grpo_moe_tiny on CUDA with ``engine`` (vllm, sglang) recording its routing and the trainer replaying it (R3)."""
+    return ["recipe=grpo_moe_tiny", "trainer.device=cuda", f"actor_rollout_ref.rollout.name={engine}",
             "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             "trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false",
-            f"trainer.output_dir={work / 'grpo_moe_tiny_vllm_r3'}", "trainer.resume=never"]
+            f"trainer.output_dir={work / f'grpo_moe_tiny_{engine}_r3'}", "trainer.resume=never"]
 
 
 def qwen2_1p5b_overrides(work: Path, engine: str) -> list[str]:
@@ -191,10 +191,11 @@ CHECKS: tuple[Check, ...] = (
           full=True),
     Check("sglang_swap_time_per_gb", _node("test_sglang_gpu.py", "test_swap_time_per_gb"), 300,
           "engine alone: seconds per GiB of an in-place bf16 swap (512 MB buckets, CUDA IPC)", full=True),
-    Check("grpo_moe_tiny_vllm_r3", _node("test_router_replay_vllm_gpu.py", "test_r3_through_vllm"), 420,
-          "grpo_moe_tiny, 3 steps, vllm recording each position's experts, the trainer replaying them (R3): "
-          "router_replay/engine_mismatch per step, logprob_abs_diff", full=True,
-          overrides=moe_r3_vllm_overrides, model_config=REPO / "tests" / "gpu" / "tiny-qwen3-moe.json"),
+    *(Check(f"grpo_moe_tiny_{engine}_r3", _node("test_router_replay_gpu.py", f"test_r3_through_the_engine[{engine}]"),
+            420, f"grpo_moe_tiny, 3 steps, {engine} recording each position's experts, the trainer replaying them "
+            "(R3): router_replay/engine_mismatch per step, logprob_abs_diff", full=True,
+            overrides=lambda w, e=engine: moe_r3_overrides(w, e),
+            model_config=REPO / "tests" / "gpu" / "tiny-qwen3-moe.json") for engine in ("vllm", "sglang")),
     Check("sglang_per_sample_seeds", _node("test_sglang_gpu.py", "test_per_sample_seeds_fix_each_prompts_samples"),
           300, "engine alone: per-sample seeds with enable_deterministic_inference", full=True),
 )

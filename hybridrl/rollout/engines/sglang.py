@@ -29,6 +29,11 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
   so the engine sees the pixels and placeholders the actor trains on. A swap covers the vision tower (``visual.*``);
   SGLang's vision-embedding cache is off, as it outlives a swap (sglang_compat item 13). On CPU the engine also
   defines the kernel ops whose absence hides SGLang's Qwen-VL processor (item 12).
+- **Router replay (R3).** With ``engine_kwargs.return_routed_experts`` (set by the run when
+  ``actor.router_replay.mode=R3``) the server records each position's experts (``enable_return_routed_experts``) and a
+  finished sample carries them (``meta_info["routed_experts"]``: base64 of int32 ``[prompt + output − 1, decoder
+  layers, top-k]``), its MoE layers in order (``Generation.routed_experts``; :mod:`~.routed_rows`). GPU only: an MoE
+  model is refused on CPU (sglang_compat item 10). Not yet run on a GPU here (``tests/gpu/test_router_replay_gpu.py``).
 - **Memory phases.** ``release_memory`` releases the KV cache (and the weights, with
   ``release_weights``) through ``release_memory_occupation``; ``resume_memory`` restores weights
   before the KV cache. On by default on GPU (``enable_memory_saver``: null = on there), where it frees memory for the
@@ -44,6 +49,7 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import time
 from collections.abc import Sequence
@@ -60,6 +66,7 @@ from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import sglang_compat as compat
 from hybridrl.rollout.engines import sglang_process as process
+from hybridrl.rollout.engines.routed_rows import moe_layers, routed_rows
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
 from hybridrl.rollout.engines.sglang_process import SGLangEngineError
 from hybridrl.vlm.inputs import ImageInputs
@@ -79,6 +86,7 @@ class SGLangRolloutEngine(ServerEngine):
     marks_last_bucket: ClassVar[bool] = True  # the cache flush and the new version come with the last bucket
     scores_tempered: ClassVar[bool] = False  # score() at temperature 1 only (sglang_compat item 11)
     supports_images: ClassVar[bool] = True  # a vision-language checkpoint's prompts' images (items 12, 13)
+    supports_routed_experts: ClassVar[bool] = True  # with engine_kwargs.return_routed_experts, on GPU (item 10)
     # abort(): SGLang's abort of every request, partial outputs kept
 
     @dataclass(kw_only=True, slots=True)
@@ -103,6 +111,9 @@ class SGLangRolloutEngine(ServerEngine):
         request_timeout_s: float | None = 1800.0  # one generate / weight-update call; null: no limit
         start_timeout_s: float = 600.0  # engine start, model load included
         log_level: str = "error"  # SGLang's log level (debug | info | warning | error)
+        # record each position's experts for R3 router replay (GPU only: item 10); the run sets it when
+        # actor_rollout_ref.actor.router_replay.mode=R3
+        return_routed_experts: bool = False
         server_args: dict[str, Any] = field(default_factory=dict)  # any other SGLang ServerArgs, verbatim
 
         def __post_init__(self) -> None:
@@ -117,6 +128,13 @@ class SGLangRolloutEngine(ServerEngine):
                 raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0 or null")
             if self.start_timeout_s <= 0:
                 raise ValueError(f"start_timeout_s={self.start_timeout_s} must be > 0")
+
+    @classmethod
+    def plan_notes(cls, config: Config, *, device_type: str, tp_size: int = 1) -> list[str]:
+        """Raises ValueError on a config the device cannot run (validation asks before any model exists)."""
+        if device_type == "cpu" and config.return_routed_experts:
+            raise ValueError(compat.ROUTED_EXPERTS_CPU)
+        return []
 
     @classmethod
     def memory_budget(cls, config: Config, *, device_type: str, gpu_memory_utilization: float) -> EngineMemory | None:
@@ -143,6 +161,11 @@ class SGLangRolloutEngine(ServerEngine):
             raise SGLangEngineError(f"the SGLang engine cannot serve {self.model_path} (actor_rollout_ref.model.path) "
                                     f"on {self.device.type}: {problem}")
         self.vision = _vision(self.model_path)  # None: a causal LM
+        self.moe_layers: list[int] | None = None  # R3: the MoE layers among SGLang's routed-experts rows
+        self.routed_top_k = 0  # R3: the experts per token in each row (HF num_experts_per_tok)
+        if config.return_routed_experts:
+            self.moe_layers = moe_layers(self.model_path, error=SGLangEngineError)
+            self.routed_top_k = HFArch.from_hf(self.model_path).moe.top_k  # type: ignore[union-attr]
         self.server_args = self._server_args()
         self._start()
 
@@ -189,6 +212,8 @@ class SGLangRolloutEngine(ServerEngine):
                 args[name] = getattr(c, name)
         if c.enable_deterministic_inference:
             args["enable_deterministic_inference"] = True
+        if c.return_routed_experts:
+            args["enable_return_routed_experts"] = True
         return args | c.server_args
 
     def _start(self) -> None:
@@ -237,6 +262,9 @@ class SGLangRolloutEngine(ServerEngine):
                  max_new_tokens: Sequence[int] | None = None,
                  images: Sequence[ImageInputs | None] | None = None) -> list[Generation]:
         expanded, limits, stop = self._requests(prompts, params, seeds, max_new_tokens)
+        if params.return_routed_experts and self.moe_layers is None:
+            raise SGLangEngineError("SamplingParams.return_routed_experts: the engine was started without "
+                                    f"{CONFIG_KEY}.return_routed_experts (R3 sets it)")
         image_data = self._image_data(prompts, images)
         if not expanded:
             return []
@@ -251,9 +279,12 @@ class SGLangRolloutEngine(ServerEngine):
         input_ids = [list(prompts[i]) for i, _ in expanded]
         with_images = {} if image_data is None else {"image_data": [image_data[i] for i, _ in expanded]}
         outs = self._call(self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
-                                                     return_logprob=True, **with_images), what="generate")
+                                                     return_logprob=True, **with_images,
+                                                     return_routed_experts=params.return_routed_experts),
+                          what="generate")
         outs = outs if isinstance(outs, list) else [outs]
-        return [self._generation(i, out) for (i, _), out in zip(expanded, outs, strict=True)]
+        return [self._generation(i, out, len(prompts[i]) if params.return_routed_experts else None)
+                for (i, _), out in zip(expanded, outs, strict=True)]
 
     def _image_data(self, prompts: Sequence[list[int]],
                     images: Sequence[ImageInputs | None] | None) -> list[list[dict[str, Any]] | None] | None:
@@ -300,7 +331,8 @@ class SGLangRolloutEngine(ServerEngine):
         return [_token_scores(out["meta_info"], seq, start, topk)
                 for out, seq, start in zip(outs, sequences, starts, strict=True)]
 
-    def _generation(self, prompt_index: int, out: dict[str, Any]) -> Generation:
+    def _generation(self, prompt_index: int, out: dict[str, Any], routed_prompt_len: int | None = None) -> Generation:
+        """``out`` as a Generation; with ``routed_prompt_len`` (R3) a finished one's routed experts too."""
         meta = out["meta_info"]
         finish = meta["finish_reason"] or {}
         if finish.get("type") == "abort" and self._abort.is_set():  # abort(): the tokens so far, continued later
@@ -313,8 +345,27 @@ class SGLangRolloutEngine(ServerEngine):
         if len(logprobs) != len(token_ids):
             raise SGLangEngineError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
         spans = meta.get("weight_versions") or [{"version": meta["weight_version"]}]
+        routed = None
+        if routed_prompt_len is not None and finish["type"] != "abort":
+            routed = self._routed_experts(meta.get("routed_experts"), routed_prompt_len + len(token_ids) - 1)
         return Generation(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
-                          finish_reason=finish["type"], weight_version=min(int(s["version"]) for s in spans))
+                          finish_reason=finish["type"], weight_version=min(int(s["version"]) for s in spans),
+                          routed_experts=routed)
+
+    def _routed_experts(self, encoded: str | None, positions: int) -> torch.Tensor:
+        """SGLang's ``meta_info["routed_experts"]`` (base64 of an int32 ``[positions, layers, top-k]`` tensor's bytes,
+        ``DetokenizerManager._b64_encode_per_request``) as ``Generation.routed_experts``."""
+        if encoded is None:
+            raise SGLangEngineError("SGLang returned no routed experts for a finished sample (engine config: "
+                                    f"{self.describe()})")
+        assert self.moe_layers is not None
+        data, k = base64.b64decode(encoded), self.routed_top_k
+        if positions < 1 or not data or len(data) % (4 * positions * k):  # int32: 4 bytes a value
+            raise SGLangEngineError(f"SGLang's routed experts hold {len(data) / 4:g} values; expected [{positions} "
+                                    f"positions (prompt + output − 1), layers, top-{k}]")
+        flat = torch.frombuffer(bytearray(data), dtype=torch.int32)
+        return routed_rows(flat.view(positions, -1, k), positions, self.moe_layers, engine="SGLang",
+                           error=SGLangEngineError)
 
     def _abort_running(self) -> None:
         if self.engine is not None:

@@ -276,6 +276,11 @@ def cpu_moe_problem(model_path: str) -> str | None:
             "vllm on CPU")
 
 
+ROUTED_EXPERTS_CPU = ("return_routed_experts (R3 router replay) needs a GPU with sglang: R3 replays an MoE model, and "
+                      "SGLang 0.5.21's CPU MoE path gives log-probs 0.4–0.8 off the model's (hybridrl.rollout.engines."
+                      "sglang_compat item 10); use actor_rollout_ref.rollout.name=hf on CPU")
+
+
 # ---- items 12 and 13: a vision-language checkpoint ----
 CPU_OPS_IMPORTED = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
                     "fused_qkvzba_split_reshape_cat_contiguous_cpu")  # taken at import by models/qwen3_5.py (item 12)

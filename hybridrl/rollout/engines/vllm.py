@@ -26,7 +26,7 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items re
 - **Router replay (R3).** With ``engine_kwargs.return_routed_experts`` (set by the run when
   ``actor.router_replay.mode=R3``) the engine starts with vLLM's aux output and each finished sample carries the experts
   of every position it ran, its MoE layers in order (``Generation.routed_experts``). GPU only (item 13); written
-  against vLLM 0.32's API and not yet run on a GPU here (``tests/gpu/test_router_replay_vllm_gpu.py``).
+  against vLLM 0.32's API and not yet run on a GPU here (``tests/gpu/test_router_replay_gpu.py``).
 - **Images.** A vision-language checkpoint (Qwen2.5-VL) generates with its prompts' images
   (``generate(images=...)``): vLLM runs the checkpoint's processor on the decoded images and its own vision tower.
   It expands each image's ``<|image_pad|>`` itself, so each run of placeholders is collapsed to one before the prompt
@@ -50,6 +50,7 @@ import torch
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import processes
 from hybridrl.rollout.engines import vllm_compat as compat
+from hybridrl.rollout.engines.routed_rows import moe_layers, routed_rows
 from hybridrl.rollout.engines.server_engine import CONFIG_KEY, DTYPES, ServerEngine, check_engine_config
 from hybridrl.vlm.inputs import ImageInputs
 
@@ -146,7 +147,7 @@ class VLLMRolloutEngine(ServerEngine):
         if config.return_routed_experts:
             if self.cpu:
                 raise VLLMEngineError(compat.ROUTED_EXPERTS_CPU)
-            self.moe_layers = _moe_layers(self.model_path)
+            self.moe_layers = moe_layers(self.model_path, error=VLLMEngineError)
         if self.cpu:
             if config.enable_sleep_mode:
                 raise VLLMEngineError(f"{CONFIG_KEY}.enable_sleep_mode=true needs a GPU: vLLM has no sleep mode on "
@@ -339,17 +340,8 @@ class VLLMRolloutEngine(ServerEngine):
         if rows is None:
             raise VLLMEngineError("vLLM returned no routed experts for a finished sample (engine config: "
                                   f"{self.describe()})")
-        routed = torch.as_tensor(rows).to(torch.int16)
         assert self.moe_layers is not None
-        if routed.ndim != 3 or routed.shape[0] != positions:
-            raise VLLMEngineError(f"vLLM's routed experts have the shape {tuple(routed.shape)}; expected "
-                                  f"[{positions} positions (prompt + output − 1), layers, top-k]")
-        if routed.shape[1] != len(self.moe_layers):  # one row per layer, the dense ones too: keep the MoE layers'
-            if routed.shape[1] <= self.moe_layers[-1]:
-                raise VLLMEngineError(f"vLLM's routed experts cover {routed.shape[1]} layers; the model's MoE layers "
-                                      f"are {self.moe_layers}")
-            routed = routed[:, self.moe_layers]
-        return routed
+        return routed_rows(rows, positions, self.moe_layers, engine="vLLM", error=VLLMEngineError)
 
     # ---- weight swap: one layerwise-reload session of the workers ----
     def _begin_update(self) -> None:
@@ -414,16 +406,6 @@ def _token_scores(prompt_logprobs: list[Any], seq: list[int], start: int, topk: 
         scores.topk_ids = torch.tensor([[tid for _, tid, _ in r] for r in ranked], dtype=torch.long)
         scores.topk_logprobs = torch.tensor([[float(lp) for _, _, lp in r] for r in ranked])
     return scores
-
-
-def _moe_layers(model_path: str) -> list[int]:
-    """The indices of the model's MoE layers (the rows R3 replays)."""
-    from hybridrl.hf.arch import HFArch
-
-    moe = HFArch.from_hf(model_path).moe
-    if moe is None:
-        raise VLLMEngineError(f"{CONFIG_KEY}.return_routed_experts: {model_path} has no MoE layers to record")
-    return [i for i, sparse in enumerate(moe.sparse_layers) if sparse]
 
 
 def _visible_devices(device: torch.device, tp_size: int) -> str:
