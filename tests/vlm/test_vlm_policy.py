@@ -1,7 +1,8 @@
 """A VLM policy on Megatron trains on images: each row's image features and multimodal positions reach the model
 in the RL runner's padded micro-batches, log-probs equal transformers', the vision tower trains (or stays frozen
 with ``freeze_vision_tower``), is checkpointed and resumed bitwise, and joins the exported weights; TP = 2 takes
-the step DP = 2 takes. One torchrun of 2 ranks runs the three layouts (~35 s: the ranks import Megatron and
+the step DP = 2 takes, and the gradient (the tower's too) is transformers'. One torchrun of 2 ranks runs the four
+layouts (~35 s: the ranks import Megatron and
 transformers once)."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _moved(exported: dict, start: dict, prefix: str) -> float:
 def test_vision_tower_trains_resumes_and_every_layout_takes_one_step(torchrun, tmp_path: Path) -> None:
     vlm = make_tiny_qwen2_5_vl(tmp_path / "untied", tie=False, seed=3)
     start = load_file(vlm / "model.safetensors")
-    torchrun([WORKER, str(vlm), str(tmp_path), "tp1pp1", "tp2pp1", "tp1pp2-frozen"], nproc=2)
+    torchrun([WORKER, str(vlm), str(tmp_path), "tp1pp1", "tp2pp1", "tp1pp2-frozen", "tp2pp1-sgd"], nproc=2)
     dp2, tp2, pp2 = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("tp1pp1", "tp2pp1",
                                                                                    "tp1pp2-frozen"))
     for r in (dp2, tp2, pp2):
@@ -39,3 +40,10 @@ def test_vision_tower_trains_resumes_and_every_layout_takes_one_step(torchrun, t
         assert float((tp2["exported"][name] - t).abs().max() / update) <= 1e-3, name
     assert _moved(pp2["exported"], start, "visual.") == 0.0  # frozen: sent to the engine unchanged
     assert _moved(pp2["exported"], start, "model.") > 1e-3
+    # the gradient itself, the tower's included, is transformers' (an SGD step of lr 1 is minus the gradient)
+    sgd = torch.load(tmp_path / "tp2pp1-sgd.pt", weights_only=False)
+    grads = sgd["hf_grads"]
+    assert {k for k in grads if k.startswith("visual.")} == {k for k in start if k.startswith("visual.")}
+    for name, g in grads.items():
+        step = start[name] - sgd["exported"][name]  # fp32's rounding of w - g: ~1e-7 of |w|
+        assert float((step - g).norm()) <= 1e-4 * float(g.norm()) + 2e-7 * float(start[name].norm()), name

@@ -2,10 +2,11 @@
 
     python -m torch.distributed.run --nproc-per-node 2 vlm_policy_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-A layout is ``tp<a>pp<b>[-frozen]`` (DP: what remains of the 2 ranks; ``-frozen``: ``freeze_vision_tower``), run one
-after the other in the same ranks. A batch of 4 samples (one image of 6 placeholders, one of 4, text only, two
-images), each DP rank its half, micro-batches of 2 (each with its own images); the loss is normalised over the whole
-batch, so every DP size takes one step. Rank 0 saves ``OUT_DIR/<layout>.pt``: the largest |Δ log-prob| against
+A layout is ``tp<a>pp<b>[-frozen|-sgd]`` (DP: what remains of the 2 ranks; ``-frozen``: ``freeze_vision_tower``;
+``-sgd``: SGD at lr 1 without clipping, whose first step is minus the gradient, saved with transformers' gradient of the
+same loss), run one after the other in the same ranks. A batch of 4 samples (one image of 6 placeholders, one of 4, text
+only, two images), each DP rank its half, micro-batches of 2 (each with its own images); the loss is normalised over the
+whole batch, so every DP size takes one step. Rank 0 saves ``OUT_DIR/<layout>.pt``: the largest |Δ log-prob| against
 transformers (on every rank's rows), the step's metrics, the exported weights after it (language model and
 ``visual.*``), and — at DP = 2 — whether a fresh policy restored from the step's checkpoint state takes a second step
 bitwise like the first one (the vision tower is in the checkpoint and the optimizer).
@@ -84,16 +85,39 @@ def hf_logprobs(model_dir: str, batch: RolloutBatch) -> torch.Tensor:
     return out
 
 
+def hf_gradients(model_dir: str, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """transformers' gradient of the batch's token-mean NLL, under the checkpoint's tensor names."""
+    from transformers import AutoModelForImageTextToText
+
+    with transformers_rope_rules():
+        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, nll = int(batch.response_mask.sum()), torch.zeros(())
+    for b in range(len(batch)):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
+        n = int(batch.response_mask[b].sum())
+        ids = torch.cat([prompt, batch.response_ids[b, :n]])[None]
+        img = batch.meta[b].images
+        kw = {} if img is None else dict(pixel_values=img.pixel_values, image_grid_thw=img.image_grid_thw,
+                                         mm_token_type_ids=(ids == IMAGE).int())
+        logits = hf(input_ids=ids, **kw).logits[0, len(prompt) - 1:len(prompt) + n - 1]
+        nll = nll - logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).sum() / total
+    nll.backward()
+    grads = {n.replace("model.visual.", "visual.").replace("model.language_model.", "model."): p.grad
+             for n, p in hf.named_parameters() if p.grad is not None}
+    return grads
+
+
 def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
-    sizes, frozen = name.removesuffix("-frozen"), name.endswith("-frozen")
+    sizes, frozen, sgd = name.split("-")[0], name.endswith("-frozen"), name.endswith("-sgd")
     tp, pp = (int(x) for x in sizes.removeprefix("tp").split("pp"))
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     init_parallel(parallel_config(megatron))
     seed_everything(1)
 
     def build() -> MegatronPolicy:
-        return MegatronPolicy(model_dir=model_dir, megatron=megatron, total_steps=3, pad_token_id=PAD,
-                              optim=OptimConfig(optimizer="adam", lr=1e-2, adam_eps=1e-6, clip_grad=1.0),
+        optim = (OptimConfig(optimizer="sgd", lr=1.0, clip_grad=0.0) if sgd  # step 1: w -= grad
+                 else OptimConfig(optimizer="adam", lr=1e-2, adam_eps=1e-6, clip_grad=1.0))
+        return MegatronPolicy(model_dir=model_dir, megatron=megatron, total_steps=3, pad_token_id=PAD, optim=optim,
                               freeze_vision_tower=frozen)
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -106,7 +130,7 @@ def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
     step = policy.train_step(batch, nll_loss, batching=micro, loss_agg_mode="token-mean")
     exported = {k: v.clone() for bucket in policy.export_weights(bucket_bytes=1 << 16) for k, v in bucket}
     resumed = None
-    if dp == 2 and not frozen:
+    if dp == 2 and not frozen and not sgd:
         ckpt = out_dir / f"{name}.ckpt"
         if dist.get_rank() == 0:
             ckpt.mkdir()
@@ -120,8 +144,8 @@ def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
         a, b = ({k: v for bucket in p.export_weights(bucket_bytes=1 << 16) for k, v in bucket} for p in (policy, fresh))
         resumed = all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
     if dist.get_rank() == 0:
-        torch.save({"logprob_diff": float(diff), "step": step, "exported": exported, "resumed_bitwise": resumed},
-                   out_dir / f"{name}.pt")
+        torch.save({"logprob_diff": float(diff), "step": step, "exported": exported, "resumed_bitwise": resumed,
+                    "hf_grads": hf_gradients(model_dir, full) if sgd else None}, out_dir / f"{name}.pt")
         print(f"{name}: max |Δ logprob| {float(diff):.2e} loss {step['loss']:.4f} grad_norm {step['grad_norm']:.4f}",
               flush=True)
     parallel_state.destroy_model_parallel()  # the next layout re-initialises the model-parallel groups
