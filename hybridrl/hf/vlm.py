@@ -14,8 +14,11 @@ with ``rope_scaling = {"type": "mrope", "mrope_section": [...]}``. Both are read
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 VLM_FAMILIES = ("qwen2_5_vl",)
@@ -32,6 +35,20 @@ class VisionSpec:
     vision_start_token_id: int
     spatial_merge_size: int  # patches merged per side into one language-model token
     tokens_per_second: float  # time ids per second of video (images: one frame, time id 0)
+
+
+def checkpoint_vision(model_dir: str | os.PathLike[str]) -> VisionSpec | None:
+    """The vision side of the checkpoint at ``model_dir`` (a :data:`VLM_FAMILIES` config.json), or None for a causal
+    LM — what an engine asks before it loads one. A config with a ``vision_config`` of another family is an error
+    naming it (it would load as a causal LM and ignore its images)."""
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("model_type") not in VLM_FAMILIES:
+        if "vision_config" in config:
+            raise ValueError(f"{path} has a vision_config, but model_type={config.get('model_type')!r} is not a "
+                             f"vision-language family hybridrl knows; valid: {', '.join(VLM_FAMILIES)}")
+        return None
+    return language_config(config, str(path))[2]
 
 
 def language_config(cfg: Mapping[str, Any], source: str) -> tuple[dict[str, Any], tuple[int, ...], VisionSpec]:

@@ -67,3 +67,18 @@ def test_verify_model_with_an_image_is_exact(vlms: dict[str, Path], tp: int, pp:
     reports = run_verification([vlms["tied"], vlms["untied"]], tp=tp, pp=pp, seq_len=24, batch=2)
     for r in reports:
         assert r.max_abs_logit_diff <= 1e-4 and r.roundtrip_exact, r  # a tensor left out is a mismatch too
+
+
+def test_an_engine_tells_a_vlm_checkpoint_from_a_causal_lm(vlms: dict[str, Path], tmp_path: Path) -> None:
+    from hybridrl.hf.vlm import checkpoint_vision
+
+    spec = checkpoint_vision(vlms["tied"])
+    assert spec is not None and spec.image_token_id == IMAGE
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert checkpoint_vision(text) is None
+    (text / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
+    with pytest.raises(ValueError, match="model_type='qwen3_vl' is not a vision-language family hybridrl knows; "
+                                         "valid: qwen2_5_vl"):
+        checkpoint_vision(text)

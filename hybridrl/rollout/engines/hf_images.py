@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from hybridrl.hf.arch import CONFIG_FILE, HFArch, read_json
-from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec
+from hybridrl.hf.arch import CONFIG_FILE
+from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec, checkpoint_vision
 from hybridrl.vlm.inputs import ImageInputs, stack_images
 from hybridrl.vlm.positions import mrope_positions
 from hybridrl.vlm.sglang_compat import transformers_rope_rules
@@ -35,10 +35,9 @@ Images = Sequence[ImageInputs | None]  # one entry per prompt of a generate call
 def load_model(model_path: str, dtype: torch.dtype) -> tuple[Any, VisionSpec | None]:
     """The rollout model (a vision-language checkpoint, :data:`~hybridrl.hf.vlm.VLM_FAMILIES`, as transformers'
     image-text-to-text model) and its vision spec (None: a causal LM)."""
-    config = Path(model_path) / CONFIG_FILE
-    if not (config.is_file() and read_json(config).get("model_type") in VLM_FAMILIES):
+    spec = checkpoint_vision(model_path) if (Path(model_path) / CONFIG_FILE).is_file() else None
+    if spec is None:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), None
-    spec = HFArch.from_hf(model_path).vision
     with transformers_rope_rules():  # its vision tower's axial RoPE, even after SGLang's import (vlm.sglang_compat)
         return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype), spec
 

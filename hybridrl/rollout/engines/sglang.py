@@ -56,13 +56,12 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import groupby
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from hybridrl.hf.arch import CONFIG_FILE, HFArch, read_json
-from hybridrl.hf.vlm import VLM_FAMILIES, VisionSpec
+from hybridrl.hf.arch import HFArch
+from hybridrl.hf.vlm import checkpoint_vision
 from hybridrl.interfaces import EngineMemory, Generation, SamplingParams, TokenScores, WeightBucket
 from hybridrl.rollout.engines import sglang_compat as compat
 from hybridrl.rollout.engines import sglang_process as process
@@ -160,7 +159,7 @@ class SGLangRolloutEngine(ServerEngine):
         if problem:
             raise SGLangEngineError(f"the SGLang engine cannot serve {self.model_path} (actor_rollout_ref.model.path) "
                                     f"on {self.device.type}: {problem}")
-        self.vision = _vision(self.model_path)  # None: a causal LM
+        self.vision = checkpoint_vision(self.model_path)  # None: a causal LM
         self.moe_layers: list[int] | None = None  # R3: the MoE layers among SGLang's routed-experts rows
         self.routed_top_k = 0  # R3: the experts per token in each row (HF num_experts_per_tok)
         if config.return_routed_experts:
@@ -465,12 +464,6 @@ class SGLangRolloutEngine(ServerEngine):
 def _runs(ids: Sequence[int], token: int) -> list[int]:
     """The lengths of the runs of ``token`` in ``ids``, in order."""
     return [len(list(run)) for t, run in groupby(ids) if t == token]
-
-
-def _vision(model_path: str) -> VisionSpec | None:
-    """The checkpoint's vision spec (one of :data:`~hybridrl.hf.vlm.VLM_FAMILIES`), or None for a causal LM."""
-    config = read_json(Path(model_path) / CONFIG_FILE)
-    return HFArch.from_hf(model_path).vision if config.get("model_type") in VLM_FAMILIES else None
 
 
 def _token_scores(meta: dict[str, Any], seq: list[int], start: int, topk: int) -> TokenScores:

@@ -96,6 +96,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridrl.hf.vlm import checkpoint_vision
+
 if TYPE_CHECKING:
     from hybridrl.vlm.inputs import ImageInputs
 
@@ -200,16 +202,8 @@ def add_cumulative_request(llm: Any, request_id: str, prompt: Any, params: Any) 
 # ---- items 14 and 15: prompts with images ----
 def image_token_id(model_path: str) -> int | None:
     """The ``<|image_pad|>`` id of a checkpoint with a vision tower (item 14: it needs the tokenizer), or None."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    if "vision_config" not in config:
-        return None
-    from hybridrl.hf.arch import HFArch
-
-    vision = HFArch.from_hf(config, source=f"{model_path}/config.json").vision
-    if vision is None:
-        raise ValueError(f"{model_path}/config.json has a vision_config, but model_type={config.get('model_type')!r} "
-                         "is not a vision-language family hybridrl knows (hybridrl.hf.vlm.VLM_FAMILIES)")
-    return vision.image_token_id
+    vision = checkpoint_vision(model_path)
+    return None if vision is None else vision.image_token_id
 
 
 def image_prompt(ids: Sequence[int], images: ImageInputs, image_token: int) -> dict[str, Any]:
