@@ -16,6 +16,24 @@ from hybridrl.registry import PluginError, Registry
 AOR = "actor_rollout_ref"
 
 
+def vlm_layout(cfg: RLConfig, model: HFArch | None) -> list[str]:
+    """Turn what a VLM run cannot use yet but can run without into its fallback, in ``cfg`` (validation's derived
+    copy, which the run uses); returns the notes that say so. ``megatron.sequence_parallel`` (on in verl's Megatron
+    recipes) goes off: the image features enter the embeddings before sequence parallelism would scatter them — the
+    same result, with each TP rank holding the whole sequence's activations between layers."""
+    if model is None or model.vision is None:
+        return []
+    notes = []
+    for role in ("actor", "ref"):
+        m = getattr(cfg.actor_rollout_ref, role).megatron
+        if m.sequence_parallel:
+            m.sequence_parallel = False
+            notes.append(f"{AOR}.{role}.megatron.sequence_parallel=true is off for a vision-language model (image "
+                         "features enter the embeddings before it would scatter them): the same result, more "
+                         "activation memory per TP rank")
+    return notes
+
+
 def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list[tuple[str, Any, str]]:
     """``(key, value, message)`` for each setting a VLM run cannot take."""
     if model is None or model.vision is None:
@@ -35,8 +53,6 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
     for key, value, refused, why in (
             ("megatron.context_parallel_size", m.context_parallel_size, m.context_parallel_size > 1,
              "image features enter the embeddings before CP splits the sequence; use 1"),
-            ("megatron.sequence_parallel", m.sequence_parallel, m.sequence_parallel, "image features enter the "
-             "embeddings before sequence parallelism scatters them; set it to false"),
             ("use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
              "shared-prompt rows carry no multimodal positions; set it to false")):
         if refused:

@@ -51,7 +51,7 @@ from hybridrl.config.check_run import (
     check_trainer,
     device_type,
 )
-from hybridrl.config.check_vlm import vlm_problems
+from hybridrl.config.check_vlm import vlm_layout, vlm_problems
 from hybridrl.config.derived import derive
 from hybridrl.config.errors import ConfigError, Issues
 from hybridrl.config.plan import AOR, Plan, RoleLayout
@@ -98,6 +98,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     else:
         model = check_model(f"{AOR}.model", aor.model, issues, before_bootstrap=before_bootstrap)
     model = apply_override_config(f"{AOR}.model", aor.model, model, issues)
+    derived_notes += vlm_layout(cfg, model)  # e.g. sequence parallelism off for a VLM
     for key, value, message in lora_problems(aor.model, key=f"{AOR}.model"):
         issues.add(key, value, message)
     if planning:

@@ -422,6 +422,8 @@ _OTHER = [
     VerlKey(key=f"{AOR}.rollout.enable_prefix_caching", status="engine", engines={"vllm": "enable_prefix_caching"}),
     VerlKey(key=f"{AOR}.rollout.dtype", status="engine", engines={"vllm": "dtype", "sglang": "dtype", "hf": "dtype"}),
     VerlKey(key=f"{AOR}.rollout.max_model_len", status="engine", engines={"vllm": "max_model_len"}),
+    VerlKey(key=f"{AOR}.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache", status="engine",
+            engines={"vllm": "disable_mm_preprocessor_cache"}),
     VerlKey(key=f"{AOR}.model.use_fused_kernels", status="alias", target=f"{AOR}.actor.megatron.use_fused_kernels",
             note="hybridrl's fused log-prob/entropy kernels"),
     VerlKey(key=f"{AOR}.nccl_timeout", status="alias", target="trainer.dist_timeout_s",

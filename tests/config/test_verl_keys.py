@@ -230,7 +230,8 @@ def test_the_verl_table_agrees_with_the_schema_the_engines_and_the_docs() -> Non
     for e in VERL_KEYS.values():
         if e.status == "same":
             assert e.key in keys, f"{e.key}: marked same, not in the schema"
-        else:
+        elif not e.key.startswith("actor_rollout_ref.rollout.engine_kwargs."):  # verl's per-engine sub-dict of the
+            # free-form engine_kwargs (engine_kwargs.vllm.*): translated before the schema is asked, as every entry is
             assert key_problem(RLConfig, e.key) is not None, f"{e.key}: in the schema, yet marked {e.status}"
         if e.status == "alias":
             assert e.target is not None and key_problem(RLConfig, e.target) is None, e.key

@@ -48,7 +48,9 @@ def test_grpo_on_images_keeps_engine_and_actor_equal(torchrun, vlm_task: dict[st
     model: the tower moves): the engine's log-probs of its own samples equal the actor's at step 2 too, which they
     would not if the tower's new weights missed the engine. hf ~15 s; vllm ~50 s (its engine start)."""
     out = tmp_path / "run"
-    torchrun([TRAIN, *_overrides(vlm_task, out, f"actor_rollout_ref.rollout.name={engine}")], nproc=1)
+    # verl's geo3k scripts' vLLM key: vLLM starts with mm_processor_cache_gb=0
+    verl_key = ["actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"] * (engine == "vllm")
+    torchrun([TRAIN, *_overrides(vlm_task, out, f"actor_rollout_ref.rollout.name={engine}", *verl_key)], nproc=1)
     rows = [r for r in read_metrics(out) if "rollout/logprob_abs_diff" in r]
     assert len(rows) == 2 and rows[0]["actor/grad_norm"] > 0
     for r in rows:
@@ -60,22 +62,27 @@ def test_grpo_on_images_keeps_engine_and_actor_equal(torchrun, vlm_task: dict[st
 def test_settings_without_images_are_refused_by_key(vlm_task: dict[str, Path], tmp_path: Path) -> None:
     cfg = compose_config(_overrides(
         vlm_task, tmp_path, "actor_rollout_ref.actor.megatron.context_parallel_size=2",
-        "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.rollout.multi_turn.enable=true", "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.use_prefix_grouper=true", "trainer.n_gpus_per_node=4"))
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     text = str(e.value)
-    for key in ("actor_rollout_ref.actor.megatron.context_parallel_size", "actor_rollout_ref.actor.megatron."
-                "sequence_parallel", "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.rollout.multi_turn.enable",
+    for key in ("actor_rollout_ref.actor.megatron.context_parallel_size", "actor_rollout_ref.model.lora_rank",
+                "actor_rollout_ref.rollout.multi_turn.enable",
                 "critic.enable", "actor_rollout_ref.actor.use_prefix_grouper"):
         assert key in text and "not with a vision-language model yet" in text, key
 
 
-def test_vlm_plan_runs_padded_rows(vlm_task: dict[str, Path], tmp_path: Path) -> None:
-    """verl's Qwen2.5-VL scripts set use_remove_padding=true: the run takes padded rows and says so."""
+def test_vlm_plan_runs_padded_rows_without_sequence_parallelism(vlm_task: dict[str, Path], tmp_path: Path) -> None:
+    """verl's Qwen2.5-VL scripts set use_remove_padding=true and its Megatron recipe sequence_parallel=true: the run
+    takes padded rows and no sequence parallelism, and says so."""
     plan = validate(compose_config(_overrides(vlm_task, tmp_path,
-                                              "actor_rollout_ref.actor.megatron.use_remove_padding=true")))
+                                              "actor_rollout_ref.actor.megatron.use_remove_padding=true",
+                                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                              "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                                              "trainer.n_gpus_per_node=2")))
     assert not plan.batch.update.packed and not plan.batch.update.shared_prompts
     assert any("padded rows" in n for n in plan.notes)
+    assert plan.config.actor_rollout_ref.actor.megatron.sequence_parallel is False
+    assert any("sequence_parallel=true is off for a vision-language model" in n for n in plan.notes)

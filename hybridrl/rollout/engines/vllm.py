@@ -94,6 +94,10 @@ class VLLMRolloutEngine(ServerEngine):
         # record each position's experts for R3 router replay (vLLM's aux output; GPU only, vllm_compat item 13); the
         # run sets it when actor_rollout_ref.actor.router_replay.mode=R3
         return_routed_experts: bool = False
+        # verl's key for a vision-language model: no cache of processed images between requests (vLLM ≥ 0.10 names it
+        # mm_processor_cache_gb=0). Not needed for correctness here: the cache holds processor outputs, which no weight
+        # swap changes (the tower's outputs, which one does, are dropped at each swap: vllm_compat item 2)
+        disable_mm_preprocessor_cache: bool = False
         engine_args: dict[str, Any] = field(default_factory=dict)  # any other vLLM EngineArgs, verbatim
 
         def __post_init__(self) -> None:
@@ -187,6 +191,8 @@ class VLLMRolloutEngine(ServerEngine):
                 args[name] = getattr(c, name)
         if c.return_routed_experts:
             args["enable_return_routed_experts"] = True
+        if c.disable_mm_preprocessor_cache:
+            args["mm_processor_cache_gb"] = 0
         return args | c.engine_args
 
     def _start(self) -> None:
