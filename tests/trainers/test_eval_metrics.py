@@ -94,7 +94,7 @@ def test_n_1_reports_the_accuracy_only_and_a_short_group_is_an_error() -> None:
 
 DP_WORKER = """
 import json, sys, torch.distributed as dist
-from hybridrl.megatron.parallel import ParallelConfig, init_parallel
+from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.metrics import DPMeans
 init_parallel(ParallelConfig())
 m = DPMeans()
@@ -108,6 +108,7 @@ m.min("eval/ratio_min", 0.5 + rank)
 out = m.reduce()
 if rank == 0:
     print("RESULT " + json.dumps(out))
+destroy_parallel()  # else gloo's threads may still run at exit: "terminate called without an active exception"
 """
 
 
