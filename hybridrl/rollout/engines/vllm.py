@@ -182,6 +182,7 @@ class VLLMRolloutEngine(ServerEngine):
         )
         if cpu:
             args["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes or compat.CPU_KV_CACHE_BYTES
+            args |= compat.CPU_ENGINE_ARGS  # item 16: no split prefill of a seeded request
         elif c.kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
         else:

@@ -83,6 +83,13 @@ encoder cache) are shown in ``tests/rollout/engines/test_vllm_engine_images.py``
     nor a flag saying the prompt is expanded. :func:`image_prompt` collapses each image's run to one placeholder and
     passes the decoded images; vLLM's processor (the checkpoint's settings, as the trainer's) expands it back, and
     :func:`check_expanded` checks that vLLM's prompt is the trainer's, token for token.
+16. **A seeded request whose prefill is split kills the CPU engine.** When the scheduler runs only part of a prompt
+    (chunked prefill: a step's token budget ends inside it) the model runner discards that step's sampled token and
+    winds the request's generator back (``GPUModelRunner._bookkeeping_sync``: ``gen.set_offset(gen.get_offset() -
+    4)``); a CPU ``torch.Generator`` has no offset ("CPU Generator does not use offset") and the engine dies. Every
+    request here is seeded, so a step whose prompts outgrow the budget crashed: ``grpo_vlm_tiny`` (512 prompts of 39
+    tokens) at its first generate. On CPU the engine turns chunked prefill off (:data:`CPU_ENGINE_ARGS`): a prompt is
+    prefilled whole or waits for the next step.
 
 Nothing here imports vllm at module import time.
 """
@@ -103,6 +110,7 @@ if TYPE_CHECKING:
 
 LOGPROBS_MODE = "processed_logprobs"  # item 3
 PROMPT_LOGPROBS_UNTEMPERED = "item 12 of hybridrl.rollout.engines.vllm_compat"
+CPU_ENGINE_ARGS = {"enable_chunked_prefill": False}  # item 16 (engine_kwargs.engine_args may set it back)
 CPU_KV_CACHE_BYTES = 256 << 20  # item 6: 256 MiB (a tiny model's 8k tokens take ~4 MiB per layer)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # item 7: vLLM's CPU attention
 ROUTED_EXPERTS_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # item 13

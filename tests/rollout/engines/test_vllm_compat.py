@@ -110,6 +110,17 @@ def test_item6_cpu_defaults_that_the_engine_overrides() -> None:
     assert env["TORCH_COMPILE_DISABLE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
+def test_item16_a_split_prefill_rewinds_a_generator_cpu_ones_cannot(vllm_engine: Any) -> None:
+    """vLLM winds a seeded request's generator back when it discards a partial prefill's token; a CPU generator has no
+    offset. (Measured: grpo_vlm_tiny's 512 prompts of 39 tokens killed the engine at its first generate.)"""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        torch.Generator().get_offset()
+    assert vllm_engine.engine_args["enable_chunked_prefill"] is False  # the CPU engine's default
+
+
 def test_item7_cpu_attention_head_sizes() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
