@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,32 +67,16 @@ def fixed_batch() -> RolloutBatch:
                         pad_token_id=PAD)
 
 
-def hf_logprobs(model_dir: str, batch: RolloutBatch) -> torch.Tensor:
+def hf_model(model_dir: str) -> Any:
     from transformers import AutoModelForImageTextToText
 
     with transformers_rope_rules():
-        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = torch.zeros(batch.response_ids.shape)
-    for b in range(len(batch)):
-        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
-        n = int(batch.response_mask[b].sum())
-        ids = torch.cat([prompt, batch.response_ids[b, :n]])[None]
-        img = batch.meta[b].images
-        kw = {} if img is None else dict(pixel_values=img.pixel_values, image_grid_thw=img.image_grid_thw,
-                                         mm_token_type_ids=(ids == IMAGE).int())
-        with torch.no_grad():
-            logits = hf(input_ids=ids, **kw).logits[0, len(prompt) - 1:len(prompt) + n - 1]
-        out[b, :n] = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0]
-    return out
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_gradients(model_dir: str, batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    """transformers' gradient of the batch's token-mean NLL, under the checkpoint's tensor names."""
-    from transformers import AutoModelForImageTextToText
-
-    with transformers_rope_rules():
-        hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total, nll = int(batch.response_mask.sum()), torch.zeros(())
+def hf_response_logprobs(hf: Any, batch: RolloutBatch) -> list[torch.Tensor]:
+    """transformers' log-prob of each sample's response tokens, one forward a sample (with autograd, if enabled)."""
+    out = []
     for b in range(len(batch)):
         prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
         n = int(batch.response_mask[b].sum())
@@ -100,11 +85,25 @@ def hf_gradients(model_dir: str, batch: RolloutBatch) -> dict[str, torch.Tensor]
         kw = {} if img is None else dict(pixel_values=img.pixel_values, image_grid_thw=img.image_grid_thw,
                                          mm_token_type_ids=(ids == IMAGE).int())
         logits = hf(input_ids=ids, **kw).logits[0, len(prompt) - 1:len(prompt) + n - 1]
-        nll = nll - logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None]).sum() / total
+        out.append(logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0])
+    return out
+
+
+def hf_logprobs(model_dir: str, batch: RolloutBatch) -> torch.Tensor:
+    out = torch.zeros(batch.response_ids.shape)
+    with torch.no_grad():
+        for b, logp in enumerate(hf_response_logprobs(hf_model(model_dir), batch)):
+            out[b, :len(logp)] = logp
+    return out
+
+
+def hf_gradients(model_dir: str, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """transformers' gradient of the batch's token-mean NLL, under the checkpoint's tensor names."""
+    hf = hf_model(model_dir)
+    nll = -torch.cat(hf_response_logprobs(hf, batch)).sum() / int(batch.response_mask.sum())
     nll.backward()
-    grads = {n.replace("model.visual.", "visual.").replace("model.language_model.", "model."): p.grad
-             for n, p in hf.named_parameters() if p.grad is not None}
-    return grads
+    return {n.replace("model.visual.", "visual.").replace("model.language_model.", "model."): p.grad
+            for n, p in hf.named_parameters() if p.grad is not None}
 
 
 def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
