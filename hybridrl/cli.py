@@ -48,7 +48,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    if args.arch == "qwen2_5_vl":
+    if args.arch in ("qwen2_5_vl", "qwen3_vl"):
         from hybridrl.models.tiny_vlm import main as make_tiny_vlm
 
         return make_tiny_vlm(args)
@@ -113,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint with a char tokenizer")
     sp.add_argument("out", help="output directory")
     sp.add_argument("--arch", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
-                                       "deepseek_v3", "qwen2_5_vl"],
+                                       "deepseek_v3", "qwen2_5_vl", "qwen3_vl"],
                     default="qwen2",
                     help="the MoE families get 4 experts, top-2, moe_intermediate_size = hidden (tiny.MOE_DEFAULTS; "
                          "mixtral: experts of --intermediate, tiny.MIXTRAL_DEFAULTS; glm4_moe: tiny.GLM4_MOE_DEFAULTS; "
-                         "deepseek_v3: tiny.DEEPSEEK_V3_DEFAULTS); qwen2_5_vl: the text model of these sizes with "
-                         "tiny_vlm's vision tower and processor")
+                         "deepseek_v3: tiny.DEEPSEEK_V3_DEFAULTS); qwen2_5_vl / qwen3_vl: the text model of these "
+                         "sizes (qwen3_vl: a qwen3) with tiny_vlm's vision tower and processor")
     sp.add_argument("--moe", action="append", default=[], metavar="KEY=VALUE",
                     help="an MoE family's config.json key over its defaults, VALUE read as JSON (repeatable), e.g. "
                          "--moe use_qk_norm=true --moe n_group=4 --moe q_lora_rank=null")

@@ -219,7 +219,7 @@ class Plan:
                          f"num_layers_in_last_pipeline_stage={lay.last})")
         if self.model is not None and (v := self.model.vision) is not None:
             frozen = self.config.actor_rollout_ref.actor.freeze_vision_tower
-            n = vision_parameters(v.config)
+            n = vision_parameters(v.config, v.family)
             size = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
             lines.append(f"vision  tower of {size} parameters ({v.config['depth']} "
                          f"blocks, hidden {v.config['hidden_size']}, merge {v.spatial_merge_size}×"
@@ -302,7 +302,7 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         teacher=teacher if "teacher" in roles else None,
         teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload, lora_rank=max(mo.lora_rank, 0),
         lora_projections=_projections(mo.target_modules) if mo.lora_rank > 0 else (),
-        vision_params=vision_parameters(model.vision.config) if model.vision is not None else 0,
+        vision_params=vision_parameters(model.vision.config, model.vision.family) if model.vision is not None else 0,
         vision_trained=not a.freeze_vision_tower)
 
 

@@ -172,6 +172,12 @@ class HFArch:
     vision: VisionSpec | None = None
 
     @property
+    def hf_prefix(self) -> str:
+        """The checkpoint's prefix of the language model's tensors: ``model.`` (``model.layers.0.…``), or a VLM
+        family's own (Qwen3-VL: ``model.language_model.``)."""
+        return "model." if self.vision is None else self.vision.text_prefix
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 

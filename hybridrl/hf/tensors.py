@@ -39,8 +39,9 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(tensor_files(model_dir).values())):
         shapes.update(_header_shapes(file))
-    if "model.embed_tokens.weight" in shapes:
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    for embedding in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):  # causal LM, Qwen3-VL
+        if embedding in shapes:
+            shapes.setdefault("lm_head.weight", shapes[embedding])
     return shapes
 
 

@@ -132,7 +132,7 @@ def _mla_units(arch: HFArch, m: str, h: str, layer: int) -> list[Unit]:
 
 
 def layer_units(arch: HFArch, layer: int) -> list[Unit]:
-    m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    m, h = f"decoder.layers.{layer}.", f"{arch.hf_prefix}layers.{layer}."
     units = [Unit(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", layer)]
     if arch.mla is not None:
         units += _mla_units(arch, m, h, layer)
@@ -168,10 +168,10 @@ def all_units(arch: HFArch) -> list[Unit]:
     """Every unit of the model in HF order; with tied embeddings there is no output-layer unit; a reward model's
     (``arch.score_head``) is its scalar head, ``score.weight`` (replicated over TP, as
     :class:`~hybridrl.megatron.critic.ValueHead` holds it)."""
-    units = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", None)]
+    units = [Unit("embedding.word_embeddings.weight", (arch.hf_prefix + "embed_tokens.weight",), "vocab", None)]
     for layer in range(arch.num_layers):
         units += layer_units(arch, layer)
-    units.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", None))
+    units.append(Unit("decoder.final_layernorm.weight", (arch.hf_prefix + "norm.weight",), "replicated", None))
     if arch.score_head:
         units.append(Unit("output_layer.weight", ("score.weight",), "replicated", None, shape=(1, arch.hidden_size)))
     elif not arch.tie_word_embeddings:

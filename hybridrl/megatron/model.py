@@ -72,6 +72,7 @@ from hybridrl.megatron.packed_attention import PackedDotProductAttention
 from hybridrl.megatron.parallel import ParallelConfig
 from hybridrl.megatron.stages import stage_sizes
 from hybridrl.megatron.transformer_overrides import DTYPES, megatron_config_problems
+from hybridrl.vlm.mrope import use_interleaved_mrope
 
 __all__ = [
     "TORCH_DTYPES",
@@ -298,6 +299,8 @@ def _gpt_chunk(arch: HFArch, parallel: ParallelConfig, config: TransformerConfig
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
         vp_stage=vp_stage,
     )
+    if arch.vision is not None and arch.vision.mrope_interleaved:  # Qwen3-VL's channel layout (hybridrl.vlm.mrope)
+        use_interleaved_mrope(model)
     _mark_tensor_parallel_weights(model)
     if arch.moe is not None:
         mark_expert_weights(model)  # one optimizer layout at every EP (moe_compat item 2)

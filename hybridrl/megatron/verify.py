@@ -351,7 +351,7 @@ def _roundtrip(
     buckets: list[tuple[int, int]] = []
     with SafetensorsReader(model_dir, fp8_blocks=arch.fp8_blocks) as reader:  # FP8: dequantised
         stream = export_hf_weights(chunks, arch, bucket_bytes=bucket_bytes)
-        for bucket in itertools.chain(stream, [vision_tensors(tower)] if tower is not None else []):
+        for bucket in itertools.chain(stream, [vision_tensors(tower, arch)] if tower is not None else []):
             buckets.append((len(bucket), sum(t.numel() * t.element_size() for _, t in bucket)))
             for name, tensor in bucket:
                 if name in seen or name not in reader.files:

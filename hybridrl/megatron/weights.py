@@ -83,7 +83,7 @@ def local_units(chunks: Sequence[torch.nn.Module], arch: HFArch,
     """
     units = {u.megatron_name: u for u in all_units(arch)}
     if arch.tie_word_embeddings:
-        units["output_layer.weight"] = Unit("output_layer.weight", ("model.embed_tokens.weight",),
+        units["output_layer.weight"] = Unit("output_layer.weight", (arch.hf_prefix + "embed_tokens.weight",),
                                             "vocab", None)
     out: dict[str, tuple[Unit, torch.Tensor]] = {}
     for chunk in chunks:
@@ -178,7 +178,7 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: HFArch, *, bucket
     bucket: WeightBucket = []
     size = 0
     for hf_name, tensor in itertools.chain(_language_stream(arch, local, layers, owner, dtype, device, merge),
-                                           vision_stream(chunks) if arch.vision is not None else ()):
+                                           vision_stream(chunks, arch) if arch.vision is not None else ()):
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

@@ -1,4 +1,5 @@
-"""A random-weight Qwen2.5-VL checkpoint made here (no model hub): the tiny Qwen2 text model with a tiny vision tower.
+"""A random-weight Qwen2.5-VL or Qwen3-VL checkpoint made here (no model hub): the tiny text model (Qwen2; Qwen3 for
+Qwen3-VL) with a tiny vision tower.
 
 ``make_tiny_vlm`` writes what ``Qwen2_5_VLForConditionalGeneration.from_pretrained`` and
 ``AutoProcessor.from_pretrained`` load: ``config.json``, ``model.safetensors``, ``generation_config.json``, the
@@ -14,6 +15,12 @@ windowed (window 56 px = 2×2 merged tokens) and block 1 full attention, merger 
 pixels (both multiples of 28 inside [min_pixels, max_pixels]) gives (H/14)·(W/14) patches and a quarter as many
 ``<|image_pad|>`` tokens: 28×28 → 1, 56×56 → 4, 112×112 → 16.
 Weights are drawn as :func:`hybridrl.models.tiny.init_weights` draws them (the vision tower's too).
+
+``family="qwen3_vl"``: Qwen3-VL's layout at the same text sizes — a Qwen3 language model (q/k norms, no bias),
+interleaved M-RoPE over the same sections, a tower of patch 16 (32×32 → 1 token; ``min_pixels`` / ``max_pixels``
+scale with the patch) with a learned 8 × 8 position table (bilinearly resampled to each image's grid), LayerNorm
+blocks and one DeepStack merger per block but the last (each added after one of the first decoder layers), and
+``Qwen3VLProcessor``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     GenerationConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -33,6 +41,10 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 from hybridrl.models.char_tokenizer import EOS_TOKEN, IM_START, PAD_TOKEN, char_vocab
@@ -82,6 +94,13 @@ def mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
+def qwen3_mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's split of the rotary half over time, height, width: 6:5:5 ([24, 20, 20] at head_dim 128)."""
+    half = head_dim // 2
+    h = half * 5 // 16
+    return [half - 2 * h, h, h]
+
+
 @dataclass(slots=True, kw_only=True, frozen=True)
 class TinyVisionSpec:
     depth: int = 2  # blocks; the last one full attention, the others windowed
@@ -107,49 +126,77 @@ class TinyVisionSpec:
                              f"{(self.patch_size * MERGE) ** 2} (one merged token) <= min_pixels <= max_pixels")
 
 
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
 def make_tiny_vlm(out_dir: str | os.PathLike[str], *, text: TinyModelSpec | None = None,
-                  vision: TinyVisionSpec | None = None) -> Path:
-    """Write a random-weight Qwen2.5-VL checkpoint and its processor to ``out_dir``; return its path (module
-    docstring). ``text`` is the language model's spec (a Qwen2's, as for
-    :func:`hybridrl.models.tiny.make_tiny_model`; its seed draws every weight); ``vision`` the tower's."""
+                  vision: TinyVisionSpec | None = None, family: str = "qwen2_5_vl") -> Path:
+    """Write a random-weight Qwen2.5-VL (``family``; or Qwen3-VL) checkpoint and its processor to ``out_dir``; return
+    its path (module docstring). ``text`` is the language model's spec (a Qwen2's, as for
+    :func:`hybridrl.models.tiny.make_tiny_model`, whose ``arch`` the family overrides; its seed draws every weight);
+    ``vision`` the tower's (Qwen3-VL: its patch_size, window_size and pixel bounds are scaled from 14 to 16)."""
     spec, vision = text or TinyModelSpec(), vision or TinyVisionSpec()
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: valid: {', '.join(FAMILIES)}")
     if spec.arch != "qwen2":
-        raise ValueError(f"text.arch={spec.arch!r}: Qwen2.5-VL's language model is a qwen2")
+        raise ValueError(f"text.arch={spec.arch!r}: the tiny VLMs take a qwen2 spec (Qwen3-VL's becomes a qwen3)")
     tokenizer = make_vlm_tokenizer(model_max_length=spec.max_positions)
     if spec.vocab != "chars" and spec.vocab < len(tokenizer):
         raise ValueError(f"vocab={spec.vocab!r} must be 'chars' or an int >= the tokenizer's {len(tokenizer)} tokens")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (PAD_TOKEN, EOS_TOKEN, *VISION_TOKENS)}
     head_dim = spec.hidden // spec.heads
+    text_config = dict(
+        vocab_size=len(tokenizer) if spec.vocab == "chars" else spec.vocab, hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate or 3 * spec.hidden, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions, rms_norm_eps=1e-6, initializer_range=INIT_STD,
+        tie_word_embeddings=spec.tie, bos_token_id=None, eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)},
+    )
+    tokens = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+                  vision_end_token_id=ids[VISION_END], tie_word_embeddings=spec.tie)
+    patch = vision.patch_size
     with transformers_rope_rules():  # the vision tower's axial RoPE, even after SGLang's import (sglang_compat)
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer) if spec.vocab == "chars" else spec.vocab, hidden_size=spec.hidden,
-                intermediate_size=spec.intermediate or 3 * spec.hidden, num_hidden_layers=spec.layers,
-                num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                max_position_embeddings=spec.max_positions, rms_norm_eps=1e-6, initializer_range=INIT_STD,
-                tie_word_embeddings=spec.tie, bos_token_id=None, eos_token_id=ids[EOS_TOKEN],
-                pad_token_id=ids[PAD_TOKEN],
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": mrope_section(head_dim)},
-            ),
-            vision_config=dict(
-                depth=vision.depth, hidden_size=vision.hidden, intermediate_size=2 * vision.hidden,
-                num_heads=vision.heads, patch_size=vision.patch_size, spatial_merge_size=MERGE, temporal_patch_size=2,
-                window_size=vision.window_size, out_hidden_size=spec.hidden,
-                fullatt_block_indexes=[vision.depth - 1], tokens_per_second=2, initializer_range=INIT_STD,
-            ),
-            image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-            vision_end_token_id=ids[VISION_END], tie_word_embeddings=spec.tie, dtype="float32",
-        )
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        if family == "qwen3_vl":
+            patch = vision.patch_size * 16 // 14
+            config: Any = Qwen3VLConfig(
+                text_config={**text_config, "head_dim": head_dim,
+                             "rope_parameters": {**text_config["rope_parameters"], "mrope_interleaved": True,
+                                                 "mrope_section": qwen3_mrope_section(head_dim)}},
+                vision_config=dict(
+                    depth=vision.depth, hidden_size=vision.hidden, intermediate_size=2 * vision.hidden,
+                    num_heads=vision.heads, patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=2,
+                    out_hidden_size=spec.hidden, num_position_embeddings=64,
+                    deepstack_visual_indexes=list(range(min(vision.depth - 1, spec.layers))),
+                    initializer_range=INIT_STD),
+                dtype="float32", **tokens)
+            model: Any = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+        else:
+            config = Qwen2_5_VLConfig(
+                text_config=text_config,
+                vision_config=dict(
+                    depth=vision.depth, hidden_size=vision.hidden, intermediate_size=2 * vision.hidden,
+                    num_heads=vision.heads, patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=2,
+                    window_size=vision.window_size, out_hidden_size=spec.hidden,
+                    fullatt_block_indexes=[vision.depth - 1], tokens_per_second=2, initializer_range=INIT_STD,
+                ),
+                dtype="float32", **tokens)
+            model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     init_weights(model, seed=spec.seed)
     # stop on <|im_end|> (chat) and <|endoftext|> (raw text); greedy unless the caller samples
     model.generation_config = GenerationConfig(eos_token_id=[ids[EOS_TOKEN], ids[PAD_TOKEN]],
                                                pad_token_id=ids[PAD_TOKEN], do_sample=False)
-    pixels: dict[str, Any] = dict(min_pixels=vision.min_pixels, max_pixels=vision.max_pixels,
-                                  patch_size=vision.patch_size, merge_size=MERGE, temporal_patch_size=2)
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                    video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=VLM_CHAT_TEMPLATE)
+    scale = (patch / vision.patch_size) ** 2
+    pixels: dict[str, Any] = dict(min_pixels=int(vision.min_pixels * scale), max_pixels=int(vision.max_pixels * scale),
+                                  patch_size=patch, merge_size=MERGE, temporal_patch_size=2)
+    if family == "qwen3_vl":
+        processor: Any = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                          video_processor=Qwen3VLVideoProcessor(**pixels),
+                                          chat_template=VLM_CHAT_TEMPLATE)
+    else:
+        processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                        video_processor=Qwen2VLVideoProcessor(**pixels),
+                                        chat_template=VLM_CHAT_TEMPLATE)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -158,18 +205,18 @@ def make_tiny_vlm(out_dir: str | os.PathLike[str], *, text: TinyModelSpec | None
 
 
 def main(args: argparse.Namespace) -> int:
-    """``hybridrl make-tiny-model OUT --arch qwen2_5_vl ...`` (arguments defined in :mod:`hybridrl.cli`; the vision
-    tower takes :class:`TinyVisionSpec`'s defaults)."""
+    """``hybridrl make-tiny-model OUT --arch qwen2_5_vl|qwen3_vl ...`` (arguments defined in :mod:`hybridrl.cli`;
+    the vision tower takes :class:`TinyVisionSpec`'s defaults)."""
     if args.moe:
-        raise SystemExit(f"--moe {args.moe[0]!r}: --arch qwen2_5_vl is not an MoE family")
-    out = make_tiny_vlm(args.out, text=TinyModelSpec(
+        raise SystemExit(f"--moe {args.moe[0]!r}: --arch {args.arch} is not an MoE family")
+    out = make_tiny_vlm(args.out, family=args.arch, text=TinyModelSpec(
         hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab="chars" if args.vocab == "chars" else _parse_vocab(args.vocab),
         max_positions=args.max_positions, tie=args.tie, seed=args.seed))
     with transformers_rope_rules():
-        config = Qwen2_5_VLConfig.from_pretrained(out)
+        config = AutoConfig.from_pretrained(out)
     text, vision = config.text_config, config.vision_config
-    print(f"wrote {out}: qwen2_5_vl, {_count_params(out / 'model.safetensors'):,} parameters; text hidden "
+    print(f"wrote {out}: {args.arch}, {_count_params(out / 'model.safetensors'):,} parameters; text hidden "
           f"{text.hidden_size}, {text.num_hidden_layers} layers, {text.num_attention_heads} heads / "
           f"{text.num_key_value_heads} kv, vocab {text.vocab_size}, mrope {text.rope_parameters['mrope_section']}; "
           f"vision depth {vision.depth}, hidden {vision.hidden_size}, patch {vision.patch_size}, merge "

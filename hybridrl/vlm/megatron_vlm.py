@@ -1,5 +1,5 @@
 """A vision-language model on Megatron: the language model as a ``GPTModel`` with multimodal RoPE, the vision tower
-beside it (Qwen2.5-VL; issue 46).
+beside it (Qwen2.5-VL, Qwen3-VL; issue 46).
 
     h      = embed(ids)                                   the first stage's embedding, [s, b, h]
     h[ids == image_token_id] = vision(pixel_values, grid_thw)   the merged patch features, in image order
@@ -19,6 +19,9 @@ saves it; :func:`vision_stream` adds its tensors to the weight stream the engine
 the same on every TP rank (its features enter a layer whose column-parallel input all-reduces its gradient over TP),
 so the DP reduction is all it needs.
 
+Qwen3-VL adds its interleaved M-RoPE channel layout (:mod:`hybridrl.vlm.mrope`) and DeepStack: intermediate
+vision features added at the image positions after the first decoder layers (:mod:`hybridrl.vlm.deepstack`).
+
 Limits of this first slice: padded rows only (packed THD rows give Megatron's RoPE one table per sequence, which
 multimodal ids do not fit), CP 1, no sequence parallelism (the embedding's output would be scattered over TP before
 the features could be placed), images only (no video).
@@ -35,27 +38,36 @@ import torch.distributed as dist
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.hf.tensors import SafetensorsReader
+from hybridrl.vlm.deepstack import set_features
 from hybridrl.vlm.positions import mrope_positions
 from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
-VISION_PREFIX = "visual."  # the vision tower's tensors in the checkpoint
 VISION_ATTR = "vision_model"  # the tower's name inside the first stage's GPTModel
 
 
-def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """transformers' Qwen2.5-VL vision tower (patch embedding, blocks, merger) with the checkpoint's ``visual.*``
-    weights, in eval mode, on the CPU."""
+def _tower_classes(family: str) -> tuple[Any, Any]:
+    if family == "qwen3_vl":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+        return Qwen3VLVisionConfig, Qwen3VLVisionModel
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    return Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel
 
+
+def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' vision tower of the checkpoint's family (patch embedding, blocks, merger; Qwen3-VL's DeepStack
+    mergers) with its weights (``visual.*``; Qwen3-VL: ``model.visual.*``), in eval mode, on the CPU."""
     assert arch.vision is not None, "not a vision-language model"
+    config_class, tower_class = _tower_classes(arch.vision.family)
+    prefix = arch.vision.vision_prefix
     with transformers_rope_rules():  # its axial RoPE even after SGLang's import (hybridrl.vlm.sglang_compat)
-        config = Qwen2_5_VLVisionConfig(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
+        config = config_class(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
         config._attn_implementation = "sdpa"
-        tower = Qwen2_5_VisionTransformerPretrainedModel(config)
+        tower = tower_class(config)
     with SafetensorsReader(model_dir) as reader:
-        names = [n for n in reader.files if n.startswith(VISION_PREFIX)]
-        state = {n.removeprefix(VISION_PREFIX): reader.read(n) for n in names}
+        names = [n for n in reader.files if n.startswith(prefix)]
+        state = {n.removeprefix(prefix): reader.read(n) for n in names}
     missing, unexpected = tower.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: the vision tower's weights do not match its config: missing "
@@ -63,31 +75,42 @@ def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtyp
     return tower.to(dtype).eval()
 
 
-def vision_tensors(tower: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def vision_tensors(tower: torch.nn.Module, arch: HFArch) -> list[tuple[str, torch.Tensor]]:
     """The vision tower's weights under their checkpoint names (the export beside the language model's stream)."""
-    return [(VISION_PREFIX + name, t.detach().clone()) for name, t in tower.state_dict().items()]
+    assert arch.vision is not None
+    return [(arch.vision.vision_prefix + name, t.detach().clone()) for name, t in tower.state_dict().items()]
 
 
-def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw_N3: torch.Tensor) -> torch.Tensor:
-    """``[n, hidden]``: the merged patch features of every image, in image order (one row per placeholder)."""
+def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor,
+                   grid_thw_N3: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``([n, hidden], [[n, hidden] per DeepStack layer])``: the merged patch features of every image, in image order
+    (one row per placeholder), and Qwen3-VL's DeepStack features of the same rows (Qwen2.5-VL: none)."""
     out = tower(pixel_values.to(next(tower.parameters()).dtype), grid_thw=grid_thw_N3)
-    return out.pooler_output if hasattr(out, "pooler_output") else out
+    if not hasattr(out, "pooler_output"):
+        return out, []
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
 def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_values: torch.Tensor | None,
-                  grid_thw_N3: torch.Tensor | None, image_token_id: int,
+                  grid_thw_N3: torch.Tensor | None, arch: HFArch,
                   images_in_BS: torch.Tensor | None = None) -> torch.Tensor:
     """``[s, b, h]``: the first stage's token embeddings with each image placeholder replaced by its feature (the
     images of sample 0 first, each sample's in order); ``images_in_BS``: where placeholders are images (the prompts;
-    None: everywhere)."""
+    None: everywhere). Qwen3-VL: the DeepStack features of this forward are set on ``gpt`` too."""
+    v = arch.vision
+    assert v is not None
     emb_SBH = gpt.embedding(input_ids=ids_BS, position_ids=None)
-    at_BS = ids_BS == image_token_id
+    at_BS = ids_BS == v.image_token_id
     if images_in_BS is not None:
         at_BS &= images_in_BS
     if pixel_values is None or not bool(at_BS.any()):
+        if v.deepstack_layers:
+            set_features(gpt, v.deepstack_layers, None, None)
         return emb_SBH
     assert grid_thw_N3 is not None
-    feats = image_features(tower, pixel_values, grid_thw_N3)
+    feats, deep = image_features(tower, pixel_values, grid_thw_N3)
+    if v.deepstack_layers:
+        set_features(gpt, v.deepstack_layers, at_BS, deep)
     if feats.shape[0] != int(at_BS.sum()):
         raise ValueError(f"{int(at_BS.sum())} image placeholder tokens but {feats.shape[0]} image features "
                          f"(image_grid_thw {grid_thw_N3.tolist()})")
@@ -163,19 +186,21 @@ def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B
     if gpt.pre_process:
         tower = tower_of(gpt)
         assert tower is not None, "a VLM's first stage without its vision tower (attach_vision_tower)"
-        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, v.image_token_id, prompt_BS)
+        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, arch, prompt_BS)
     return model(tokens_BS, positions, attention_mask, decoder_input=dec, **kwargs)
 
 
-def vision_stream(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The vision tower's tensors under their checkpoint names (``visual.*``), on every rank: the first pipeline
-    stage holds the tower and broadcasts each tensor over the PP group (every rank of it must consume the stream)."""
+def vision_stream(chunks: Sequence[torch.nn.Module], arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision tower's tensors under their checkpoint names (``visual.*``; Qwen3-VL ``model.visual.*``), on every
+    rank: the first pipeline stage holds the tower and broadcasts each tensor over the PP group (every rank of it must
+    consume the stream)."""
     from megatron.core import parallel_state
 
     from hybridrl.megatron.model import unwrap_model
 
     towers = [t for c in chunks if (t := tower_of(unwrap_model(c))) is not None]
-    local = [(VISION_PREFIX + n, t.detach()) for n, t in towers[0].state_dict().items()] if towers else []
+    assert arch.vision is not None
+    local = [(arch.vision.vision_prefix + n, t.detach()) for n, t in towers[0].state_dict().items()] if towers else []
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp == 1:
         for name, t in local:

@@ -51,7 +51,7 @@ def vlm_forward(tower: torch.nn.Module, arch: HFArch, ids_BS: torch.Tensor, pixe
 
     def forward(model: Any, ids: torch.Tensor, mask: Any) -> Any:
         gpt = unwrap_model(model)
-        dec = decoder_input(gpt, tower, ids, pixels, grid_N3, v.image_token_id) if gpt.pre_process else None
+        dec = decoder_input(gpt, tower, ids, pixels, grid_N3, arch) if gpt.pre_process else None
         return model(ids, positions, mask, decoder_input=dec)
 
     return forward

@@ -1,6 +1,6 @@
-"""A vision-language model on Megatron (Qwen2.5-VL): its config read as a causal LM with multimodal RoPE, the
-multimodal positions equal transformers', and ``hybridrl verify-model`` — an image in every row — gives transformers'
-logits and an exact round trip (vision tower included) at TP=2 and at PP=2."""
+"""A vision-language model on Megatron (Qwen2.5-VL, Qwen3-VL): its config read as a causal LM with multimodal RoPE,
+the multimodal positions equal transformers', and ``hybridrl verify-model`` — an image in every row — gives
+transformers' logits and an exact round trip (vision tower included) at TP=2 and at PP=2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.tiny_vlm import END, IMAGE, START, VIDEO, make_tiny_qwen2_5_vl
+from support.tiny_vlm import END, IMAGE, START, VIDEO, make_tiny_qwen2_5_vl, make_tiny_qwen3_vl
 
 from hybridrl.hf.arch import HFArch
 from hybridrl.megatron.verify import run_verification
@@ -19,7 +19,8 @@ from hybridrl.vlm.positions import mrope_positions
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("vlm")
-    return {name: make_tiny_qwen2_5_vl(tmp / name, tie=name == "tied") for name in ("tied", "untied")}
+    out = {name: make_tiny_qwen2_5_vl(tmp / name, tie=name == "tied") for name in ("tied", "untied")}
+    return {**out, "qwen3": make_tiny_qwen3_vl(tmp / "qwen3", tie=True)}
 
 
 def test_both_config_layouts_read_as_one_language_model(vlms: dict[str, Path], tmp_path: Path) -> None:
@@ -63,8 +64,9 @@ def test_positions_equal_transformers(vlms: dict[str, Path]) -> None:
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_verify_model_with_an_image_is_exact(vlms: dict[str, Path], tp: int, pp: int) -> None:
     """Logits ≤ 1e-4 of transformers' (measured ~5e-7) and a bit-exact round trip of every tensor, the vision
-    tower's too. ~15 s a layout on idle cores (two ranks each import Megatron and transformers)."""
-    reports = run_verification([vlms["tied"], vlms["untied"]], tp=tp, pp=pp, seq_len=24, batch=2)
+    tower's too; Qwen3-VL's interleaved M-RoPE and DeepStack (after layers 0 and 1, both on the first stage at PP=2)
+    included. ~20 s a layout on idle cores (two ranks each import Megatron and transformers)."""
+    reports = run_verification([vlms["tied"], vlms["untied"], vlms["qwen3"]], tp=tp, pp=pp, seq_len=24, batch=2)
     for r in reports:
         assert r.max_abs_logit_diff <= 1e-4 and r.roundtrip_exact, r  # a tensor left out is a mismatch too
 
@@ -78,7 +80,34 @@ def test_an_engine_tells_a_vlm_checkpoint_from_a_causal_lm(vlms: dict[str, Path]
     text.mkdir()
     (text / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert checkpoint_vision(text) is None
-    (text / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
-    with pytest.raises(ValueError, match="model_type='qwen3_vl' is not a vision-language family hybridrl knows; "
-                                         "valid: qwen2_5_vl"):
+    (text / "config.json").write_text(json.dumps({"model_type": "llava_next", "vision_config": {}}))
+    with pytest.raises(ValueError, match="model_type='llava_next' is not a vision-language family hybridrl knows; "
+                                         "valid: qwen2_5_vl, qwen3_vl"):
         checkpoint_vision(text)
+
+
+def test_qwen3_vl_reads_as_qwen3_with_interleaved_mrope_and_deepstack(vlms: dict[str, Path]) -> None:
+    """Its language model is Qwen3 (q/k norms, no q/k/v bias) under ``model.language_model.``; the M-RoPE channel
+    layout and the DeepStack layers come from its config; the interleaved layout is transformers'."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from hybridrl.hf.vlm import vision_parameters
+    from hybridrl.vlm.mrope import channel_axes
+
+    arch = HFArch.from_hf(vlms["qwen3"])
+    assert (arch.family, arch.qk_layernorm, arch.qkv_bias, arch.head_dim, arch.hf_prefix) == (
+        "qwen3", True, False, 32, "model.language_model.")
+    v = arch.vision
+    assert v is not None and (v.family, v.mrope_interleaved, v.deepstack_layers, v.vision_prefix) == (
+        "qwen3_vl", True, 2, "model.visual.")
+
+    class Config:
+        mrope_section = [6, 5, 5]
+
+    axis_ids = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, 16).clone()  # channel value = its axis
+    mixed = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(Config(), axis_ids)[0, 0, :16]
+    assert torch.equal(channel_axes([6, 5, 5]), mixed.long())
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(vlms["qwen3"])
+    assert vision_parameters(v.config, v.family) == sum(p.numel() for p in model.model.visual.parameters())
