@@ -11,6 +11,7 @@ from typing import Any
 
 from hybridrl.config.schema import RLConfig
 from hybridrl.hf.arch import HFArch
+from hybridrl.megatron.stages import FIRST, PipelineSplit, stage_sizes
 from hybridrl.registry import PluginError, Registry
 
 AOR = "actor_rollout_ref"
@@ -47,17 +48,12 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
     if engine is not None and not getattr(engine, "supports_images", False) and not planning:
         out.append((f"{AOR}.rollout.name", r.name, "this engine does not take images; a vision-language model "
                     "needs one that does (hf, vllm, sglang)"))
-    m = aor.actor.megatron
     # megatron.use_remove_padding and a null use_prefix_grouper fall back to padded rows (batch_plan): packed rows
-    # give RoPE one position table per sequence, which multimodal positions do not fit
-    for key, value, refused, why in (
-            ("megatron.context_parallel_size", m.context_parallel_size, m.context_parallel_size > 1,
-             "image features enter the embeddings before CP splits the sequence; use 1"),
-            ("use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
-             "shared-prompt rows carry no multimodal positions; set it to false")):
-        if refused:
-            out.append((f"{AOR}.actor.{key}", value, f"not with a vision-language model yet: {why}"))
+    # give RoPE one position table per sequence, which multimodal positions do not fit; CP splits padded rows
+    out += _deepstack_problems(cfg, model)
     refusals = (
+        (f"{AOR}.actor.use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
+         "shared-prompt rows carry no multimodal positions; set it to false"),
         (f"{AOR}.model.lora_rank", aor.model.lora_rank, aor.model.lora_rank > 0, "set it to 0 (full fine-tuning)"),
         (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,
          "multi-turn episodes do not carry images yet; set it to false"),
@@ -73,4 +69,25 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
     for key, value, refused, fix in refusals:
         if refused:
             out.append((key, value, f"not with a vision-language model yet: {fix}"))
+    return out
+
+
+def _deepstack_problems(cfg: RLConfig, model: HFArch) -> list[tuple[str, Any, str]]:
+    """Qwen3-VL's DeepStack adds image features after decoder layers 0..k-1, on the stage that runs the tower (the
+    first pipeline stage's first model chunk): a split that puts fewer layers there cannot run it."""
+    k = model.vision.deepstack_layers if model.vision is not None else 0
+    out = []
+    for role in ("actor", "ref"):
+        m = getattr(cfg.actor_rollout_ref, role).megatron
+        first, last = stage_sizes(m.override_transformer_config)
+        split = PipelineSplit(num_layers=model.num_layers, pp=max(m.pipeline_model_parallel_size, 1),
+                              vpp=m.virtual_pipeline_model_parallel_size, first=first, last=last)
+        if split.problems():
+            continue  # reported as a pipeline-split problem
+        held = len(split.layers(0)[0])
+        if held < k:
+            out.append((f"{AOR}.{role}.megatron.override_transformer_config.{FIRST}", first,
+                        f"the first pipeline stage's first chunk holds {held} decoder layer(s), but this model's "
+                        f"DeepStack adds image features after layers 0..{k - 1} on the stage that runs the vision "
+                        f"tower: set it to at least {k} (or use fewer pipeline stages / chunks)"))
     return out

@@ -7,7 +7,8 @@ Qwen3-VL uses it, Bai et al. 2025).
 
 where ``d`` = ``vision_config.deepstack_visual_indexes``. transformers adds them after the layer, before the next
 (``Qwen3VLTextModel._deepstack_process``); here a forward hook on each of the first ``len(d)`` decoder layers of the
-first pipeline stage does the same to the layer's output, ``[s, b, h]``. The features of the micro-batch in flight
+first pipeline stage does the same to the layer's output, ``[s, b, h]`` (with CP, this rank's chunks of the row and
+the feature rows that fall in them). The features of the micro-batch in flight
 sit on the ``GPTModel`` (:func:`set_features`, called where its decoder input is built, right before its forward);
 a micro-batch with no image clears them. Those layers must be on the first stage (where the tower runs): a pipeline
 layout that puts fewer layers there is refused (``hybridrl.config.check_vlm``).
@@ -36,7 +37,16 @@ def set_features(gpt: Any, n_layers: int, mask_BS: torch.Tensor | None, features
         setattr(gpt, _HOOKED, True)
     if features is not None and len(features) != n_layers:
         raise ValueError(f"{len(features)} DeepStack feature sets for {n_layers} layers")
-    object.__setattr__(gpt, _STATE, None if mask_BS is None or features is None else (mask_BS, features))
+    if mask_BS is None or features is None:
+        object.__setattr__(gpt, _STATE, None)
+        return
+    from hybridrl.megatron.context_parallel import shard_sequence
+
+    # CP: the layers see this rank's chunks of the sequence; keep the mask and the feature rows that fall there
+    row_BS = (mask_BS.flatten().cumsum(0) - 1).view_as(mask_BS)  # each placeholder's feature row (sample order)
+    local_BS = shard_sequence(mask_BS)
+    rows = shard_sequence(row_BS)[local_BS]
+    object.__setattr__(gpt, _STATE, (local_BS, [f.index_select(0, rows) for f in features]))
 
 
 def _make_hook(gpt: Any, index: int) -> Any:

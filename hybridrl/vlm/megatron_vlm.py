@@ -22,8 +22,12 @@ so the DP reduction is all it needs.
 Qwen3-VL adds its interleaved M-RoPE channel layout (:mod:`hybridrl.vlm.mrope`) and DeepStack: intermediate
 vision features added at the image positions after the first decoder layers (:mod:`hybridrl.vlm.deepstack`).
 
+With context parallelism each CP rank embeds the whole padded row (tower included) and keeps its own chunks of the
+sequence, as Megatron splits a row (``shard_sequence``); the tower's gradients, from each rank's positions, are summed
+by the DP × CP reduction like every other parameter's.
+
 Limits of this first slice: padded rows only (packed THD rows give Megatron's RoPE one table per sequence, which
-multimodal ids do not fit), CP 1, no sequence parallelism (the embedding's output would be scattered over TP before
+multimodal ids do not fit), no sequence parallelism (the embedding's output would be scattered over TP before
 the features could be placed), images only (no video).
 """
 
@@ -170,6 +174,7 @@ def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B
     first ``prompt_len_B`` the prompt's), ``images[b]`` the :class:`~hybridrl.vlm.inputs.ImageInputs` of row b's
     prompt (None: text only). A row whose placeholders were cut away (a filler row cut to its last prompt token)
     takes no image; a response's tokens are text whatever their ids."""
+    from hybridrl.megatron.context_parallel import shard_sequence
     from hybridrl.megatron.model import unwrap_model
     from hybridrl.vlm.inputs import stack_images
 
@@ -186,8 +191,10 @@ def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B
     if gpt.pre_process:
         tower = tower_of(gpt)
         assert tower is not None, "a VLM's first stage without its vision tower (attach_vision_tower)"
-        dec = decoder_input(gpt, tower, tokens_BS, pixels, grid, arch, prompt_BS)
-    return model(tokens_BS, positions, attention_mask, decoder_input=dec, **kwargs)
+        dec = shard_sequence(decoder_input(gpt, tower, tokens_BS, pixels, grid, arch, prompt_BS), dim=0)
+    # CP: each rank its chunks of the sequence (the features were placed in the whole of it); Megatron's multimodal
+    # RoPE takes every position and keeps this rank's itself
+    return model(shard_sequence(tokens_BS), positions, attention_mask, decoder_input=dec, **kwargs)
 
 
 def vision_stream(chunks: Sequence[torch.nn.Module], arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.tiny_vlm import make_tiny_qwen2_5_vl
+from support.tiny_vlm import make_tiny_qwen2_5_vl, make_tiny_qwen3_vl
 
 WORKER = str(Path(__file__).parent / "workers" / "vlm_policy_step.py")
 
@@ -46,4 +46,23 @@ def test_vision_tower_trains_resumes_and_every_layout_takes_one_step(torchrun, t
     assert {k for k in grads if k.startswith("visual.")} == {k for k in start if k.startswith("visual.")}
     for name, g in grads.items():
         step = start[name] - sgd["exported"][name]  # fp32's rounding of w - g: ~1e-7 of |w|
+        assert float((step - g).norm()) <= 1e-4 * float(g.norm()) + 2e-7 * float(start[name].norm()), name
+
+
+@pytest.mark.distributed
+def test_qwen3_vl_gradient_is_transformers_at_cp2_and_pp2(torchrun, tmp_path: Path) -> None:
+    """Qwen3-VL (interleaved M-RoPE, DeepStack after decoder layers 0 and 1): at CP = 2 each rank places the features
+    in the whole row and keeps its chunks (DeepStack's rows too) — the SGD step is minus transformers' gradient, the
+    tower's and the DeepStack mergers' included; at PP = 2 the log-probs are transformers'. ~20 s."""
+    vlm = make_tiny_qwen3_vl(tmp_path / "qwen3", tie=True, seed=3)
+    start = load_file(vlm / "model.safetensors")
+    torchrun([WORKER, str(vlm), str(tmp_path), "tp1pp1cp2-sgd", "tp1pp2"], nproc=2)
+    sgd, pp2 = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("tp1pp1cp2-sgd", "tp1pp2"))
+    assert sgd["logprob_diff"] <= 1e-5 and pp2["logprob_diff"] <= 1e-5
+    assert sgd["exported"].keys() == start.keys()  # model.language_model.*, model.visual.*: the checkpoint's names
+    grads = sgd["hf_grads"]
+    assert any(k.startswith("model.visual.deepstack_merger_list.") for k in grads)
+    assert {k for k in grads if k.startswith("model.visual.")} == {k for k in start if k.startswith("model.visual.")}
+    for name, g in grads.items():
+        step = start[name] - sgd["exported"][name]
         assert float((step - g).norm()) <= 1e-4 * float(g.norm()) + 2e-7 * float(start[name].norm()), name

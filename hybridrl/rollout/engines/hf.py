@@ -18,9 +18,9 @@ Sampling is seeded per sample: each row draws its uniforms from a counter-based 
 inverting the CDF of its filtered distribution. A sample therefore does not depend on the other rows
 of the batch, so the same seeds give the same samples however prompts are grouped into calls or engines.
 
-A vision-language checkpoint (Qwen2.5-VL) generates with each prompt's images (``generate(images=)``): their features
-enter the prefill's embeddings and every position has multimodal RoPE ids (:mod:`hybridrl.rollout.engines.hf_images`).
-``score`` stays text-only (a teacher's sequences carry no images).
+A vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) generates with each prompt's images (``generate(images=)``): their
+features enter the prefill (Qwen3-VL's DeepStack features too) and every position has multimodal RoPE ids
+(:mod:`hybridrl.rollout.engines.hf_images`). ``score`` stays text-only (a teacher's sequences carry no images).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers import GenerationConfig
 from hybridrl.hf.arch import eos_token_ids
 from hybridrl.interfaces import Generation, SamplingParams, TokenScores, WeightBucket, check_limits
 from hybridrl.rollout.engines.hf_compat import RoutingRecorder, checkpoint_views, vlm_checkpoint_names
-from hybridrl.rollout.engines.hf_images import Images, check_images, load_model, prefill_embeddings, row_positions
+from hybridrl.rollout.engines.hf_images import Images, check_images, load_model, prefill_images, row_positions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,11 +143,11 @@ class HFRolloutEngine:
             if t == 0:  # the prefill: on the first row of each prompt (once), else on every row
                 first_U = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
                                      (owner_B[1:] != owner_B[:-1]).nonzero().squeeze(-1) + 1]) if once else rows_A
-                emb_UPH = None if self.vision is None else prefill_embeddings(
-                    self.model, ids_BP[first_U], [chunk[u][0] for u in first_U.tolist()], images, self.vision)
-                tokens = {"input_ids": ids_BP[first_U]} if emb_UPH is None else {"inputs_embeds": emb_UPH}
-                out = self.model(**tokens, attention_mask=attn[first_U], position_ids=pos_AP[..., first_U, :],
-                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: past})
+                seen = {} if self.vision is None else prefill_images(
+                    self.model, [chunk[u][0] for u in first_U.tolist()], images)
+                out = self.model(input_ids=ids_BP[first_U], attention_mask=attn[first_U],
+                                 position_ids=pos_AP[..., first_U, :], use_cache=True, logits_to_keep=1,
+                                 **seen, **{self._cache_kw: past})
                 if once:
                     getattr(out, self._cache_kw).batch_select_indices(owner_B)  # each sample's copy of its prompt's
                     out.logits = out.logits[owner_B]

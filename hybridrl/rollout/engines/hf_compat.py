@@ -17,7 +17,8 @@ still needed (it fails once upstream changes, so the item can go).
    ``model.language_model.*`` and its vision tower under ``model.visual.*``; the checkpoint (the hub layout, and the
    trainer's weight stream) names them ``model.*`` (``model.layers``, ``model.embed_tokens``, ``model.norm``) and
    ``visual.*`` — transformers renames them when it loads (and back when it saves). :func:`vlm_checkpoint_names`
-   names the parameters by the checkpoint's names, so a streamed tensor is copied into its parameter in place.
+   names the parameters by the checkpoint's names (:data:`hybridrl.hf.vlm.PREFIXES`), so a streamed tensor is copied
+   into its parameter in place. Qwen3-VL's checkpoint names are transformers' own: nothing is renamed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from hybridrl.hf.arch import EXPERT_NAMES
-from hybridrl.hf.vlm import VLM_FAMILIES
+from hybridrl.hf.vlm import PREFIXES, VLM_FAMILIES
 
 _FUSED = re.compile(r"(.+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)")
 
@@ -59,16 +60,18 @@ def checkpoint_views(params: Mapping[str, torch.Tensor], model_type: str) -> dic
     return out
 
 
-# transformers' name of a VLM's parameter → the checkpoint's (item 3); lm_head.weight keeps its name
-_VLM_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# transformers' prefixes of a VLM's language model and vision tower in memory (the checkpoint's: hf.vlm.PREFIXES)
+_IN_MEMORY = ("model.language_model.", "model.visual.")
 
 
 def vlm_checkpoint_names(params: Mapping[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
-    """``{checkpoint name: parameter}`` for a vision-language model's renamed parameters (item 3); {} for another."""
+    """``{checkpoint name: parameter}`` for a vision-language model's parameters that transformers names otherwise
+    (item 3); {} for another model. ``lm_head.weight`` keeps its name."""
     if model_type not in VLM_FAMILIES:
         return {}
+    renames = [(memory, disk) for memory, disk in zip(_IN_MEMORY, PREFIXES[model_type], strict=True) if memory != disk]
     return {disk + name.removeprefix(memory): param for name, param in params.items()
-            for memory, disk in _VLM_RENAMES if name.startswith(memory)}
+            for memory, disk in renames if name.startswith(memory)}
 
 
 class RoutingRecorder:

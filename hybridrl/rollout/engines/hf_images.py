@@ -1,14 +1,17 @@
-"""The ``hf`` engine's vision-language side (Qwen2.5-VL; issue 46): loading the model, and what a prompt's images
-change in its prefill.
+"""The ``hf`` engine's vision-language side (Qwen2.5-VL, Qwen3-VL; issue 46): loading the model, and what a prompt's
+images change in its prefill.
 
     h[ids == image_token_id] = model.get_image_features(pixel_values, image_grid_thw)   merged patches, image order
+    Qwen3-VL: h[ids == image_token_id] += its DeepStack features, after each of decoder layers 0 … k-1
     position ids [3, B, P]   = mrope_positions(ids, grid_thw)          (time, height, width); text alone: (p, p, p)
     generated token k        = (q + k) on all three axes, q = 1 + the prompt's largest id
 
-which is what transformers' ``Qwen2_5_VLModel`` computes (its ``get_rope_index`` and ``rope_deltas``: q is the
-prompt's length plus its delta). The engine passes the embeddings and the position ids itself, so the model's
-``rope_deltas`` — state it keeps between calls, one delta per row of the batch that set it — is never read: the
-engine's rows come and go (a prefill once per prompt, finished rows dropped) and would not line up with it.
+which is what transformers' ``Qwen2_5_VLModel`` and ``Qwen3VLModel`` compute (their ``get_rope_index`` and
+``rope_deltas``: q is the prompt's length plus its delta). The engine runs the vision tower itself, once per prompt,
+and hands its output to the prefill (``mm_encoder_outputs``): transformers places the features (and DeepStack's) at
+the placeholders. The engine passes the position ids itself, so the model's ``rope_deltas`` — state it keeps between
+calls, one delta per row of the batch that set it — is never read: the engine's rows come and go (a prefill once per
+prompt, finished rows dropped) and would not line up with it.
 
 Left padding: a padded position gets ids 0 and is masked by the attention mask (transformers builds the mask from
 it, not from the position ids, when they have three rows).
@@ -77,27 +80,26 @@ def row_positions(rows: Sequence[tuple[int, list[int]]], images: Images | None, 
 
 
 @torch.no_grad()
-def prefill_embeddings(model: Any, ids_UP: torch.Tensor, owners: Sequence[int], images: Images | None,
-                       spec: VisionSpec) -> torch.Tensor | None:
-    """``[U, P, h]``: the token embeddings of the rows ``ids_UP`` (row u a sample of prompt ``owners[u]``) with each
-    image placeholder replaced by its image's feature; the vision tower runs once per distinct prompt. None when no
-    row has an image (the model embeds the ids itself)."""
+def prefill_images(model: Any, owners: Sequence[int], images: Images | None) -> dict[str, Any]:
+    """The prefill's image inputs for rows of prompts ``owners`` (row u a sample of prompt ``owners[u]``):
+    ``{"mm_encoder_outputs": {"image": the vision tower's output}}`` with each row's images' features in row order
+    (transformers places them at the rows' placeholders, and Qwen3-VL's DeepStack features after its first decoder
+    layers), or {} when no row has an image. The vision tower runs once per distinct prompt."""
     distinct = list(dict.fromkeys(i for i in owners if _image(images, i) is not None))
     if not distinct:
-        return None
+        return {}
     assert images is not None
     stacked = stack_images([images[i] for i in distinct])
     assert stacked is not None
-    per_image = model.get_image_features(stacked.pixel_values.to(ids_UP.device),
-                                         stacked.image_grid_thw.to(ids_UP.device)).pooler_output
-    features: dict[int, torch.Tensor] = {}
-    first = 0
+    device = model.device
+    out = model.get_image_features(stacked.pixel_values.to(device), stacked.image_grid_thw.to(device))
+    first, slots = 0, {}  # prompt → its images' indices among the tower's outputs
     for i in distinct:
         n = images[i].num_images  # type: ignore[union-attr]  # distinct holds prompts with images only
-        features[i] = torch.cat(per_image[first:first + n])
+        slots[i] = range(first, first + n)
         first += n
-    emb_UPH = model.get_input_embeddings()(ids_UP)
-    for u, i in enumerate(owners):
-        if i in features:  # row_positions checked that the placeholders are the features' count, in a row per image
-            emb_UPH[u, ids_UP[u] == spec.image_token_id] = features[i].to(emb_UPH.dtype)
-    return emb_UPH
+    order = [k for i in owners if i in slots for k in slots[i]]  # a prompt's images again for each of its rows
+    out.pooler_output = [out.pooler_output[k] for k in order]
+    if getattr(out, "deepstack_features", None):  # Qwen3-VL: one per DeepStack layer, each split per image
+        out.deepstack_features = [[layer[k] for k in order] for layer in out.deepstack_features]
+    return {"mm_encoder_outputs": {"image": out}}

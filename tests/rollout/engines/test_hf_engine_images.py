@@ -1,6 +1,8 @@
-"""The `hf` rollout engine on a vision-language checkpoint (Qwen2.5-VL, issue 46): it samples with each prompt's
-images, every token's log-prob is transformers' own full forward's (pixels and grids in), the prefill-once and
-dropped-row paths give the same samples, and the weight swap reaches the vision tower in place."""
+"""The `hf` rollout engine on a vision-language checkpoint (Qwen2.5-VL and Qwen3-VL, issue 46): it samples with each
+prompt's images, every token's log-prob is transformers' own full forward's (pixels and grids in; Qwen3-VL's DeepStack
+features with them), the prefill-once and dropped-row paths give the same samples, and the weight swap reaches the
+vision tower in place, under the checkpoint's names (Qwen2.5-VL: ``model.*``, ``visual.*``; Qwen3-VL:
+``model.language_model.*``, ``model.visual.*``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from transformers import AutoProcessor
 
 from hybridrl.data.dots import draw_dots
 from hybridrl.hf.arch import HFArch
+from hybridrl.hf.vlm import checkpoint_vision
 from hybridrl.interfaces import Generation, SamplingParams
 from hybridrl.models.tiny import TinyModelSpec
 from hybridrl.models.tiny_vlm import TinyVisionSpec, make_tiny_vlm
@@ -27,15 +30,17 @@ VISION = TinyVisionSpec(max_pixels=84 * 84)
 Prompts = tuple[list[list[int]], list[ImageInputs | None]]
 
 
-def tiny(path: Path, seed: int) -> Path:
+def tiny(path: Path, seed: int, family: str) -> Path:
     return make_tiny_vlm(path, text=TinyModelSpec(hidden=64, layers=2, heads=4, kv_heads=2, tie=False, seed=seed),
-                         vision=VISION)
+                         vision=VISION, family=family)
 
 
-@pytest.fixture(scope="module")
-def vlms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("hf_engine_images")
-    return tiny(tmp / "a", seed=1), tiny(tmp / "b", seed=2)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlms(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    """Tiny VLMs A and B of one family (Qwen3-VL's patch is 16: its processor resizes the images of 56 and 84 pixels
+    a side to 64 and 96, the same placeholder counts)."""
+    tmp = tmp_path_factory.mktemp(f"hf_engine_images_{request.param}")
+    return tiny(tmp / "a", seed=1, family=request.param), tiny(tmp / "b", seed=2, family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +117,16 @@ def test_update_weights_swaps_language_model_and_vision_tower_in_place(vlms: tup
     eng = engine(vlms[0])
     ptrs = {n: p.data_ptr() for n, p in eng.params.items()}
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    weights = load_file(vlms[1] / "model.safetensors")  # the checkpoint's names: model.layers.*, visual.*, lm_head
-    assert "lm_head.weight" in weights and any(n.startswith("visual.") for n in weights)
-    language = sorted(n for n in weights if not n.startswith("visual."))
+    tower = checkpoint_vision(vlms[1]).vision_prefix  # type: ignore[union-attr]  # visual. or model.visual.
+    weights = load_file(vlms[1] / "model.safetensors")  # the checkpoint's names: the language model's, tower, lm_head
+    assert "lm_head.weight" in weights and any(n.startswith(tower) for n in weights)
+    language = sorted(n for n in weights if not n.startswith(tower))
     eng.update_weights([[(n, weights[n]) for n in language[i:i + 5]] for i in range(0, len(language), 5)], version=3)
     fresh = engine(vlms[1]).generate(ids, params, images=images)
     half = eng.generate(ids, params, images=images)
     assert half[2].logprobs == fresh[2].logprobs  # text alone: the language model is the second one's
     assert half[0].logprobs != fresh[0].logprobs  # with an image: the first model's vision tower still
-    eng.update_weights([[(n, w) for n, w in weights.items() if n.startswith("visual.")]], version=4)
+    eng.update_weights([[(n, w) for n, w in weights.items() if n.startswith(tower)]], version=4)
     after = eng.generate(ids, params, images=images)
     assert [(g.token_ids, g.logprobs) for g in after] == [(g.token_ids, g.logprobs) for g in fresh]
     assert all(g.weight_version == 4 for g in after)

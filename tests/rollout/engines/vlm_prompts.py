@@ -1,5 +1,5 @@
 """Test-only helpers of the engines' image tests (issue 46): prompts with images as the trainer makes them, and
-transformers' own Qwen2.5-VL as the reference for the sampled tokens' log-probs."""
+transformers' own Qwen2.5-VL / Qwen3-VL as the reference for the sampled tokens' log-probs."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from hybridrl.vlm.inputs import ImageInputs
 from hybridrl.vlm.sglang_compat import transformers_rope_rules
 
 
-def tiny_vlm_pair(tmp: Path, **spec: Any) -> tuple[Path, Path]:
-    """Tiny VLMs A and B (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`; seeds 1 and 2: other language model and
-    vision tower) of the text ``spec`` (:class:`hybridrl.models.tiny.TinyModelSpec`)."""
+def tiny_vlm_pair(tmp: Path, family: str = "qwen2_5_vl", **spec: Any) -> tuple[Path, Path]:
+    """Tiny VLMs A and B of ``family`` (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`; seeds 1 and 2: other
+    language model and vision tower) of the text ``spec`` (:class:`hybridrl.models.tiny.TinyModelSpec`)."""
     from hybridrl.models.tiny import TinyModelSpec
     from hybridrl.models.tiny_vlm import make_tiny_vlm
 
-    return (make_tiny_vlm(tmp / "a", text=TinyModelSpec(seed=1, **spec)),
-            make_tiny_vlm(tmp / "b", text=TinyModelSpec(seed=2, **spec)))
+    return (make_tiny_vlm(tmp / "a", text=TinyModelSpec(seed=1, **spec), family=family),
+            make_tiny_vlm(tmp / "b", text=TinyModelSpec(seed=2, **spec), family=family))
 
 
 def image(h: int, w: int, seed: int) -> Image.Image:
@@ -53,7 +53,8 @@ def encode_all(model_dir: Path, sizes: list[list[tuple[int, int]]]) -> tuple[lis
 
 
 class Reference:
-    """transformers' Qwen2.5-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and images."""
+    """transformers' Qwen2.5-VL or Qwen3-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and
+    images."""
 
     def __init__(self, path: Path) -> None:
         from transformers import AutoModelForImageTextToText
@@ -66,7 +67,8 @@ class Reference:
     def logprobs(self, prompt: list[int], images: ImageInputs | None, tokens: list[int],
                  temperature: float) -> list[float]:
         """A sampled ``<|image_pad|>`` is text, as engines decode it: only the prompt's placeholders take the image
-        features and image positions (transformers' own ``forward`` would take every one as a placeholder)."""
+        features, image positions and (Qwen3-VL) DeepStack features (transformers' own ``forward`` would take every
+        one as a placeholder), so this runs the language model as that ``forward`` does, on those placeholders."""
         ids = torch.tensor([prompt + tokens])
         types = torch.zeros_like(ids, dtype=torch.int)
         types[0, :len(prompt)] = (ids[0, :len(prompt)] == self.image_token).int()
@@ -74,12 +76,17 @@ class Reference:
             if images is None:
                 logits = self.model(input_ids=ids, mm_token_type_ids=types).logits
             else:
-                inner = self.model.model
+                inner, mask = self.model.model, types.bool()
                 emb = inner.get_input_embeddings()(ids)
-                features = inner.get_image_features(images.pixel_values, images.image_grid_thw).pooler_output
-                emb[types.bool()] = torch.cat(features).to(emb.dtype)
+                seen = inner.get_image_features(images.pixel_values, images.image_grid_thw)
+                emb[mask] = torch.cat(seen.pooler_output).to(emb.dtype)
                 positions, _ = inner.get_rope_index(ids, types, image_grid_thw=images.image_grid_thw)
-                logits = self.model(inputs_embeds=emb, position_ids=positions).logits
+                deepstack = {}
+                if getattr(seen, "deepstack_features", None):  # Qwen3-VL: added after the first decoder layers
+                    deepstack = {"visual_pos_masks": mask,
+                                 "deepstack_visual_embeds": [torch.cat(f) for f in seen.deepstack_features]}
+                hidden = inner.language_model(inputs_embeds=emb, position_ids=positions, **deepstack)[0]
+                logits = self.model.lm_head(hidden)
         scaled = logits[0, len(prompt) - 1:-1] / (temperature or 1.0)
         return scaled.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 

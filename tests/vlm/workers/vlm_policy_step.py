@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 2 vlm_policy_step.py MODEL_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
-A layout is ``tp<a>pp<b>[-frozen|-sgd]`` (DP: what remains of the 2 ranks; ``-frozen``: ``freeze_vision_tower``;
+A layout is ``tp<a>pp<b>[cp<c>][-frozen|-sgd]`` (DP: what remains of the 2 ranks; ``-frozen``: ``freeze_vision_tower``;
 ``-sgd``: SGD at lr 1 without clipping, whose first step is minus the gradient, saved with transformers' gradient of the
 same loss), run one after the other in the same ranks. A batch of 4 samples (one image of 6 placeholders, one of 4, text
 only, two images), each DP rank its half, micro-batches of 2 (each with its own images); the loss is normalised over the
@@ -14,6 +14,7 @@ bitwise like the first one (the vision tower is in the checkpoint and the optimi
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,16 @@ torch.set_num_threads(1)
 IMAGE, START, END = 200, 202, 203  # tests/support/tiny_vlm.py's ids
 PAD, T = 209, 6
 GRIDS = [[(1, 4, 6)], [(1, 4, 4)], [], [(1, 8, 2), (1, 2, 4)]]  # each sample's images
-PATCH = 3 * 2 * 8 * 8  # channels × temporal patch × patch²
 
 
-def fixed_batch() -> RolloutBatch:
+def patch_width(model_dir: str) -> int:
+    """channels × temporal patch × patch² of the checkpoint's tower (patch 8 and 16 in tests/support/tiny_vlm.py)."""
+    vision = json.loads((Path(model_dir) / "config.json").read_text())["vision_config"]
+    return 3 * 2 * int(vision["patch_size"]) ** 2
+
+
+def fixed_batch(model_dir: str) -> RolloutBatch:
+    patch = patch_width(model_dir)
     g = torch.Generator().manual_seed(7)
     prompts, metas = [], []
     for b, grids in enumerate(GRIDS):
@@ -48,7 +55,7 @@ def fixed_batch() -> RolloutBatch:
             ids += [START, *[IMAGE] * (t * h * w // 4), END, *torch.randint(0, 200, (2,), generator=g).tolist()]
         prompts.append(ids)
         patches = sum(t * h * w for t, h, w in grids)
-        metas.append(SampleMeta(images=ImageInputs(pixel_values=torch.randn(patches, PATCH, generator=g),
+        metas.append(SampleMeta(images=ImageInputs(pixel_values=torch.randn(patches, patch, generator=g),
                                                    image_grid_thw=torch.tensor(grids)) if grids else None))
     P = max(map(len, prompts))
     prompt_ids = torch.full((len(prompts), P), PAD)
@@ -102,14 +109,17 @@ def hf_gradients(model_dir: str, batch: RolloutBatch) -> dict[str, torch.Tensor]
     hf = hf_model(model_dir)
     nll = -torch.cat(hf_response_logprobs(hf, batch)).sum() / int(batch.response_mask.sum())
     nll.backward()
-    return {n.replace("model.visual.", "visual.").replace("model.language_model.", "model."): p.grad
+    legacy = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "qwen2_5_vl"  # visual.*
+    return {(n.replace("model.visual.", "visual.").replace("model.language_model.", "model.") if legacy else n): p.grad
             for n, p in hf.named_parameters() if p.grad is not None}
 
 
 def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
     sizes, frozen, sgd = name.split("-")[0], name.endswith("-frozen"), name.endswith("-sgd")
+    sizes, _, cp = sizes.partition("cp")
     tp, pp = (int(x) for x in sizes.removeprefix("tp").split("pp"))
-    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              context_parallel_size=int(cp or 1))
     init_parallel(parallel_config(megatron))
     seed_everything(1)
 
@@ -120,7 +130,7 @@ def run_layout(model_dir: str, out_dir: Path, name: str) -> None:
                               freeze_vision_tower=frozen)
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    full, micro = fixed_batch(), MicroBatching(micro_batch_size=2)
+    full, micro = fixed_batch(model_dir), MicroBatching(micro_batch_size=2)
     batch = full.index(list(range(dp_rank * len(full) // dp, (dp_rank + 1) * len(full) // dp)))
     policy = build()
     before, _ = policy.compute_log_probs(batch, batching=micro)
