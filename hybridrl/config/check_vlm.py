@@ -76,18 +76,16 @@ def _deepstack_problems(cfg: RLConfig, model: HFArch) -> list[tuple[str, Any, st
     """Qwen3-VL's DeepStack adds image features after decoder layers 0..k-1, on the stage that runs the tower (the
     first pipeline stage's first model chunk): a split that puts fewer layers there cannot run it."""
     k = model.vision.deepstack_layers if model.vision is not None else 0
-    out = []
-    for role in ("actor", "ref"):
-        m = getattr(cfg.actor_rollout_ref, role).megatron
-        first, last = stage_sizes(m.override_transformer_config)
-        split = PipelineSplit(num_layers=model.num_layers, pp=max(m.pipeline_model_parallel_size, 1),
-                              vpp=m.virtual_pipeline_model_parallel_size, first=first, last=last)
-        if split.problems():
-            continue  # reported as a pipeline-split problem
-        held = len(split.layers(0)[0])
-        if held < k:
-            out.append((f"{AOR}.{role}.megatron.override_transformer_config.{FIRST}", first,
-                        f"the first pipeline stage's first chunk holds {held} decoder layer(s), but this model's "
-                        f"DeepStack adds image features after layers 0..{k - 1} on the stage that runs the vision "
-                        f"tower: set it to at least {k} (or use fewer pipeline stages / chunks)"))
-    return out
+    m = cfg.actor_rollout_ref.actor.megatron  # the reference is built on the actor's stage split
+    first, last = stage_sizes(m.override_transformer_config)
+    split = PipelineSplit(num_layers=model.num_layers, pp=max(m.pipeline_model_parallel_size, 1),
+                          vpp=m.virtual_pipeline_model_parallel_size, first=first, last=last)
+    if not k or split.problems():  # a bad split is reported as such
+        return []
+    held = len(split.layers(0)[0])
+    if held >= k:
+        return []
+    return [(f"{AOR}.actor.megatron.override_transformer_config.{FIRST}", first,
+             f"the first pipeline stage's first chunk holds {held} decoder layer(s), but this model's DeepStack adds "
+             f"image features after layers 0..{k - 1} on the stage that runs the vision tower: set it to at least "
+             f"{k} (or use fewer pipeline stages / chunks)")]

@@ -51,6 +51,13 @@ REFUSED = {
     # TP4 × PP2 × EP2 on 8 GPUs: Megatron's expert grid (ETP = TP when unset, as verl leaves it) is 4 × 2 × 2 = 16
     # ranks; Megatron refuses it too (parallel_state: world size not divisible by ETP × EP × PP)
     "grpo_qwen3_30b_a3b_megatron": {f"{AOR}.actor.megatron.expert_model_parallel_size"},
+    # Qwen3-VL-8B at TP2 × PP2 × CP2 (DeepStack, interleaved M-RoPE, CP over padded rows): refused for its Megatron
+    # optimizer CPU-offload knobs (hybridrl's is megatron.optimizer_offload); without them, for DeepEP's flex
+    # dispatcher (override_transformer_config.moe_enable_deepep / moe_token_dispatcher_type, MoE settings on a dense
+    # model); without those too it validates (tests/vlm/test_vlm_plan.py)
+    "grpo_qwen3_vl_8b_megatron": {f"{AOR}.actor.optim.override_optimizer_config.{k}" for k in (
+        "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
+        "optimizer_cpu_offload")},
 }
 
 
@@ -76,7 +83,7 @@ def verl_checkout(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def model_config(script: Path) -> Path:
     """The architecture a script trains (Qwen2.5-7B for the 7B scripts)."""
-    for name, config in (("30b_a3b", "qwen3-30b-a3b"), ("qwen3_8b", "qwen3-8b")):
+    for name, config in (("30b_a3b", "qwen3-30b-a3b"), ("qwen3_vl_8b", "qwen3-vl-8b"), ("qwen3_8b", "qwen3-8b")):
         if name in script.stem:
             return MODELS / f"{config}.json"
     return QWEN7B

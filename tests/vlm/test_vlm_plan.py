@@ -15,6 +15,7 @@ from hybridrl.hf.vlm import vision_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 VL7B = str(REPO / "recipes" / "model_configs" / "qwen2.5-vl-7b.json")
+QWEN3_VL8B = str(REPO / "recipes" / "model_configs" / "qwen3-vl-8b.json")
 
 
 def _memory_line(out: str) -> str:
@@ -58,3 +59,18 @@ def test_what_does_not_take_images_is_refused_before_anything_is_built(tmp_path:
     assert code == 2 and "data.apply_chat_template=False" in err and "renders a prompt's image parts" in err
     assert main(["validate", "recipe=dpo_tiny", f"model.path={model}", "model.build_if_missing=null"]) == 2
     assert "DPO and the reward model do not take images yet" in capsys.readouterr().err
+
+
+def test_qwen3_vl_8b_plans_at_tp2_pp2_cp2_and_deepstack_needs_its_layers_on_the_first_stage(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-VL-8B's real config.json (transformers 4's layout: ``rope_scaling.mrope_interleaved``) on verl's layout
+    for it; a first stage of fewer layers than its three DeepStack layers is refused by key."""
+    assert main(["validate", "recipe=grpo_qwen3_vl_8b", "--model-config", QWEN3_VL8B]) == 0
+    out = capsys.readouterr().out
+    assert "actor   TP=2 PP=2 CP=2 DP=1" in out and "model   qwen3: 36 layers" in out and "config OK" in out
+    assert "vision  tower of 0.58 B parameters (27 blocks, hidden 1152, merge 2×2)" in out
+    assert float(re.search(r"train ([\d.]+) GB", _memory_line(out))[1]) < 80  # type: ignore[index]
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage"
+    assert main(["validate", "recipe=grpo_qwen3_vl_8b", "--model-config", QWEN3_VL8B, f"+{key}=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}=2" in err and "DeepStack adds image features after layers 0..2" in err and "at least 3" in err
