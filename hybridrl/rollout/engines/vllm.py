@@ -27,11 +27,12 @@ vLLM's own behaviour is in :mod:`hybridrl.rollout.engines.vllm_compat` (items re
   ``actor.router_replay.mode=R3``) the engine starts with vLLM's aux output and each finished sample carries the experts
   of every position it ran, its MoE layers in order (``Generation.routed_experts``). GPU only (item 13); written
   against vLLM 0.32's API and not yet run on a GPU here (``tests/gpu/test_router_replay_gpu.py``).
-- **Images.** A vision-language checkpoint (Qwen2.5-VL) generates with its prompts' images
-  (``generate(images=...)``): vLLM runs the checkpoint's processor on the decoded images and its own vision tower.
-  It expands each image's ``<|image_pad|>`` itself, so each run of placeholders is collapsed to one before the prompt
-  goes in, and the prompt vLLM ran is checked to be the trainer's (items 14, 15). A swap covers the vision tower
-  (``visual.*``) and drops the encoder cache (vision embeddings of the old weights) with the prefix cache.
+- **Images.** A vision-language checkpoint (Qwen2.5-VL, Qwen3-VL with its DeepStack features) generates with its
+  prompts' images (``generate(images=...)``): vLLM runs the checkpoint's processor on the decoded images and its own
+  vision tower. It expands each image's ``<|image_pad|>`` itself, so each run of placeholders is collapsed to one
+  before the prompt goes in, and the prompt vLLM ran is checked to be the trainer's (items 14, 15). A swap covers the
+  vision tower (the checkpoint's names: ``visual.*``; Qwen3-VL's ``model.visual.*``) and drops the encoder cache
+  (vision embeddings of the old weights) with the prefix cache.
 - **Processes.** The engine's processes never outlive the trainer: ``shutdown`` (idempotent), an ``atexit`` hook,
   SIGTERM/SIGINT, and a watcher process for a SIGKILLed trainer (item 5,
   :func:`hybridrl.rollout.engines.processes.start_reaper`) kill exactly the engine's processes.

@@ -1,12 +1,14 @@
-"""The ``vllm`` rollout engine on a Qwen2.5-VL checkpoint (issue 46): prompts with images, on vLLM's CPU build.
+"""The ``vllm`` rollout engine on Qwen2.5-VL and Qwen3-VL checkpoints (issue 46): prompts with images, on vLLM's CPU
+build.
 
-One engine on tiny VLM A (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`, untied LM head, head_dim 32) serves the
-file; transformers' own Qwen2.5-VL is the reference for the sampled tokens' log-probs, before and after a swap to VLM
-B (another seed: language model and vision tower). Items 14 and 15 of :mod:`hybridrl.rollout.engines.vllm_compat`
-and item 2's encoder cache are shown still needed here. Time: ~45 s in pytest, ~70 s with pytest's own start on the
-shared 2-core machine — over 60 s because the one engine start takes 25–35 s here (its EngineCore process imports
-vLLM, then builds the multimodal processor and profiles the vision tower), and the file imports vLLM and transformers'
-Qwen2.5-VL itself; the tests after it take ~2 s.
+For each family one engine on tiny VLM A (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`, untied LM head, head_dim
+32) serves the file's tests; transformers' own model is the reference for the sampled tokens' log-probs (Qwen3-VL's
+DeepStack features included), before and after a swap to VLM B (another seed: language model and vision tower) under
+the checkpoint's names. Items 14 and 15 of :mod:`hybridrl.rollout.engines.vllm_compat` and item 2's encoder cache are
+shown still needed here, for both families. Time: ~60 s in pytest (Qwen3-VL's engine ~27 s of it), ~85 s with
+pytest's own start on the shared 2-core machine — over 60 s because each engine start takes 20–35 s here (its
+EngineCore process imports vLLM, then builds the multimodal processor and profiles the vision tower), and the file
+imports vLLM and transformers' VLMs itself; the tests after each start take ~2 s.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 from vlm_prompts import Reference, encode_all, flipped, max_gap, tiny_vlm_pair
 
+from hybridrl.hf.vlm import checkpoint_vision
 from hybridrl.interfaces import SamplingParams
 from hybridrl.registry import Registry
 from hybridrl.vlm.inputs import ImageInputs
@@ -35,12 +38,13 @@ from hybridrl.rollout.engines.vllm import CONFIG_KEY, VLLMEngineError, VLLMRollo
 pytestmark = pytest.mark.vllm
 torch.set_num_threads(1)
 SPEC = dict(hidden=64, layers=2, heads=2, kv_heads=1, max_positions=256, tie=False)  # head_dim 32: vLLM's CPU min
-IMAGE_SIZES = [[(56, 84)], [(28, 56), (56, 56)], []]  # (h, w) of each prompt's images: 6; 2 + 4 placeholders; text
+# (h, w) of each prompt's images: 6; 2 + 4 placeholders; text (Qwen3-VL, patch 16: resized to 64 × 96, … — the same)
+IMAGE_SIZES = [[(56, 84)], [(28, 56), (56, 56)], []]
 
 
-@pytest.fixture(scope="module")
-def vlms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return tiny_vlm_pair(tmp_path_factory.mktemp("vllm_vlm"), **SPEC)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlms(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    return tiny_vlm_pair(tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param, **SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +83,17 @@ def test_samples_with_images_have_the_log_probs_of_transformers(engine: VLLMRoll
 
 def test_swap_to_another_vlm_gives_its_log_probs_in_place(engine: VLLMRolloutEngine, vlms: tuple[Path, Path],
                                                          prompts: Any) -> None:
-    """VLM B's tensors under their checkpoint names (``model.*``, ``lm_head.weight``, ``visual.*``), in buckets that
-    split the language model and the vision tower: the same prompts and images (their vision embeddings cached under
-    A) then score as B in transformers, and every parameter kept its storage."""
+    """VLM B's tensors under their checkpoint names (Qwen2.5-VL: ``model.*``, ``lm_head.weight``, ``visual.*``;
+    Qwen3-VL: ``model.language_model.*``, ``lm_head.weight``, ``model.visual.*``), in buckets that split the language
+    model and the vision tower: the same prompts and images (their vision embeddings cached under A) then score as B
+    in transformers, and every parameter kept its storage."""
     ids, images = prompts
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     engine.generate(ids, greedy, images=images)  # encoder outputs and prefix blocks cached under A
     storage = engine.storage()
     b = sorted(load_file(vlms[1] / "model.safetensors").items())
-    assert {n.split(".")[0] for n, _ in b} == {"lm_head", "model", "visual"}
+    tower = checkpoint_vision(vlms[1]).vision_prefix  # type: ignore[union-attr]
+    assert "lm_head.weight" in dict(b) and any(n.startswith(tower) for n, _ in b)
     third = len(b) // 3 + 1
     engine.update_weights(iter([b[:third], b[third:2 * third], b[2 * third:]]), version=3)
     gens = engine.generate(ids, greedy, images=images)
