@@ -22,11 +22,12 @@ and out, no tokenizer). Importing this module does not import sglang; starting t
   with the last bucket, which also sets the weight version every later sample reports. Names and
   shapes are checked against the checkpoint first (SGLang skips unknown names silently). Fixed cost
   on CPU: ~0.45 s per swap waiting for an idle scheduler (a cache flush, i.e. ``gc.collect()``).
-- **Images.** A vision-language checkpoint (Qwen2.5-VL) generates with its prompts' images (``generate(images=)``):
-  each request carries the trainer's own processor output (``image_data=[{"format": "processor_output",
-  "pixel_values", "image_grid_thw"}]``, all of a prompt's images in one item) beside its ids, whose
-  ``<|image_pad|>`` runs are already expanded. SGLang keeps those ids as they are and runs no processor of its own,
-  so the engine sees the pixels and placeholders the actor trains on. A swap covers the vision tower (``visual.*``);
+- **Images.** A vision-language checkpoint (Qwen2.5-VL, Qwen3-VL with its DeepStack features) generates with its
+  prompts' images (``generate(images=)``): each request carries the trainer's own processor output
+  (``image_data=[{"format": "processor_output", "pixel_values", "image_grid_thw"}]``, all of a prompt's images in one
+  item) beside its ids, whose ``<|image_pad|>`` runs are already expanded. SGLang keeps those ids as they are and runs
+  no processor of its own, so the engine sees the pixels and placeholders the actor trains on. A swap covers the
+  vision tower (the checkpoint's names: ``visual.*``; Qwen3-VL's ``model.visual.*``);
   SGLang's vision-embedding cache is off, as it outlives a swap (sglang_compat item 13). On CPU the engine also
   defines the kernel ops whose absence hides SGLang's Qwen-VL processor (item 12).
 - **Router replay (R3).** With ``engine_kwargs.return_routed_experts`` (set by the run when

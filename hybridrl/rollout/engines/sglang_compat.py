@@ -73,7 +73,7 @@ each is still needed (it fails once upstream changes the behaviour, so the item 
     build of ``sgl_kernel`` registers. So the Qwen-VL processor is skipped and a Qwen2.5-VL engine fails to start
     with "No processor registered for architecture: ['Qwen2_5_VLForConditionalGeneration']".
     :func:`define_missing_cpu_ops` defines those four ops in the trainer (where the tokenizer manager runs) as
-    schemas without a kernel: importing works, calling one raises. Qwen2.5-VL calls none of them.
+    schemas without a kernel: importing works, calling one raises. Qwen2.5-VL and Qwen3-VL call none of them.
 13. **Vision embeddings outlive a weight swap.** The scheduler keeps each image's vision-tower output in a static
     cache keyed by the image's hash (``mm_schedule.embedding_cache``, ``SGLANG_VLM_CACHE_SIZE_MB``, default 100);
     ``Scheduler.flush_cache`` (the flush that comes with a weight update) resets the KV and prefix caches but not

@@ -1,12 +1,14 @@
-"""The ``sglang`` rollout engine on a Qwen2.5-VL checkpoint (issue 46): prompts with images, on SGLang's CPU build.
+"""The ``sglang`` rollout engine on Qwen2.5-VL and Qwen3-VL checkpoints (issue 46): prompts with images, on SGLang's
+CPU build.
 
-One engine on tiny VLM A (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`, untied LM head) serves the file;
-transformers' own Qwen2.5-VL is the reference for the sampled tokens' log-probs, before and after a swap to VLM B
-(another seed: language model and vision tower). Items 12 and 13 of :mod:`hybridrl.rollout.engines.sglang_compat`
-are shown still needed here. Time: ~60 s in pytest, ~75 s with pytest's start on the shared 2-core machine — over 60 s
-because the engine start takes 20–35 s (SGLang's scheduler process imports SGLang and loads the model) and item 12's
-test imports SGLang's Qwen-VL processor in a fresh process (10–27 s): only a process that never defined the ops shows
-the failure.
+For each family one engine on tiny VLM A (:func:`hybridrl.models.tiny_vlm.make_tiny_vlm`, untied LM head) serves the
+file's tests; transformers' own model is the reference for the sampled tokens' log-probs (Qwen3-VL's DeepStack
+features included), before and after a swap to VLM B (another seed: language model and vision tower) under the
+checkpoint's names. Items 12 and 13 of :mod:`hybridrl.rollout.engines.sglang_compat` are shown still needed here.
+Time: ~70 s in pytest (Qwen3-VL's engine ~14 s of it), ~80 s with pytest's start on the shared 2-core machine — over
+60 s because the first engine start takes 20–35 s (SGLang's scheduler process imports SGLang and loads the model; the
+second ~10 s), its first generate ~15 s, and item 12's test imports SGLang's Qwen-VL processor in a fresh process
+(10–27 s): only a process that never defined the ops shows the failure.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from safetensors.torch import load_file
 from sglang_probes import SERVER_ARGS, parameter_storage
 from vlm_prompts import Reference, encode_all, flipped, max_gap, tiny_vlm_pair
 
+from hybridrl.hf.vlm import checkpoint_vision
 from hybridrl.interfaces import SamplingParams
 from hybridrl.registry import Registry
 from hybridrl.vlm.inputs import ImageInputs
@@ -39,12 +42,13 @@ from hybridrl.rollout.engines.sglang import CONFIG_KEY, SGLangEngineError, SGLan
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
 SPEC = dict(hidden=64, layers=2, heads=4, kv_heads=2, max_positions=256, tie=False)
-IMAGE_SIZES = [[(56, 84)], [(28, 56), (56, 56)], []]  # (h, w) of each prompt's images: 6; 2 + 4 placeholders; text
+# (h, w) of each prompt's images: 6; 2 + 4 placeholders; text (Qwen3-VL, patch 16: resized to 64 × 96, … — the same)
+IMAGE_SIZES = [[(56, 84)], [(28, 56), (56, 56)], []]
 
 
-@pytest.fixture(scope="module")
-def vlms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return tiny_vlm_pair(tmp_path_factory.mktemp("sglang_vlm"), **SPEC)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlms(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    return tiny_vlm_pair(tmp_path_factory.mktemp(f"sglang_{request.param}"), request.param, **SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,9 @@ def test_samples_with_images_have_the_log_probs_of_transformers(engine: SGLangRo
 
 def test_swap_to_another_vlm_gives_its_log_probs(engine: SGLangRolloutEngine, vlms: tuple[Path, Path],
                                                  prompts: Any) -> None:
-    """VLM B's tensors under their checkpoint names (``model.*``, ``lm_head.weight``, ``visual.*``), in buckets that
-    split the language model and the vision tower: the same prompts and images (seen under A before) then score as
+    """VLM B's tensors under their checkpoint names (Qwen2.5-VL: ``model.*``, ``lm_head.weight``, ``visual.*``;
+    Qwen3-VL: ``model.language_model.*``, ``lm_head.weight``, ``model.visual.*``), in buckets that split the language
+    model and the vision tower: the same prompts and images (seen under A before) then score as
     B in transformers — the vision tower was loaded and no embedding of A's tower was reused (item 13) — and every
     parameter kept its storage."""
     ids, images = prompts
@@ -86,7 +91,8 @@ def test_swap_to_another_vlm_gives_its_log_probs(engine: SGLangRolloutEngine, vl
     storage = parameter_storage(engine)
     assert any(n.startswith("visual.") for n in storage)
     b = sorted(load_file(vlms[1] / "model.safetensors").items())
-    assert {n.split(".")[0] for n, _ in b} == {"lm_head", "model", "visual"}
+    tower = checkpoint_vision(vlms[1]).vision_prefix  # type: ignore[union-attr]
+    assert "lm_head.weight" in dict(b) and any(n.startswith(tower) for n, _ in b)
     third = len(b) // 3 + 1
     engine.update_weights(iter([b[:third], b[third:2 * third], b[2 * third:]]), version=3)
     gens = engine.generate(ids, greedy, images=images)
