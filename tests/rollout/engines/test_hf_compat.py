@@ -108,3 +108,22 @@ def test_item3_transformers_renames_a_vlms_parameters(tmp_path: Path) -> None:
     saved = revert_weight_conversion(model, params)
     assert all(saved[n] is t for n, t in names.items())
     assert vlm_checkpoint_names(params, "qwen2") == {}
+
+
+def test_item3_qwen3_vl_needs_no_renaming(tmp_path: Path) -> None:
+    """Qwen3-VL's checkpoint names are transformers' own parameter names (``model.language_model.*``,
+    ``model.visual.*``, ``lm_head.weight``): :func:`vlm_checkpoint_names` adds none, and every checkpoint tensor is a
+    parameter by its name (item 3 is Qwen2.5-VL's alone)."""
+    from transformers import AutoModelForImageTextToText
+
+    from hybridrl.models.tiny_vlm import TinyVisionSpec, make_tiny_vlm
+    from hybridrl.rollout.engines.hf_compat import vlm_checkpoint_names
+    from hybridrl.vlm.sglang_compat import transformers_rope_rules
+
+    path = make_tiny_vlm(tmp_path / "vlm", text=TinyModelSpec(hidden=32, layers=1, heads=2, kv_heads=1, tie=False),
+                         vision=TinyVisionSpec(depth=1, hidden=16, heads=1), family="qwen3_vl")
+    with transformers_rope_rules():
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    assert set(load_file(path / "model.safetensors")) == set(params)
+    assert vlm_checkpoint_names(params, "qwen3_vl") == {}
