@@ -9,7 +9,7 @@ tokenizer, ``tiny_bpe`` the same with a byte-level BPE tokenizer trained here on
 text (:mod:`hybridrl.models.bpe_tokenizer`), ``tiny_moe`` a random tiny Qwen3-MoE with the char tokenizer
 (``grpo_moe_tiny``'s), ``tiny_deepseek_v3`` a random tiny DeepSeek-V3 with it (``grpo_deepseek_v3_tiny``'s),
 ``tiny_vlm`` a random tiny Qwen2.5-VL with its processor (``grpo_vlm_tiny``'s; ``data.build_if_missing: dots`` its
-image task), and
+image task), ``tiny_qwen3_vl`` a random tiny Qwen3-VL of the same sizes, and
 ``sft:<recipe>`` runs that SFT recipe with
 ``trainer.save_path`` set to the model path. It builds only inside the hybridrl cache
 (``$HYBRIDRL_CACHE_DIR``, default ``~/.cache/hybridrl``), where the tiny recipes point: a path elsewhere
@@ -79,7 +79,8 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 DATA_KINDS = ("arithmetic", "arithmetic_preference", "gsm8k_tiny", "products", "arithmetic_tool_sft", "dots")
 # each random start model's make_tiny_model arguments (tiny_bpe: TINY_MODEL's, with a BPE tokenizer trained here)
 RANDOM_MODELS = {"tiny": TINY_MODEL, "tiny_bpe": TINY_MODEL, "tiny_moe": TINY_MOE_MODEL,
-                 "tiny_deepseek_v3": TINY_DEEPSEEK_V3_MODEL, "tiny_vlm": TINY_VLM_MODEL}
+                 "tiny_deepseek_v3": TINY_DEEPSEEK_V3_MODEL, "tiny_vlm": TINY_VLM_MODEL,
+                 "tiny_qwen3_vl": TINY_VLM_MODEL}
 MODEL_KINDS = (*RANDOM_MODELS, "sft:<recipe>")
 
 
@@ -271,10 +272,11 @@ def ensure_model(kind: str | None, path: str, *, key: str = "actor_rollout_ref.m
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             if kind == "tiny_bpe":
                 make_tiny_bpe_model(tmp)
-            elif kind == "tiny_vlm":
+            elif kind in ("tiny_vlm", "tiny_qwen3_vl"):
                 from hybridrl.models.tiny_vlm import make_tiny_vlm
 
-                make_tiny_vlm(tmp, text=TinyModelSpec(**TINY_VLM_MODEL))  # type: ignore[arg-type]
+                make_tiny_vlm(tmp, text=TinyModelSpec(**TINY_VLM_MODEL),  # type: ignore[arg-type]
+                              family="qwen3_vl" if kind == "tiny_qwen3_vl" else "qwen2_5_vl")
             else:
                 make_tiny_model(tmp, **spec)  # type: ignore[arg-type]
             tmp.rename(out)
@@ -321,7 +323,8 @@ def _sft_build_key(recipe: str) -> str:
     extra = "".join(f"\n{settings}" for kind, settings in (("gsm8k_tiny", GSM8K_TINY), ("tiny_bpe", TINY_BPE),
                                                             ("tiny_moe", TINY_MOE_MODEL),
                                                             ("tiny_deepseek_v3", TINY_DEEPSEEK_V3_MODEL),
-                                                            ("tiny_vlm", TINY_VLM_MODEL), ("dots", DOTS))
+                                                            ("tiny_vlm", TINY_VLM_MODEL),
+                                                            ("tiny_qwen3_vl", TINY_VLM_MODEL), ("dots", DOTS))
                     if kind in text)
     if "arithmetic_tool_sft" in text:  # the transcripts' layout is part of the warm start
         extra += "\n" + inspect.getsource(importlib.import_module("hybridrl.data.tool_arithmetic"))

@@ -3,6 +3,7 @@ and generate on them, and the checkpoint, processor and CLI round-trip through `
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +145,33 @@ def test_cli_writes_a_vlm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "lm_head.weight" in load_file(out / "model.safetensors")
     with pytest.raises(SystemExit, match="not an MoE family"):
         cli_main(["make-tiny-model", str(tmp_path / "moe"), "--arch", "qwen2_5_vl", "--moe", "num_experts=4"])
+
+
+def test_the_tiny_qwen3_vl_from_the_cli_and_the_bootstrap(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--arch qwen3_vl``: Qwen3-VL's layout at the tiny sizes (a Qwen3 language model, interleaved M-RoPE over
+    Qwen3-VL's 6:5:5 split, patch 16, a DeepStack merger per block but the last), whose processor expands a 64 × 64
+    image to 4 tokens and which generates on it; ``model.build_if_missing: tiny_qwen3_vl`` builds the same model."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from hybridrl.bootstrap import TINY_VLM_MODEL, ensure_model
+
+    out = tmp_path / "cli"
+    assert cli_main(["make-tiny-model", str(out), "--arch", "qwen3_vl", "--seed", "3"]) == 0
+    assert "qwen3_vl" in capsys.readouterr().out
+    model = Qwen3VLForConditionalGeneration.from_pretrained(out).eval()
+    text, vision = model.config.text_config, model.config.vision_config
+    assert (text.head_dim, text.rope_parameters["mrope_section"], text.rope_parameters["mrope_interleaved"]) == \
+        (32, [6, 5, 5], True)
+    assert (vision.patch_size, list(vision.deepstack_visual_indexes)) == (16, [0])
+    processor = AutoProcessor.from_pretrained(out)
+    inputs = encode(processor, [image(64, 64)])
+    assert inputs["input_ids"][0].tolist().count(processor.image_token_id) == 4
+    assert inputs["pixel_values"].shape == (16, 3 * 2 * 16 * 16)
+    assert model.generate(**inputs, max_new_tokens=3, do_sample=False).shape[1] == inputs["input_ids"].shape[1] + 3
+    monkeypatch.setenv("HYBRIDRL_CACHE_DIR", str(tmp_path / "cache"))
+    built = tmp_path / "cache" / "tiny" / "random-qwen3-vl"
+    ensure_model("tiny_qwen3_vl", str(built))
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl"
+    assert config["text_config"]["hidden_size"] == TINY_VLM_MODEL.get("hidden", 128)

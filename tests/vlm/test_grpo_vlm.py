@@ -1,4 +1,5 @@
-"""GRPO on images end to end (``grpo_vlm_tiny``'s path on a small random Qwen2.5-VL): the dots task's images reach
+"""GRPO on images end to end (``grpo_vlm_tiny``'s path on a small random Qwen2.5-VL and Qwen3-VL): the dots task's
+images reach
 the ``hf`` engine and the actor's vision tower, the tower trains and its weights reach the engine in place (the
 engine's and the actor's log-probs stay equal after every update), and a VLM run's settings that do not carry images
 yet are refused before anything is built, each naming its key."""
@@ -22,9 +23,11 @@ from hybridrl.models.tiny_vlm import make_tiny_vlm
 def vlm_task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("grpo_vlm")
     # head_dim 32: the smallest vLLM's CPU attention takes
-    model = make_tiny_vlm(tmp / "model", text=TinyModelSpec(hidden=64, layers=2, heads=2, kv_heads=2, seed=4))
+    text = TinyModelSpec(hidden=64, layers=2, heads=2, kv_heads=2, seed=4)
+    model = make_tiny_vlm(tmp / "model", text=text)
+    qwen3 = make_tiny_vlm(tmp / "qwen3", text=text, family="qwen3_vl")  # DeepStack after layer 0
     data = write_dots_splits(tmp / "dots", DotsTaskConfig(num_train=32, num_test=16, seed=3))
-    return {"model": model, **data}
+    return {"model": model, "qwen3_vl": qwen3, **data}
 
 
 def _overrides(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -43,16 +46,19 @@ def _overrides(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
 # against transformers and its in-place swap under the checkpoint names this stream sends (the tower's included); the
 # rollout's way of handing images to an engine is the same for every engine. The CI budget keeps one engine here (a
 # vllm run of this test: 45 s, engine/actor ≤ 1e-5 after the tower moved, measured Dec 7 2026)
-@pytest.mark.parametrize("engine", ["hf"])
+@pytest.mark.parametrize(("engine", "family"), [("hf", "qwen2_5_vl"), ("hf", "qwen3_vl")])
 def test_grpo_on_images_keeps_engine_and_actor_equal(torchrun, vlm_task: dict[str, Path], tmp_path: Path,
-                                                     engine: str) -> None:
+                                                     engine: str, family: str) -> None:
     """Two steps of 2 optimizer steps at lr 1e-2 with an entropy bonus (a gradient whatever the rewards of a random
     model: the tower moves): the engine's log-probs of its own samples equal the actor's at step 2 too, which they
-    would not if the tower's new weights missed the engine. hf ~15 s; vllm ~50 s (its engine start)."""
+    would not if the tower's new weights missed the engine (Qwen3-VL: its DeepStack mergers' too). hf ~15 s; vllm
+    ~50 s (its engine start)."""
     out = tmp_path / "run"
     # verl's geo3k scripts' vLLM key: vLLM starts with mm_processor_cache_gb=0
     verl_key = ["actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"] * (engine == "vllm")
-    torchrun([TRAIN, *_overrides(vlm_task, out, f"actor_rollout_ref.rollout.name={engine}", *verl_key)], nproc=1)
+    model = [f"actor_rollout_ref.model.path={vlm_task['qwen3_vl']}"] if family == "qwen3_vl" else []
+    torchrun([TRAIN, *_overrides(vlm_task, out, f"actor_rollout_ref.rollout.name={engine}", *verl_key, *model)],
+             nproc=1)
     rows = [r for r in read_metrics(out) if "rollout/logprob_abs_diff" in r]
     assert len(rows) == 2 and rows[0]["actor/grad_norm"] > 0
     for r in rows:
@@ -63,14 +69,13 @@ def test_grpo_on_images_keeps_engine_and_actor_equal(torchrun, vlm_task: dict[st
 
 def test_settings_without_images_are_refused_by_key(vlm_task: dict[str, Path], tmp_path: Path) -> None:
     cfg = compose_config(_overrides(
-        vlm_task, tmp_path, "actor_rollout_ref.actor.megatron.context_parallel_size=2",
-        "actor_rollout_ref.model.lora_rank=4",
+        vlm_task, tmp_path, "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.rollout.multi_turn.enable=true", "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.use_prefix_grouper=true", "trainer.n_gpus_per_node=4"))
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     text = str(e.value)
-    for key in ("actor_rollout_ref.actor.megatron.context_parallel_size", "actor_rollout_ref.model.lora_rank",
+    for key in ("actor_rollout_ref.model.lora_rank",
                 "actor_rollout_ref.rollout.multi_turn.enable",
                 "critic.enable", "actor_rollout_ref.actor.use_prefix_grouper"):
         assert key in text and "not with a vision-language model yet" in text, key
