@@ -36,6 +36,7 @@ The model is built without initialising weights (``perform_initialization=False`
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,7 +127,9 @@ def transformer_config(arch: HFArch, parallel: ParallelConfig, *, dtype: str = "
     :data:`~hybridrl.megatron.transformer_overrides.DTYPES`); ``overrides`` (``override_transformer_config``)
     are set verbatim once :func:`~hybridrl.megatron.transformer_overrides.megatron_config_problems` accepts them."""
     overrides = dict(overrides or {})
-    if problems := megatron_config_problems(dtype, overrides, key="megatron"):
+    if problems := megatron_config_problems(dtype, overrides, key="megatron", moe=arch.moe is not None,
+                                            device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                            deep_ep=importlib.util.find_spec("deep_ep") is not None):
         raise ValueError("; ".join(f"{key}={value!r}: {message}" for key, value, message in problems))
     _check_supported(arch, parallel, overrides)
     params_dtype = TORCH_DTYPES[dtype]
@@ -195,7 +198,8 @@ def moe_config_kwargs(arch: HFArch, overrides: Mapping[str, Any] | None = None) 
     (``override_transformer_config``) set their weights (the RL default: off, as the peers run it; a
     ``moe_aux_loss_coeff`` > 0 turns on Megatron's ``aux_loss`` unless ``moe_router_load_balancing_type`` says
     which), the experts as one MLP each (``SequentialMLP``); the all-gather token dispatcher on CPU (the
-    all-to-all one makes CUDA streams at build), the all-to-all one on GPU."""
+    all-to-all one makes CUDA streams at build), the all-to-all one on GPU, unless ``overrides`` name one
+    (``moe_token_dispatcher_type``, set over these by :func:`transformer_config`)."""
     moe = arch.moe
     if moe is None:
         return {}

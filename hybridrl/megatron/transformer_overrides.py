@@ -5,8 +5,8 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 - ``dtype`` (:data:`DTYPES`): parameters and compute in that dtype, through Megatron's own mixed precision
   (``bf16``/``fp16`` + ``params_dtype``, ``Float16Module``, fp32 main weights and grads in the optimizer);
 - ``override_transformer_config`` (verl's key): TransformerConfig fields set verbatim. Only the keys of
-  :data:`OVERRIDES` (activation recompute, an MoE model's router losses and router dtype, uneven
-  end pipeline stages) and :data:`FUSIONS`
+  :data:`OVERRIDES` (activation recompute, an MoE model's router losses, router dtype and token dispatcher,
+  uneven end pipeline stages) and :data:`FUSIONS`
   (kernel fusions) are accepted, and those of :data:`NOT_PASSED` (accepted, with a note, and not handed to
   Megatron); hybridrl itself
   sets the layout, the dtype and the architecture (:data:`OWNED_ELSEWHERE` says where to set those instead).
@@ -15,7 +15,9 @@ Two keys of ``MegatronConfig`` reach the TransformerConfig:
 model builder (:func:`hybridrl.megatron.model.transformer_config`) raises them, so a config that passes
 validation builds. The rules are Megatron 0.16.1's (``TransformerConfig.__post_init__``), plus errors for
 settings Megatron would silently ignore (a recompute method or module list without the granularity it
-belongs to).
+belongs to) and for an MoE dispatcher the device cannot run (alltoall and flex need CUDA, flex DeepEP).
+:func:`megatron_config_notes` says what the plan should note: the dispatcher's settings do nothing on a dense model
+(verl's Qwen3-VL-8B script sets DeepEP's), and so are passed as they are.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 MOE_LOSS_COEFFS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate")
 MOE_ROUTER_DTYPES = ("fp32", "fp64")  # Megatron's moe_router_dtype (null: the model's dtype)
+# Megatron's token dispatchers of an MoE layer (null: hybridrl's choice, hybridrl.megatron.model.moe_config_kwargs:
+# alltoall on CUDA, allgather on CPU). alltoall makes CUDA streams when it is built; flex runs DeepEP's kernels
+# (its backend, 0.16.1's default moe_flex_dispatcher_backend=deepep): both CUDA only, flex with the deep_ep package
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
+MOE_DISPATCH = ("moe_token_dispatcher_type", "moe_enable_deepep")  # do nothing on a dense model
 
 OVERRIDES = {
     "recompute_granularity": f"null | {' | '.join(RECOMPUTE_GRANULARITIES)}: full recomputes whole layers in the "
@@ -61,6 +68,11 @@ OVERRIDES = {
     "moe_router_bias_update_rate": "a number ≥ 0: aux-loss-free balancing of a sigmoid router with an expert bias "
                                    "(GLM-4.5, DeepSeek-V3): after each optimizer step each expert's bias moves by "
                                    "this × sign(mean load − its load) (0, the default: the checkpoint's bias)",
+    "moe_token_dispatcher_type": f"null | {' | '.join(MOE_DISPATCHERS)}: how an MoE layer sends tokens to its "
+                                 "experts' ranks (null: alltoall on CUDA, allgather on CPU; alltoall and flex: CUDA "
+                                 "only; flex: DeepEP, the deep_ep package); no effect on a dense model",
+    "moe_enable_deepep": "true | false: flex's DeepEP backend (Megatron's older switch; with "
+                         "moe_token_dispatcher_type=flex only); no effect on a dense model",
     FIRST: "null | an integer ≥ 1: the first pipeline stage holds this many layers, the stages after it share the "
            "rest equally (a model whose layers PP does not divide: DeepSeek-V3's 61; hybridrl.megatron.stages)",
     LAST: f"null | an integer ≥ 1: the last pipeline stage holds this many layers (as {FIRST})",
@@ -92,9 +104,12 @@ OWNED_ELSEWHERE = {
 }
 
 
-def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: str) -> list[Problem]:
+def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: str, moe: bool | None = None,
+                             device_type: str | None = None, deep_ep: bool | None = None) -> list[Problem]:
     """Problems of ``<key>.dtype`` and ``<key>.override_transformer_config`` (``key``: the MegatronConfig's
-    config path, e.g. ``actor_rollout_ref.actor.megatron``); empty when both are valid."""
+    config path, e.g. ``actor_rollout_ref.actor.megatron``); empty when both are valid. The MoE dispatcher's rules
+    need to know the model (``moe``: whether it has MoE layers), the device (cpu | cuda) and whether ``deep_ep``
+    imports where the run builds; None skips the rules that need it (a plan for another machine: deep_ep None)."""
     problems: list[Problem] = []
     if dtype not in DTYPES:
         problems.append((f"{key}.dtype", dtype, f"valid: {', '.join(DTYPES)}"))
@@ -125,6 +140,7 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
     if balancing is not None and balancing not in LOAD_BALANCING_TYPES:
         problems.append((f"{okey}.moe_router_load_balancing_type", balancing,
                          f"valid: {', '.join(LOAD_BALANCING_TYPES)}"))
+    problems += _dispatcher_problems(overrides, okey=okey, moe=moe, device_type=device_type, deep_ep=deep_ep)
     granularity = overrides.get("recompute_granularity")
     method = overrides.get("recompute_method")
     num_layers = overrides.get("recompute_num_layers")
@@ -154,3 +170,44 @@ def megatron_config_problems(dtype: str, overrides: Mapping[str, Any], *, key: s
         problems.append((f"{okey}.recompute_modules", modules, "only with recompute_granularity=selective "
                                                              f"(got recompute_granularity={granularity}); remove it"))
     return problems
+
+
+def _dispatcher_problems(overrides: Mapping[str, Any], *, okey: str, moe: bool | None, device_type: str | None,
+                         deep_ep: bool | None) -> list[Problem]:
+    """An MoE layer's token dispatcher: Megatron's values and its DeepEP rule (which it checks on any model), then,
+    on an MoE model, what the device and the installed packages can run."""
+    problems: list[Problem] = []
+    dispatcher, deepep = overrides.get("moe_token_dispatcher_type"), overrides.get("moe_enable_deepep")
+    if dispatcher is not None and dispatcher not in MOE_DISPATCHERS:
+        problems.append((f"{okey}.moe_token_dispatcher_type", dispatcher, f"valid: null, {', '.join(MOE_DISPATCHERS)}"))
+    if deepep is not None and not isinstance(deepep, bool):
+        problems.append((f"{okey}.moe_enable_deepep", deepep, "true or false"))
+    if deepep is True and dispatcher != "flex":  # TransformerConfig.__post_init__ raises
+        problems.append((f"{okey}.moe_enable_deepep", True, "DeepEP runs under the flex dispatcher only: set "
+                                                            "moe_token_dispatcher_type=flex, or this false"))
+    if not moe:
+        return problems
+    if device_type == "cpu" and dispatcher in ("alltoall", "flex"):
+        problems.append((f"{okey}.moe_token_dispatcher_type", dispatcher,
+                         "needs CUDA (" + ("DeepEP's kernels" if dispatcher == "flex" else "it makes CUDA streams "
+                                                                                         "when it is built")
+                         + "); on trainer.device=cpu: allgather or null"))
+    elif device_type == "cuda" and dispatcher == "flex" and deep_ep is False:
+        problems.append((f"{okey}.moe_token_dispatcher_type", "flex",
+                         "needs DeepEP (the deep_ep package), which does not import here: install it, or use "
+                         "alltoall or null"))
+    return problems
+
+
+def megatron_config_notes(overrides: Mapping[str, Any], *, key: str, moe: bool | None,
+                          deep_ep: bool | None) -> list[str]:
+    """What the plan says of ``<key>.override_transformer_config``: the dispatcher's settings on a dense model do
+    nothing (one note); flex on an MoE model planned for another machine needs deep_ep there (not checked here)."""
+    okey = f"{key}.override_transformer_config"
+    set_ = [f"{k}={overrides[k]}" for k in MOE_DISPATCH if k in overrides]
+    if set_ and moe is False:
+        return [f"{okey}: {', '.join(set_)} do nothing: the model is dense (no MoE layer to dispatch tokens to)"]
+    if moe and overrides.get("moe_token_dispatcher_type") == "flex" and deep_ep is None:
+        return [f"{okey}.moe_token_dispatcher_type=flex: the GPU machines need DeepEP (the deep_ep package); not "
+                "checked while planning"]
+    return []

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hybridrl.megatron.transformer_overrides import megatron_config_problems
+from hybridrl.megatron.transformer_overrides import megatron_config_notes, megatron_config_problems
 from hybridrl.models.tiny import make_tiny_model
 
 KEY = "actor_rollout_ref.actor.megatron"
@@ -24,6 +25,8 @@ VALID: list[dict[str, Any]] = [
     {"recompute_granularity": None},
     {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001},  # verl's MoE scripts' router losses
     {"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "seq_aux_loss", "moe_z_loss_coeff": None},
+    {"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True},  # verl's, on a dense model: nothing to dispatch
+    {"moe_token_dispatcher_type": "allgather", "moe_enable_deepep": False},
 ]
 INVALID: list[tuple[dict[str, Any], list[str]]] = [  # overrides, the keys of their problems
     ({"recompute_granularity": "full"}, [f"{OVR}.recompute_method", f"{OVR}.recompute_num_layers"]),
@@ -42,6 +45,9 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [  # overrides, the keys of th
     ({"moe_aux_loss_coeff": -0.1, "moe_z_loss_coeff": "1e-3"},
      [f"{OVR}.moe_aux_loss_coeff", f"{OVR}.moe_z_loss_coeff"]),
     ({"moe_router_load_balancing_type": "sinkhorn"}, [f"{OVR}.moe_router_load_balancing_type"]),
+    ({"moe_token_dispatcher_type": "all2all"}, [f"{OVR}.moe_token_dispatcher_type"]),
+    ({"moe_enable_deepep": True}, [f"{OVR}.moe_enable_deepep"]),  # Megatron: DeepEP under flex only, any model
+    ({"moe_enable_deepep": "yes", "moe_token_dispatcher_type": "flex"}, [f"{OVR}.moe_enable_deepep"]),
 ]
 
 
@@ -66,6 +72,42 @@ def test_unknown_dtype_lists_the_valid_ones() -> None:
 def test_owned_keys_say_where_to_set_them() -> None:
     (problem,) = megatron_config_problems("float32", {"params_dtype": "bfloat16"}, key=KEY)
     assert problem == (f"{OVR}.params_dtype", "bfloat16", "set by megatron.dtype, not here")
+
+
+def test_an_moe_models_dispatcher_must_run_on_the_device_and_a_dense_models_is_a_note() -> None:
+    flex = {"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True}
+    for dispatcher in ("alltoall", "flex"):
+        ((key, value, message),) = megatron_config_problems("float32", {"moe_token_dispatcher_type": dispatcher},
+                                                            key=KEY, moe=True, device_type="cpu", deep_ep=False)
+        assert (key, value) == (f"{OVR}.moe_token_dispatcher_type", dispatcher) and "needs CUDA" in message
+    ((key, _, message),) = megatron_config_problems("bfloat16", flex, key=KEY, moe=True, device_type="cuda",
+                                                    deep_ep=False)
+    assert key == f"{OVR}.moe_token_dispatcher_type" and "deep_ep" in message
+    for moe, device in ((False, "cpu"), (True, "cuda")):  # a dense model; a plan for GPUs (deep_ep not known)
+        assert megatron_config_problems("bfloat16", flex, key=KEY, moe=moe, device_type=device, deep_ep=None) == []
+    assert megatron_config_problems("float32", {"moe_token_dispatcher_type": "allgather"}, key=KEY, moe=True,
+                                    device_type="cpu", deep_ep=False) == []
+    (dense,) = megatron_config_notes(flex, key=KEY, moe=False, deep_ep=None)
+    assert dense == (f"{OVR}: moe_token_dispatcher_type=flex, moe_enable_deepep=True do nothing: the model is dense "
+                     "(no MoE layer to dispatch tokens to)")
+    (planned,) = megatron_config_notes(flex, key=KEY, moe=True, deep_ep=None)
+    assert "deep_ep" in planned
+    assert megatron_config_notes(flex, key=KEY, moe=True, deep_ep=True) == []
+    assert megatron_config_notes({}, key=KEY, moe=False, deep_ep=None) == []
+
+
+def test_an_moe_model_is_built_with_the_configured_dispatcher(tmp_path: Path) -> None:
+    from hybridrl.hf.arch import HFArch
+    from hybridrl.megatron.model import transformer_config
+    from hybridrl.megatron.parallel import ParallelConfig
+
+    moe = HFArch.from_hf(make_tiny_model(tmp_path / "moe", arch="qwen3_moe", layers=2, moe=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)))
+    config = transformer_config(moe, ParallelConfig(), overrides={"moe_token_dispatcher_type": "allgather"})
+    assert config.moe_token_dispatcher_type == "allgather"
+    with pytest.raises(ValueError, match="megatron.override_transformer_config.moe_token_dispatcher_type='alltoall': "
+                                         "needs CUDA"):
+        transformer_config(moe, ParallelConfig(), overrides={"moe_token_dispatcher_type": "alltoall"})
 
 
 def test_rules_import_neither_torch_nor_megatron() -> None:
