@@ -13,6 +13,7 @@ from hybridrl.config.plan import AOR, Plan, device_memory_gb
 from hybridrl.config.schema import ModelConfig, RLConfig
 from hybridrl.hf.arch import HFArch, inspect_model_dir
 from hybridrl.megatron.config import LR_DECAY_STYLES, OPTIMIZERS, MegatronConfig, OptimConfig, layout_problems
+from hybridrl.megatron.optimizer_overrides import optimizer_config_notes, optimizer_config_problems
 from hybridrl.megatron.stages import stage_sizes
 
 
@@ -73,8 +74,16 @@ def check_layout(key: str, m: MegatronConfig, world: int, model: HFArch | None, 
 
 
 def check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: Issues, *,
-                 optimizer_steps: int | None) -> None:
-    """``optimizer_steps``: the run's (None: not known yet, the warmup is checked once it is)."""
+                 optimizer_steps: int | None, megatron_key: str, device_type: str | None,
+                 planning: bool = False) -> list[str]:
+    """``optimizer_steps``: the run's (None: not known yet, the warmup is checked once it is); ``megatron_key``: the
+    Megatron block ``m`` is; ``device_type``: cpu | cuda (None: not known); ``planning``: for another machine, whose
+    Transformer Engine is not this one's. Returns the notes of ``override_optimizer_config``."""
+    te = None if planning else importlib.util.find_spec("transformer_engine") is not None
+    for k, value, message in optimizer_config_problems(
+            o.optimizer, o.override_optimizer_config, key=key, megatron_key=megatron_key,
+            distributed_optimizer=m.use_distributed_optimizer, device_type=device_type, transformer_engine=te):
+        issues.add(k, value, message)
     if o.lr_warmup_steps < 0 or (o.lr_warmup_steps and optimizer_steps is not None
                                  and o.lr_warmup_steps >= optimizer_steps):
         issues.add(f"{key}.lr_warmup_steps", o.lr_warmup_steps,
@@ -91,6 +100,7 @@ def check_optim(key: str, o: OptimConfig, m: MegatronConfig, issues: Issues, *,
         issues.add(f"{key}.optimizer", o.optimizer,
                    "Megatron's distributed optimizer supports adam only "
                    "(or set megatron.use_distributed_optimizer=false)")
+    return optimizer_config_notes(o.override_optimizer_config, key=key)
 
 
 def check_lengths(prompt: int, response: int, model: HFArch | None, issues: Issues) -> None:
@@ -104,16 +114,18 @@ def check_lengths(prompt: int, response: int, model: HFArch | None, issues: Issu
 
 
 def check_critic(cfg: RLConfig, plan: Plan, actor_model: HFArch | None, issues: Issues, *,
-                  before_bootstrap: bool) -> None:
+                  before_bootstrap: bool, planning: bool = False) -> None:
     """The critic's layout is the actor's (shared process groups), its start model reads the actor's tokens."""
     c, actor_megatron = cfg.critic, cfg.actor_rollout_ref.actor.megatron
     for size, critic_value, actor_value in c.megatron.mismatches(actor_megatron):
         issues.add(f"critic.megatron.{size}", critic_value,
                    f"must equal {AOR}.actor.megatron.{size}={actor_value} (the critic shares the actor's Megatron "
                    "process groups); leave it null to follow the actor")
-    check_optim("critic.optim", c.optim, actor_megatron, issues,
-                 optimizer_steps=plan.batch.critic.total_optimizer_steps
-                 if plan.batch.critic and cfg.trainer.total_training_steps is not None else None)
+    plan.notes.extend(check_optim(
+        "critic.optim", c.optim, actor_megatron, issues, megatron_key=f"{AOR}.actor.megatron",
+        device_type=plan.device_type, planning=planning,
+        optimizer_steps=plan.batch.critic.total_optimizer_steps
+        if plan.batch.critic and cfg.trainer.total_training_steps is not None else None))
     if c.loss_agg_mode not in LOSS_AGG_MODES:
         issues.add("critic.loss_agg_mode", c.loss_agg_mode, f"valid: {', '.join(LOSS_AGG_MODES)}")
     if not c.cliprange_value > 0:

@@ -6,7 +6,15 @@ output layer) holds, in bytes:
     params      = P_rank · b_dtype                 P_rank: the rank's share of the parameters (TP, PP split)
     grads       = P_rank · 4                       Megatron's DDP grad buffer (fp32 accumulation)
     optimizer   = P_rank · (m + 8) / D             Adam moments (fp32) + fp32 main weights (m = 4 unless the
-                                                   params are fp32 already); D = DP with the distributed optimizer
+                                                   params are fp32 already); D = DP with the distributed optimizer.
+                                                   With Megatron's optimizer CPU offload (override_optimizer_config:
+                                                   optimizer_cpu_offload, fraction f) the moments of f of the
+                                                   parameters live in host memory, and their fp32 main weights too
+                                                   under use_precision_aware_optimizer (else the distributed
+                                                   optimizer keeps them on the device and the host holds a copy):
+                                                   P_rank · (m·(1 − f) or m + 8·(1 − f)) / D on the device,
+                                                   P_rank · f · (4 + 4 + 8) / D on the host (fp32 weights,
+                                                   gradients, moments)
     ref         = P_rank · b_dtype                 when a KL term needs the reference model
     teacher     = P^T_rank · b_dtype               the distillation teacher's share, split as the actor's (its own
                                                    architecture; its log-prob pass runs between the others)
@@ -74,6 +82,8 @@ class MemoryEstimate:
     seq_kv: float = 0.0  # the KV cache of one sequence of the longest length, on one engine rank
     pooled: bool = False  # engine_kv is a pool the engine pages its samples through (else its samples' need)
     teacher: float = 0.0  # the distillation teacher's weights
+    optimizer_host: float = 0.0  # Megatron's optimizer CPU offload: the actor's optimizer bytes in host memory
+    host_fraction: float = 0.0  # ... the share of its parameters they are (optimizer_offload_fraction)
 
     @property
     def generate(self) -> float:
@@ -117,7 +127,13 @@ class MemoryEstimate:
             parts["engine KV pool"] = parts.pop("engine KV")
         shown = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items() if v)
         fit = self.sequences_at_once
-        return (f"{shown} GB → generate {self.generate / GB:.1f} GB, train {self.train / GB:.1f} GB "
+        if self.host_fraction:
+            shown += (f" GB; in host memory, not counted: {self.optimizer_host / GB:.1f} GB of the optimizer "
+                      f"(optimizer_cpu_offload: the fp32 weights, gradients and state of {self.host_fraction:.0%} of "
+                      "the parameters)")
+        else:
+            shown += " GB"
+        return (f"{shown} → generate {self.generate / GB:.1f} GB, train {self.train / GB:.1f} GB "
                 f"(offloaded while generating {self.offloaded / GB:.1f} GB"
                 + (f"; the KV pool holds {fit} sequence(s) of the longest length at once" if fit is not None else "")
                 + ")")
@@ -162,7 +178,8 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
              teacher_offload: bool = False, lora_rank: int = 0,
              lora_projections: tuple[str, ...] = (), split: PipelineSplit | None = None,
              engine_weight_bytes: float | None = None, lm_head: bool = True, vision_params: int = 0,
-             vision_trained: bool = False) -> MemoryEstimate:
+             vision_trained: bool = False, host_fraction: float = 0.0,
+             precision_aware: bool = False) -> MemoryEstimate:
     """``engine``: the rollout engine's own memory plan (None: weights + the KV of its ``engine_tokens``);
     ``device_bytes`` sizes its budget; ``seq_len``: the longest sequence (prompt + response); ``ep``: the
     experts of an MoE model split over that many ranks (the largest PP stage counts), each expert over ``etp`` (its
@@ -173,7 +190,9 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     the engine's weights over all its ranks (None: every parameter in bf16); ``lm_head`` False: the last stage
     computes no vocabulary logits (a reward model's scalar head); ``vision_params``: a VLM's vision tower, replicated
     on the rank (and in the ref and the engine, whose TP splits it), with gradients and optimizer state when
-    ``vision_trained`` (its activations — a few hundred patches an image — are left out)."""
+    ``vision_trained`` (its activations — a few hundred patches an image — are left out); ``host_fraction``: the
+    share of the optimizer's parameters Megatron's CPU offload updates in host memory (their fp32 main weights with
+    them when ``precision_aware``)."""
     etp = tp if etp is None else etp
     split = split or PipelineSplit(num_layers=m.num_layers, pp=pp)
     p_rank, experts = rank_parameters(m, tp=tp, pp=pp, ep=ep, etp=etp, split=split)
@@ -182,10 +201,13 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     layers = max(split.stage_counts())
     b = BYTES[dtype]
     moments = 8 if optimizer == "adam" else 0
+    main = 0 if dtype == "float32" else 4
+    on_device = main * ((1 - host_fraction) if precision_aware else 1) + moments * (1 - host_fraction)
+    on_host = host_fraction * (4 + 4 + moments)  # fp32 weights, gradients and state of the CPU optimizer
     # the distributed optimizer shards over DP, an expert's state over its own data-parallel ranks (TP·DP / (EP·ETP))
     expert_dp = max(tp * dp // (ep * etp), 1)
     shards = (p_rank - experts / etp) / dp + experts / etp / expert_dp if distributed_optimizer else p_rank
-    optim = shards * ((0 if dtype == "float32" else 4) + moments)
+    optimizer_params = shards
     per_layer_act = 2 if recompute else 34 / tp
     activations = micro_tokens * m.hidden_size * (layers * per_layer_act + (34 / tp if recompute else 0))
     activations += micro_tokens * m.vocab_size / tp * 12 if lm_head else 0.0
@@ -200,22 +222,23 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
         engine_weights += vision_params * 2 / rollout_tp
         if vision_trained and lora_rank <= 0:
             grads += vision_params * 4
-            optim += vision_params / (dp if distributed_optimizer else 1) * ((0 if dtype == "float32" else 4) + moments)
+            optimizer_params += vision_params / (dp if distributed_optimizer else 1)
     if lora_rank > 0:  # the base is frozen: the adapters alone have gradients and optimizer state
         adapters = lora_parameters(m, rank=lora_rank, projections=lora_projections) / (tp * pp)
         params, grads, ref_bytes = params + adapters * b, adapters * 4, 0.0
-        optim = adapters / (dp if distributed_optimizer else 1) * ((0 if dtype == "float32" else 4) + moments)
+        optimizer_params = adapters / (dp if distributed_optimizer else 1)
+    optim = optimizer_params * on_device
     teacher_bytes = (rank_parameters(teacher, tp=tp, pp=pp, ep=ep, etp=etp, split=replace(
         split, num_layers=teacher.num_layers))[0] * b if teacher is not None else 0.0)
     offloaded = (params * offload.get("param", False) + grads * offload.get("grad", False)
                  + optim * offload.get("optimizer", False) + ref_bytes * offload.get("ref_param", False)
                  + teacher_bytes * teacher_offload)
     critic_bytes = 0.0
-    if critic:
-        critic_offload = critic_offload or {}
-        critic_bytes = params + grads + optim
+    if critic:  # its own optimizer, without the actor's CPU offload
+        critic_offload, critic_optim = critic_offload or {}, optimizer_params * (main + moments)
+        critic_bytes = params + grads + critic_optim
         offloaded += (params * critic_offload.get("param", False) + grads * critic_offload.get("grad", False)
-                      + optim * critic_offload.get("optimizer", False))
+                      + critic_optim * critic_offload.get("optimizer", False))
     engine_kv, kept = engine_tokens * kv_per_token, None
     if engine is not None:
         engine_kv = (engine.kv_pool_bytes if engine.kv_pool_bytes is not None
@@ -224,7 +247,8 @@ def estimate(m: HFArch, *, tp: int, pp: int, dp: int, dtype: str, distributed_op
     return MemoryEstimate(params=params, grads=grads, optimizer=optim, ref=ref_bytes, activations=activations,
                           engine_weights=engine_weights, engine_kv=engine_kv, offloaded=offloaded,
                           critic=critic_bytes, engine_kept=kept, seq_kv=seq_len * kv_per_token,
-                          pooled=engine is not None, teacher=teacher_bytes)
+                          pooled=engine is not None, teacher=teacher_bytes,
+                          optimizer_host=optimizer_params * on_host, host_fraction=host_fraction)
 
 
 def engine_weight_bytes(m: HFArch) -> float:

@@ -54,6 +54,7 @@ from hybridrl.lora.config import resolve_targets
 from hybridrl.megatron.config import (
     divisors,
 )
+from hybridrl.megatron.optimizer_overrides import host_fraction, precision_aware
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,7 +304,8 @@ def _memory(cfg: RLConfig, roles: dict[str, RoleLayout], batch: BatchPlan, model
         teacher_offload=cfg.actor_rollout_ref.teacher.megatron.param_offload, lora_rank=max(mo.lora_rank, 0),
         lora_projections=_projections(mo.target_modules) if mo.lora_rank > 0 else (),
         vision_params=vision_parameters(model.vision.config, model.vision.family) if model.vision is not None else 0,
-        vision_trained=not a.freeze_vision_tower)
+        vision_trained=not a.freeze_vision_tower, host_fraction=host_fraction(a.optim.override_optimizer_config),
+        precision_aware=precision_aware(a.optim.override_optimizer_config))
 
 
 def _projections(target_modules: object) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ optimizer, memory), ``check_rollout`` (sampling, algorithm, plugins, async, mult
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -61,7 +62,7 @@ from hybridrl.data.rows import TRUNCATIONS
 from hybridrl.hf.arch import HFArch
 from hybridrl.lora.config import lora_problems
 from hybridrl.megatron.config import interleaved_micro_batches_problem
-from hybridrl.megatron.transformer_overrides import NOT_PASSED, megatron_config_problems
+from hybridrl.megatron.transformer_overrides import NOT_PASSED, megatron_config_notes, megatron_config_problems
 from hybridrl.rewards.overlong import config_problems as overlong_problems
 
 VLM_NOTE = ("a vision-language model: its prompts' images go to the rollout engine and to the policy's vision tower "
@@ -120,10 +121,14 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
         issues.add(key, value, message)
     check_layout(f"{AOR}.actor.megatron", aor.actor.megatron, plan.trainer_world_size, model, issues, planning=planning,
                   world_note=_trainer_world_note(plan))
-    for key, value, message in megatron_config_problems(aor.actor.megatron.dtype,
-                                                        aor.actor.megatron.override_transformer_config,
-                                                        key=f"{AOR}.actor.megatron"):
+    deep_ep = None if planning else importlib.util.find_spec("deep_ep") is not None
+    moe = model.moe is not None if model is not None else None
+    overrides = aor.actor.megatron.override_transformer_config
+    for key, value, message in megatron_config_problems(aor.actor.megatron.dtype, overrides,
+                                                        key=f"{AOR}.actor.megatron", moe=moe,
+                                                        device_type=plan.device_type, deep_ep=deep_ep):
         issues.add(key, value, message)
+    derived_notes += megatron_config_notes(overrides, key=f"{AOR}.actor.megatron", moe=moe, deep_ep=deep_ep)
     if "ref" in plan.roles:  # one Megatron parallel_state per process: the ref runs on the actor's layout
         for size, ref_value, actor_value in aor.ref.megatron.mismatches(aor.actor.megatron):
             issues.add(f"{AOR}.ref.megatron.{size}", ref_value,
@@ -134,7 +139,9 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     if model is not None and model.vision is not None:
         plan.notes.append(VLM_NOTE)
     steps = plan.batch.total_optimizer_steps if t.total_training_steps is not None else None
-    check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues, optimizer_steps=steps)
+    plan.notes.extend(check_optim(f"{AOR}.actor.optim", aor.actor.optim, aor.actor.megatron, issues,
+                                  optimizer_steps=steps, megatron_key=f"{AOR}.actor.megatron",
+                                  device_type=plan.device_type, planning=planning))
     check_algorithm(cfg, issues)
     overlong = overlong_problems(cfg.reward.overlong_buffer, max_response_length=cfg.data.max_response_length)
     sampling = dynamic_sampling_problems(cfg.algorithm.filter_groups, train_batch_size=cfg.data.train_batch_size,
@@ -151,7 +158,7 @@ def validate(cfg: RLConfig, *, world_size: int | None = None, before_bootstrap: 
     for key, value, message in vlm_problems(cfg, model, planning=planning):
         issues.add(key, value, message)
     if "critic" in plan.roles:
-        check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning)
+        check_critic(cfg, plan, model, issues, before_bootstrap=before_bootstrap or planning, planning=planning)
     check_lengths(cfg.data.max_prompt_length, cfg.data.max_response_length, model, issues)
     issues.positive("data.val_batch_size", cfg.data.val_batch_size)
     if cfg.data.truncation not in TRUNCATIONS:
@@ -219,7 +226,8 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
             issues.add(f"megatron.override_transformer_config.{name}", True, f"not passed to Megatron: {why}; set "
                        "false or remove it")
     layout = RoleLayout.of(cfg.megatron, world)
-    check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps)
+    check_optim("optim", cfg.optim, cfg.megatron, issues, optimizer_steps=cfg.trainer.total_training_steps,
+                 megatron_key="megatron", device_type=None, planning=model_config is not None)
     d = cfg.data
     issues.positive("data.train_batch_size", d.train_batch_size)
     issues.positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)

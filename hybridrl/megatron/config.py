@@ -66,6 +66,9 @@ class OptimConfig:
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     lr_warmup_steps: int = 0
     lr_decay_style: str = "constant"  # one of LR_DECAY_STYLES
+    # Megatron OptimizerConfig fields set verbatim (verl's key), e.g. optimizer_cpu_offload: true,
+    # optimizer_offload_fraction: 1; the accepted keys and their rules: hybridrl.megatron.optimizer_overrides
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
 
 
 LAYOUT_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",

@@ -64,8 +64,9 @@ from hybridrl.megatron.context_parallel import shard_sequence
 from hybridrl.megatron.cpu import causal_attention_mask
 from hybridrl.megatron.hidden_states import returning_hidden_states
 from hybridrl.megatron.micro_batches import MicroBatch, MicroBatcher
-from hybridrl.megatron.model import TORCH_DTYPES
+from hybridrl.megatron.model import TORCH_DTYPES, use_transformer_engine
 from hybridrl.megatron.moe_compat import drop_empty_parts
+from hybridrl.megatron.optimizer_overrides import optimizer_config_problems
 from hybridrl.megatron.packed_attention import SharedPrefixParams
 from hybridrl.megatron.parallel import ParallelConfig, rank_device
 from hybridrl.megatron.rope_positions import positioned_rope
@@ -143,11 +144,17 @@ class MegatronRunner:
             self.config.finalize_model_grads_func = finalize_model_grads
             # the interleaved schedule enters every chunk's no_sync when given a list
             self.config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+            if problems := optimizer_config_problems(
+                    optim.optimizer, optim.override_optimizer_config, key="optim", megatron_key="megatron",
+                    distributed_optimizer=megatron.use_distributed_optimizer, device_type=self.device.type,
+                    transformer_engine=use_transformer_engine()):
+                raise ValueError("; ".join(f"{key}={value!r}: {message}" for key, value, message in problems))
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                 clip_grad=optim.clip_grad, use_distributed_optimizer=megatron.use_distributed_optimizer,
-                                **_mixed_precision_kwargs(self.dtype)),
+                                **_mixed_precision_kwargs(self.dtype),
+                                **optim.override_optimizer_config),  # verbatim (optimizer_overrides.py)
                 self.chunks,
             )
             drop_empty_parts(self.optimizer)  # LoRA on the experts only (moe_compat item 3)

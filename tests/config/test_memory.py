@@ -134,6 +134,28 @@ def test_offload_and_the_distributed_optimizer_shrink_what_they_should() -> None
     assert recompute.activations < 0.6 * base.activations  # the fp32 logits stay: only the layers shrink
 
 
+def test_megatrons_optimizer_cpu_offload_moves_its_share_of_the_optimizer_to_host_memory() -> None:
+    """optimizer_cpu_offload with fraction f: the moments of f of the parameters leave the device, their fp32 main
+    weights too under use_precision_aware_optimizer (else Megatron's distributed optimizer keeps them there); the host
+    holds the fp32 weights, gradients and moments of that share, shown in the plan's line and not counted."""
+    m = HFArch.from_hf(QWEN7B)
+    kw = dict(tp=4, pp=1, dp=2, dtype="bfloat16", optimizer="adam", ref=True, micro_tokens=4096, recompute=False,
+              rollout_tp=2, engine_tokens=100_000, distributed_optimizer=True, offload={})
+    base = estimate(m, **kw)
+    shard = base.optimizer / 12  # fp32 main weights (4) + two moments (8) a parameter of the DP shard
+    aware = estimate(m, host_fraction=1.0, precision_aware=True, **kw)
+    assert aware.optimizer == 0 and aware.optimizer_host == pytest.approx(shard * 16)
+    assert aware.state == pytest.approx(base.state - base.optimizer) and base.optimizer_host == 0
+    half = estimate(m, host_fraction=0.5, precision_aware=False, **kw)  # the main weights stay on the device
+    assert half.optimizer == pytest.approx(shard * (4 + 8 * 0.5)) and half.optimizer_host == pytest.approx(shard * 8)
+    assert "in host memory, not counted: " in str(aware) and "100% of the parameters" in str(aware)
+    assert "host memory" not in str(base)
+    off = estimate(m, host_fraction=1.0, precision_aware=True, **{**kw, "offload": {"optimizer": True}})
+    assert off.offloaded == 0  # optimizer_offload moves what is left on the device: nothing
+    critic = estimate(m, host_fraction=1.0, precision_aware=True, critic=True, **kw)
+    assert critic.critic == pytest.approx(base.params + base.grads + base.optimizer)  # its own optimizer, on device
+
+
 def validate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hybridrl.cli", "validate", "recipe=grpo_qwen7b", "--model-config",
                            str(QWEN7B), *args], capture_output=True, text=True)
