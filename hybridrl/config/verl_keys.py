@@ -3,7 +3,8 @@
 A verl launch script's overrides run here unchanged (with ``recipe=ppo_megatron_trainer``, whose defaults are
 verl's). Each key verl's Megatron examples set is one of:
 
-- ``same``: a hybridrl key of the same name and meaning (the schema has it; most keys are this); ``values`` renames
+- ``same``: a hybridrl key of the same name and meaning (the schema has it; most keys are this: the list of
+  :mod:`hybridrl.config.verl_same`); ``values`` renames
   verl's spelling of a value (``algorithm.adv_estimator=reinforce_plus_plus`` is hybridrl's ``reinforce_pp``);
 - ``alias``: hybridrl spells it differently (``target``, and ``also``: more keys that take the same value); the
   override is rewritten to the hybridrl key, with a notice. Only on the command line: a recipe uses the hybridrl
@@ -30,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AOR = "actor_rollout_ref"
+from hybridrl.config.verl_same import AOR, SAME
+
 FSDP = "fsdp"  # group: verl's FSDP engine, refused in one line
 
 
@@ -84,142 +86,6 @@ def lookup(key: str) -> VerlKey | None:
     return None
 
 
-_SAME = [  # (key, note): verl's meaning, hybridrl's name
-    *[(f"{r}.megatron.use_remove_padding", "packed (THD) rows") for r in (f"{AOR}.actor", f"{AOR}.ref", "critic")],
-    ("algorithm.use_kl_in_reward", "KL penalty in the token rewards"),
-    ("algorithm.kl_penalty", "estimator of the in-reward KL"),
-    ("algorithm.kl_ctrl.type", "fixed | adaptive β"),
-    ("algorithm.kl_ctrl.kl_coef", "β"),
-    ("algorithm.kl_ctrl.target_kl", "adaptive β's target"),
-    ("algorithm.kl_ctrl.horizon", "adaptive β's horizon"),
-    ("algorithm.filter_groups.enable", "DAPO dynamic sampling"),
-    ("algorithm.filter_groups.metric", "the group metric whose spread keeps a group"),
-    ("algorithm.filter_groups.max_num_gen_batches", "generation rounds per step at most (0: no limit)"),
-    ("data.train_files", "parquet/jsonl files (or hf://)"),
-    ("data.val_files", "held-out files"),
-    ("data.prompt_key", "the prompt column"),
-    ("data.image_key", "the images column (a vision-language model)"),
-    ("data.train_batch_size", "prompts per step"),
-    ("data.gen_batch_size", "prompts per generation round under filter_groups"),
-    ("data.val_batch_size", "prompts per evaluation batch"),
-    ("data.max_prompt_length", "tokens"),
-    ("data.max_response_length", "tokens generated at most"),
-    ("data.filter_overlong_prompts", "drop prompts over max_prompt_length (the schema's default: true)"),
-    ("data.truncation", "error | left | right | middle, when not filtered"),
-    ("data.shuffle", "shuffle the prompts each epoch"),
-    (f"{AOR}.model.path", "HF checkpoint directory"),
-    (f"{AOR}.model.enable_gradient_checkpointing",
-     "Megatron full recompute, uniform, 1 layer (verl's Megatron engine does not read it)"),
-    (f"{AOR}.model.override_config", "config.json fields: max_position_embeddings only (the longest sequence)"),
-    (f"{AOR}.model.lora_rank", "LoRA rank (0: off)"),
-    (f"{AOR}.model.lora_alpha", "LoRA α"),
-    (f"{AOR}.model.target_modules", "LoRA targets"),
-    (f"{AOR}.actor.optim.optimizer", "adam | sgd"),
-    (f"{AOR}.actor.optim.lr", "learning rate"),
-    (f"{AOR}.actor.optim.weight_decay", "AdamW weight decay"),
-    (f"{AOR}.actor.optim.clip_grad", "max global grad norm"),
-    (f"{AOR}.actor.optim.lr_warmup_steps", "linear warmup steps (< 0: verl's lr_warmup_steps_ratio, 0 here: none)"),
-    (f"{AOR}.actor.optim.lr_decay_style", "constant | linear | cosine | ..."),
-    (f"{AOR}.actor.megatron.dtype", "bfloat16 | float16 | float32 (the schema's default: float32, for CPU runs)"),
-    (f"{AOR}.actor.ppo_mini_batch_size", "prompts per optimizer step"),
-    (f"{AOR}.actor.ppo_micro_batch_size_per_gpu", "samples per forward/backward"),
-    (f"{AOR}.actor.use_dynamic_bsz", "token-budget micro-batches"),
-    (f"{AOR}.actor.ppo_max_token_len_per_gpu", "their token budget"),
-    (f"{AOR}.actor.ppo_epochs", "epochs over a step's samples"),
-    (f"{AOR}.actor.shuffle", "shuffle between epochs"),
-    (f"{AOR}.actor.loss_agg_mode", "token-mean | seq-mean-token-sum | seq-mean-token-mean | ..."),
-    (f"{AOR}.actor.entropy_coeff", "entropy bonus"),
-    (f"{AOR}.actor.use_kl_loss", "KL(actor‖ref) loss term"),
-    (f"{AOR}.actor.kl_loss_coef", "its coefficient"),
-    (f"{AOR}.actor.kl_loss_type", "low_var_kl | k1 | k2 | k3 | ..."),
-    (f"{AOR}.actor.megatron.tensor_model_parallel_size", "TP"),
-    (f"{AOR}.actor.megatron.expert_model_parallel_size", "EP: MoE experts split over the data-parallel ranks"),
-    (f"{AOR}.actor.megatron.expert_tensor_parallel_size",
-     "ETP: each expert's TP (null: the model's TP); below TP, EP spans the TP ranks too"),
-    (f"{AOR}.actor.megatron.pipeline_model_parallel_size", "PP"),
-    (f"{AOR}.actor.megatron.virtual_pipeline_model_parallel_size", "VPP"),
-    (f"{AOR}.actor.megatron.context_parallel_size", "CP"),
-    (f"{AOR}.actor.megatron.sequence_parallel", "sequence parallelism over the TP ranks (off at TP = 1, as in verl)"),
-    (f"{AOR}.actor.megatron.use_distributed_optimizer", "ZeRO-1 optimizer over DP"),
-    (f"{AOR}.actor.megatron.param_offload", "params to host while generating"),
-    (f"{AOR}.actor.megatron.grad_offload", "grads to host while generating"),
-    (f"{AOR}.actor.megatron.optimizer_offload", "optimizer state to host while generating"),
-    (f"{AOR}.actor.megatron.override_transformer_config", "TransformerConfig fields verbatim"),
-    (f"{AOR}.actor.router_replay.mode", "MoE router replay: disabled, R2 or R3 (R3: the hf engine's routing)"),
-    (f"{AOR}.ref.log_prob_micro_batch_size_per_gpu", "ref pass micro-batch"),
-    (f"{AOR}.ref.log_prob_use_dynamic_bsz", "ref pass token budget on"),
-    (f"{AOR}.ref.log_prob_max_token_len_per_gpu", "ref pass token budget"),
-    (f"{AOR}.ref.megatron.tensor_model_parallel_size", "must equal the actor's (hybridrl: null follows it)"),
-    (f"{AOR}.ref.megatron.pipeline_model_parallel_size", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.virtual_pipeline_model_parallel_size", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.context_parallel_size", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.expert_model_parallel_size", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.sequence_parallel", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.expert_tensor_parallel_size", "must equal the actor's"),
-    (f"{AOR}.ref.megatron.param_offload", "ref params to host between its passes"),
-    (f"{AOR}.rollout.name", "hf | sglang | vllm (engine plugins)"),
-    (f"{AOR}.rollout.mode", "sync | async (verl's agent-loop servers: the same on-policy step here)"),
-    (f"{AOR}.rollout.n", "samples per prompt"),
-    (f"{AOR}.rollout.tensor_model_parallel_size", "ranks per engine"),
-    (f"{AOR}.rollout.gpu_memory_utilization", "engine share of each GPU (vLLM's; SGLang's mem_fraction_static)"),
-    (f"{AOR}.rollout.temperature", "sampling temperature"),
-    (f"{AOR}.rollout.top_p", "nucleus"),
-    (f"{AOR}.rollout.top_k", "-1: off"),
-    (f"{AOR}.rollout.log_prob_micro_batch_size_per_gpu", "old log-prob pass micro-batch"),
-    (f"{AOR}.rollout.log_prob_use_dynamic_bsz", "its token budget on"),
-    (f"{AOR}.rollout.log_prob_max_token_len_per_gpu", "its token budget"),
-    (f"{AOR}.rollout.update_weights_bucket_megabytes", "weight-sync bucket size"),
-    (f"{AOR}.rollout.val_kwargs.temperature", "evaluation sampling"),
-    (f"{AOR}.rollout.val_kwargs.top_p", "evaluation sampling"),
-    (f"{AOR}.rollout.val_kwargs.top_k", "evaluation sampling"),
-    (f"{AOR}.rollout.val_kwargs.n", "samples per test prompt"),
-    (f"{AOR}.rollout.val_kwargs.do_sample", "false: greedy, whatever val_kwargs.temperature says"),
-    (f"{AOR}.rollout.multi_turn.enable", "tool-calling multi-turn rollouts"),
-    (f"{AOR}.rollout.multi_turn.max_assistant_turns", "assistant turns per episode at most"),
-    (f"{AOR}.rollout.multi_turn.max_tool_response_length", "tokens of a tool's output; longer is cut"),
-    (f"{AOR}.rollout.multi_turn.format", "the tool-call format (hermes)"),
-    ("algorithm.rollout_correction.rollout_is", "token | sequence | null: truncated IS weights (decoupled mode)"),
-    ("algorithm.rollout_correction.rollout_is_threshold", "their truncation C"),
-    ("algorithm.rollout_correction.rollout_rs", "token | sequence | null: rejection outside the band"),
-    ("algorithm.rollout_correction.rollout_rs_threshold", "the band's upper edge"),
-    ("critic.optim.lr", "critic learning rate"),
-    ("critic.optim.weight_decay", "critic AdamW weight decay"),
-    ("critic.optim.clip_grad", "critic max grad norm"),
-    ("critic.optim.lr_warmup_steps", "critic warmup steps (< 0: none)"),
-    ("critic.optim.lr_decay_style", "constant | linear | cosine"),
-    ("critic.ppo_micro_batch_size_per_gpu", "critic micro-batch"),
-    ("critic.ppo_mini_batch_size", "critic mini-batch (prompts)"),
-    ("critic.ppo_epochs", "critic epochs"),
-    ("critic.shuffle", "shuffle between critic epochs"),
-    ("critic.loss_agg_mode", "the value loss's aggregation"),
-    ("critic.cliprange_value", "value clip ε"),
-    ("critic.model.path", "critic start checkpoint"),
-    ("critic.megatron.tensor_model_parallel_size", "must equal the actor's (hybridrl: null follows it)"),
-    ("critic.megatron.pipeline_model_parallel_size", "must equal the actor's"),
-    ("critic.megatron.virtual_pipeline_model_parallel_size", "must equal the actor's"),
-    ("critic.megatron.context_parallel_size", "must equal the actor's"),
-    ("critic.megatron.expert_model_parallel_size", "must equal the actor's"),
-    ("critic.megatron.sequence_parallel", "must equal the actor's"),
-    ("critic.megatron.param_offload", "critic params to host while generating"),
-    ("critic.megatron.grad_offload", "critic grads to host while generating"),
-    ("critic.megatron.optimizer_offload", "critic optimizer state to host while generating"),
-    ("critic.use_dynamic_bsz", "critic token-budget micro-batches"),
-    ("critic.ppo_max_token_len_per_gpu", "their budget"),
-    ("trainer.total_epochs", "passes over data.train_files (when total_training_steps is null)"),
-    ("trainer.total_training_steps", "steps; overrides total_epochs"),
-    ("trainer.critic_warmup", "the actor updates from this step on"),
-    ("trainer.logger", "console | jsonl | wandb | tensorboard | mlflow"),
-    ("trainer.project_name", "tracker project"),
-    ("trainer.experiment_name", "tracker run name"),
-    ("trainer.nnodes", "nodes"),
-    ("trainer.n_gpus_per_node", "ranks per node"),
-    ("trainer.save_freq", "checkpoint every N steps and at the end (≤ 0: never)"),
-    ("trainer.test_freq", "evaluate every N steps (≤ 0: never)"),
-    ("trainer.val_before_train", "evaluate at step 0"),
-    ("trainer.device", "cuda | cpu"),
-    ("trainer.rollout_data_dir", "dump each step's samples"),
-    ("trainer.balance_batch", "within each mini-batch, the samples go to the DP ranks by token count"),
-]
 
 # the DAPO reward manager's kwargs, in verl's old (reward_model.) and current (reward.) layout
 _REWARD_KWARGS = [e for p in ("reward_model.reward_kwargs", "reward.reward_kwargs") for e in (
@@ -473,7 +339,7 @@ _OTHER = [
     *_CURRENT,
 ]
 
-VERL_KEYS: dict[str, VerlKey] = {k: VerlKey(key=k, status="same", note=n) for k, n in _SAME}
+VERL_KEYS: dict[str, VerlKey] = {k: VerlKey(key=k, status="same", note=n) for k, n in SAME}
 VERL_KEYS |= {e.key: e for e in _OTHER}
 
 

@@ -51,13 +51,6 @@ REFUSED = {
     # TP4 × PP2 × EP2 on 8 GPUs: Megatron's expert grid (ETP = TP when unset, as verl leaves it) is 4 × 2 × 2 = 16
     # ranks; Megatron refuses it too (parallel_state: world size not divisible by ETP × EP × PP)
     "grpo_qwen3_30b_a3b_megatron": {f"{AOR}.actor.megatron.expert_model_parallel_size"},
-    # Qwen3-VL-8B at TP2 × PP2 × CP2 (DeepStack, interleaved M-RoPE, CP over padded rows): refused for its Megatron
-    # optimizer CPU-offload knobs (hybridrl's is megatron.optimizer_offload); without them, for DeepEP's flex
-    # dispatcher (override_transformer_config.moe_enable_deepep / moe_token_dispatcher_type, MoE settings on a dense
-    # model); without those too it validates (tests/vlm/test_vlm_plan.py)
-    "grpo_qwen3_vl_8b_megatron": {f"{AOR}.actor.optim.override_optimizer_config.{k}" for k in (
-        "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
-        "optimizer_cpu_offload")},
 }
 
 
@@ -154,6 +147,22 @@ def test_verl_scripts_hybridrl_cannot_run_are_refused_naming_each_key(script: Pa
     assert all("verl's FSDP engine" in m and "megatron.param_offload" in m for m in fsdp)
     tools = [i.message for i in e.value.issues if i.key == f"{AOR}.rollout.multi_turn.tool_config_path"]
     assert all(all(w in m for w in TOOL_REFUSALS[script.stem]) for m in tools), tools
+
+
+def test_verls_qwen3_vl_script_offloads_the_optimizer_update_and_notes_its_moe_keys_once(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its override_optimizer_config (Megatron's CPU offload of the whole update, precision-aware) is planned in host
+    memory; its DeepEP dispatcher keys, on a dense model, are one note."""
+    script = next(p for p in CURRENT if p.stem == "grpo_qwen3_vl_8b_megatron")
+    verl_checkout(tmp_path, monkeypatch)
+    cfg = compose_config(["recipe=ppo_megatron_trainer", *script_overrides(script, data_dir, tmp_path)])
+    plan = validate(cfg, model_config=model_config(script), world_size=8)
+    assert plan.config.actor_rollout_ref.actor.optim.override_optimizer_config["optimizer_offload_fraction"] == 1
+    assert plan.memory is not None and plan.memory.optimizer == 0 and plan.memory.optimizer_host > 0
+    assert "in host memory, not counted" in plan.render()
+    moe = [n for n in plan.notes if "moe_token_dispatcher_type" in n]
+    assert moe == [f"{AOR}.actor.megatron.override_transformer_config: moe_token_dispatcher_type=flex, "
+                   "moe_enable_deepep=True do nothing: the model is dense (no MoE layer to dispatch tokens to)"]
 
 
 def test_verl_meanings_land_on_hybridrl_keys(data_dir: Path, tmp_path: Path) -> None:
