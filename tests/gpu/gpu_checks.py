@@ -180,6 +180,11 @@ CHECKS: tuple[Check, ...] = (
     Check("packing_thd", _node("test_packing_gpu.py", "test_packed_equals_padded_on_the_gpu"), 120,
           "one RL step of a tiny Qwen2, fp32: packed rows (THD) vs a padded row per sample — log-probs, step "
           "metrics, weights after the step"),
+    Check("optimizer_cpu_offload", _node("test_optimizer_offload_gpu.py",
+                                         "test_optimizer_cpu_offload_trains_as_the_device_optimizer"), 90,
+          "a tiny Qwen2 in bf16, 2 steps: Megatron's HybridDeviceOptimizer with verl's Qwen3-VL-8B settings "
+          "(optim.override_optimizer_config: CPU offload, fraction 1, precision-aware) and megatron.optimizer_offload "
+          "vs the device optimizer: max |delta weight|, device memory held"),
     Check("grpo_tiny_sglang_te", _node("test_grpo_tiny_gpu.py", "test_grpo_tiny[sglang]"), 420,
           "(a) with Transformer Engine's spec and the sglang engine", full=True,
           overrides=lambda w: grpo_tiny_overrides(w, "sglang")),
