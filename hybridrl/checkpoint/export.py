@@ -2,7 +2,8 @@
 tokenizer) that transformers loads and ``verify-model`` accepts.
 
 The Megatron shards are loaded into one process at TP=1, PP=1 (``dist_checkpointing`` reshards from
-whatever layout saved them) and written through the same bucketed HF stream as weight sync.
+whatever layout saved them) and written through the same bucketed HF stream as weight sync (a vision-language
+model's tower with it: from the checkpoint, or a LoRA run's frozen one from its base model).
 Memory: the whole model in fp32 on this machine's CPU.
 
 OUT must be new or empty, or hold an earlier export to the same path (replaced atomically); anything
@@ -30,6 +31,7 @@ from hybridrl.megatron.lora import apply_lora, is_lora_name
 from hybridrl.megatron.model import TORCH_DTYPES, build_model_chunks
 from hybridrl.megatron.parallel import ParallelConfig, destroy_parallel, init_parallel
 from hybridrl.megatron.weights import export_hf_weights, load_hf_weights
+from hybridrl.vlm.megatron_vlm import attach_vision_tower
 
 KEY = "export-hf OUT"
 
@@ -53,6 +55,9 @@ def export_hf(ckpt: Path, out: Path, *, overwrite: bool = False, adapter: bool =
         dtype = saved_dtype(ckpt / "megatron") if record is None else record["dtype"]
         (model,) = build_model_chunks(arch, parallel, dtype=dtype)  # TP=1, PP=1: one chunk
         lora = None
+        if arch.vision is not None:  # a VLM's tower: in the checkpoint, or (LoRA: frozen) the base model's
+            attach_vision_tower([model], arch, None if record is None else record["base_model"],
+                                dtype=TORCH_DTYPES[dtype], trainable=False)
         if record is not None:  # the base from its directory, the adapters from the checkpoint
             load_hf_weights([model], arch, record["base_model"])
             lora = apply_lora([model], arch, record_config(record))

@@ -21,10 +21,17 @@ def vlm_layout(cfg: RLConfig, model: HFArch | None) -> list[str]:
     """Turn what a VLM run cannot use yet but can run without into its fallback, in ``cfg`` (validation's derived
     copy, which the run uses); returns the notes that say so. ``megatron.sequence_parallel`` (on in verl's Megatron
     recipes) goes off: the image features enter the embeddings before sequence parallelism would scatter them — the
-    same result, with each TP rank holding the whole sequence's activations between layers."""
+    same result, with each TP rank holding the whole sequence's activations between layers. With LoRA the vision
+    tower is frozen (the base model is)."""
     if model is None or model.vision is None:
         return []
     notes = []
+    actor = cfg.actor_rollout_ref.actor
+    if cfg.actor_rollout_ref.model.lora_rank > 0 and not actor.freeze_vision_tower:
+        actor.freeze_vision_tower = True
+        notes.append(f"{AOR}.model.lora_rank > 0 on a vision-language model: adapters on the language model's "
+                     f"projections, the vision tower frozen with the base weights ({AOR}.actor.freeze_vision_tower "
+                     "is true), as peft freezes every base weight")
     for role in ("actor", "ref"):
         m = getattr(cfg.actor_rollout_ref, role).megatron
         if m.sequence_parallel:
@@ -54,7 +61,6 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
     refusals = (
         (f"{AOR}.actor.use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
          "shared-prompt rows carry no multimodal positions; set it to false"),
-        (f"{AOR}.model.lora_rank", aor.model.lora_rank, aor.model.lora_rank > 0, "set it to 0 (full fine-tuning)"),
         (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,
          "multi-turn episodes do not carry images yet; set it to false"),
         (f"{AOR}.rollout.placement", r.placement, r.placement != "colocated",

@@ -205,15 +205,9 @@ def validate_sft(cfg: SFTConfig, *, world_size: int | None = None, before_bootst
         if model is not None and model.vision is not None and not takes_images:
             issues.add("model.path", cfg.model.path, "a vision-language model: DPO and the reward model do not take "
                        "images yet (issue 46); SFT and the RL trainer do")
-    if model is not None and model.vision is not None:
-        m = cfg.megatron
-        cp, lora = m.context_parallel_size, cfg.model.lora_rank
-        for key, value, refused in (("megatron.context_parallel_size", cp, cp > 1),
-                                    ("megatron.sequence_parallel", m.sequence_parallel, m.sequence_parallel),
-                                    ("model.lora_rank", lora, lora > 0)):
-            if refused:
-                issues.add(key, value, "not with a vision-language model yet (image features enter the embeddings "
-                           "before CP or sequence parallelism split them; LoRA: full fine-tuning only)")
+    if model is not None and model.vision is not None and cfg.megatron.sequence_parallel:
+        issues.add("megatron.sequence_parallel", True, "not with a vision-language model yet (image features enter "
+                   "the embeddings before sequence parallelism would scatter them); set it to false")
     model = apply_override_config("model", cfg.model, model, issues)
     for key, value, message in lora_problems(cfg.model, key="model"):
         issues.add(key, value, message)

@@ -104,15 +104,17 @@ DENSE = _Site()
 
 def hf_module_name(layer: int, projection: str, site: _Site = DENSE, arch: HFArch | None = None) -> str:
     """The HF (and peft) module path of ``projection`` in ``layer``: ``model.layers.3.self_attn.q_proj``; an expert's
-    by the checkpoint's names (``model.layers.3.mlp.experts.5.gate_proj``, Mixtral's ``block_sparse_moe…w1``)."""
+    by the checkpoint's names (``model.layers.3.mlp.experts.5.gate_proj``, Mixtral's ``block_sparse_moe…w1``); a
+    vision-language model's under its checkpoint's language-model prefix (Qwen3-VL: ``model.language_model.``)."""
+    base = f"{arch.hf_prefix if arch is not None else 'model.'}layers.{layer}"
     if site.kind == "dense":
-        return f"model.layers.{layer}.{_HF_MODULE[projection]}.{projection}"
+        return f"{base}.{_HF_MODULE[projection]}.{projection}"
     assert arch is not None
     names = EXPERT_NAMES[arch.family]
     if site.kind == "shared":
-        return f"model.layers.{layer}.{names.block}.{names.shared}.{projection}"
+        return f"{base}.{names.block}.{names.shared}.{projection}"
     own = {"gate_proj": names.gate, "up_proj": names.up, "down_proj": names.down}[projection]
-    return f"model.layers.{layer}.{names.block}.experts.{site.expert}.{own}"
+    return f"{base}.{names.block}.experts.{site.expert}.{own}"
 
 
 def _full_shapes(arch: HFArch, projection: str, site: _Site = DENSE) -> tuple[int, int]:

@@ -59,9 +59,11 @@ def _tower_classes(family: str) -> tuple[Any, Any]:
     return Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel
 
 
-def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_vision_tower(arch: HFArch, model_dir: str | Path | None, *,
+                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """transformers' vision tower of the checkpoint's family (patch embedding, blocks, merger; Qwen3-VL's DeepStack
-    mergers) with its weights (``visual.*``; Qwen3-VL: ``model.visual.*``), in eval mode, on the CPU."""
+    mergers) with its weights (``visual.*``; Qwen3-VL: ``model.visual.*``), in eval mode, on the CPU; ``model_dir``
+    None: as initialised, for a training checkpoint to fill."""
     assert arch.vision is not None, "not a vision-language model"
     config_class, tower_class = _tower_classes(arch.vision.family)
     prefix = arch.vision.vision_prefix
@@ -69,6 +71,8 @@ def build_vision_tower(arch: HFArch, model_dir: str | Path, *, dtype: torch.dtyp
         config = config_class(**{k: v for k, v in arch.vision.config.items() if k != "model_type"})
         config._attn_implementation = "sdpa"
         tower = tower_class(config)
+    if model_dir is None:
+        return tower.to(dtype).eval()
     with SafetensorsReader(model_dir) as reader:
         names = [n for n in reader.files if n.startswith(prefix)]
         state = {n.removeprefix(prefix): reader.read(n) for n in names}
@@ -150,11 +154,12 @@ def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: 
     return out.to(ids_BS.device)
 
 
-def attach_vision_tower(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path, *,
+def attach_vision_tower(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path | None, *,
                         dtype: torch.dtype, trainable: bool) -> None:
     """Put the checkpoint's vision tower into the first stage's model chunk (``vision_model``; none on later
     stages): before DDP wraps the chunks, so that a trainable tower is trained with them; a frozen one has no
-    gradient and no optimizer state (``freeze_vision_tower``)."""
+    gradient and no optimizer state (``freeze_vision_tower``). ``model_dir`` None: its weights come from a training
+    checkpoint loaded next (``hybridrl export-hf``)."""
     from hybridrl.megatron.model import unwrap_model
 
     for chunk in chunks:
