@@ -184,7 +184,7 @@ CHECKS: tuple[Check, ...] = (
                                          "test_optimizer_cpu_offload_trains_as_the_device_optimizer"), 90,
           "a tiny Qwen2 in bf16, 2 steps: Megatron's HybridDeviceOptimizer with verl's Qwen3-VL-8B settings "
           "(optim.override_optimizer_config: CPU offload, fraction 1, precision-aware) and megatron.optimizer_offload "
-          "vs the device optimizer: max |delta weight|, device memory held"),
+          "vs the device optimizer: max |delta weight|, device memory held", full=True),
     Check("grpo_tiny_sglang_te", _node("test_grpo_tiny_gpu.py", "test_grpo_tiny[sglang]"), 420,
           "(a) with Transformer Engine's spec and the sglang engine", full=True,
           overrides=lambda w: grpo_tiny_overrides(w, "sglang")),
