@@ -48,8 +48,9 @@ class SampleMeta:
     # adds it to reward.name's score
     env_reward: float | None = None
     env_error: str | None = None  # the sample's environment failed (reward.on_error=zero: it scores 0.0)
-    # the prompt's images (a vision-language model; hybridrl.vlm.inputs.ImageInputs), None: a text prompt. The
-    # engine generates with them and the actor/ref feed them to the vision tower
+    # the sample's images in sequence order (a vision-language model; hybridrl.vlm.inputs.ImageInputs): the prompt's,
+    # then (a multi-turn episode) each tool result's; None: text only. The engine generates with them and the
+    # actor/ref feed them to the vision tower
     images: ImageInputs | None = None
 
 
