@@ -39,7 +39,9 @@ class SampleMeta:
 
     ground_truth: str | None = None  # the reference answer of a verifiable task
     data_source: str = ""  # dataset name, for per-source metrics
-    finish_reason: str = ""  # "stop" (EOS / stop token) or "length"; "" before generation
+    # "stop" (EOS / stop token) or "length"; a multi-turn episode also "vision_token" (hybridrl.rollout.episodes); ""
+    # before generation
+    finish_reason: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # other dataset columns, untouched
     # the chat messages the prompt was rendered from (None: a plain-text prompt); a multi-turn rollout renders
     # its turns after them

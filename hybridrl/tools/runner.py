@@ -116,8 +116,7 @@ class ToolRunner:
         if isinstance(value, str):
             return Observation(text=value)
         if not isinstance(value, ToolResult) or not isinstance(value.text, str):
-            return _error(f"tool {name!r} returned {type(value).__name__}, not text or a "
-                          "hybridrl.interfaces.ToolResult(text=str, images=[PIL images])")
+            return _error(f"tool {name!r} returned {type(value).__name__}, not text")  # nor a ToolResult
         from PIL import Image
 
         images = list(value.images)

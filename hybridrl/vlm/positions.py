@@ -22,13 +22,16 @@ import torch
 from hybridrl.hf.vlm import VisionSpec
 
 
-def mrope_positions(ids_S: torch.Tensor, grid_thw_N3: torch.Tensor | None, spec: VisionSpec) -> torch.Tensor:
+def mrope_positions(ids_S: torch.Tensor, grid_thw_N3: torch.Tensor | None, spec: VisionSpec,
+                    images_S: torch.Tensor | None = None) -> torch.Tensor:
     """``[3, S]`` position ids of one sequence's real tokens ``ids_S``; ``grid_thw_N3``: its images' patch grids, one
-    row per image in order (None: no image)."""
+    row per image in order (None: no image); ``images_S``: where a placeholder id is an image (None: everywhere;
+    elsewhere it is a text token — one the policy sampled)."""
     if spec.video_token_id is not None and bool((ids_S == spec.video_token_id).any()):
         raise NotImplementedError("a video in a VLM sample: only images are supported (time ids per video frame are "
                                   "not computed)")
-    is_image = (ids_S == spec.image_token_id).tolist()
+    at_S = ids_S == spec.image_token_id
+    is_image = (at_S if images_S is None else at_S & images_S.to(at_S.device)).tolist()
     grids = [] if grid_thw_N3 is None else [tuple(int(x) for x in row) for row in grid_thw_N3.tolist()]
     m = spec.spatial_merge_size
     out = torch.empty(3, len(is_image), dtype=torch.long)
