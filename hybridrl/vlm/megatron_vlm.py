@@ -195,8 +195,15 @@ def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B
 
     v = arch.vision
     assert v is not None
+    # a row's images are its first placeholders in the prompt and appended ids, as many as its images take: those
+    # precede any the policy sampled (an episode ends at a turn that samples one), and a filler row (a copy with
+    # loss mask 0, its outputs dropped) keeps its own images
     slots_BS = image_slots(prompt_len_B.to(tokens_BS.device), loss_mask_BT, tokens_BS.shape[1])
-    has_image = ((tokens_BS == v.image_token_id) & slots_BS).any(-1).tolist()
+    slots_BS &= tokens_BS == v.image_token_id
+    need_B = torch.tensor([0 if x is None else int(x.image_grid_thw.prod(-1).sum()) // v.spatial_merge_size ** 2
+                           for x in images], device=tokens_BS.device)
+    slots_BS &= slots_BS.cumsum(-1) <= need_B[:, None]
+    has_image = slots_BS.any(-1).tolist()
     stacked = stack_images([x if keep else None for x, keep in zip(images, has_image, strict=True)])
     pixels = None if stacked is None else stacked.pixel_values.to(tokens_BS.device)
     grid = None if stacked is None else stacked.image_grid_thw.to(tokens_BS.device)
