@@ -3,6 +3,8 @@ to ``min_side``, and names what is wrong with a bad box; it is an installed tool
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from PIL import Image
 
@@ -66,3 +68,18 @@ def test_config_is_checked() -> None:
                      ({"image_index": -1}, "image_index=-1")):
         with pytest.raises(ValueError, match=key):
             ImageZoomIn.Config(**bad)
+
+
+def test_the_plugin_contract_holds_with_an_image() -> None:
+    from hybridrl.testing.agents import check_tool
+
+    meta = SampleMeta(ground_truth="1", images=_inputs(_gradient(64, 48)))
+    check_tool(ImageZoomIn, arguments=[{"bbox_2d": [4, 4, 40, 30], "label": "x"}, {"bbox_2d": [9, 9, 1, 1]}], meta=meta)
+
+
+def _inputs(image: Image.Image) -> Any:
+    import torch
+
+    from hybridrl.vlm.inputs import ImageInputs
+
+    return ImageInputs(pixel_values=torch.zeros(4, 1), image_grid_thw=torch.tensor([[1, 2, 2]]), images=[image])

@@ -97,6 +97,20 @@ def test_sampling_with_images_gives_transformers_logprobs(vlms: tuple[Path, Path
     assert float((torch.tensor(out[0].logprobs) - blind).abs().max()) > 1e-3
 
 
+def test_a_multi_turn_context_with_a_tool_image_gives_transformers_logprobs(vlms: tuple[Path, Path]) -> None:
+    """A multi-turn episode's next turn: its context holds the prompt's image and, after the policy's call, the tool's
+    image; the engine generates with both (log-probs = transformers' over the whole sequence), and the tool's image
+    matters."""
+    from vlm_prompts import Reference, max_gap, tool_context, tool_flipped
+
+    ids, images = tool_context(vlms[0])
+    gens = engine(vlms[0]).generate([ids], SamplingParams(temperature=0.7, max_new_tokens=8), seeds=[5],
+                                    images=[images])
+    ref = Reference(vlms[0])
+    assert gens[0].token_ids and max_gap(gens, [ids], [images], ref, 0.7) <= 1e-5
+    assert max_gap(gens, [ids], [tool_flipped(images)], ref, 0.7) > 1e-3
+
+
 @pytest.mark.parametrize("option", ["prefill_once_per_prompt", "drop_finished"])
 def test_prefill_once_and_dropped_rows_give_the_same_samples(vlms: tuple[Path, Path], prompts: Prompts,
                                                              option: str) -> None:
