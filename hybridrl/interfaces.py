@@ -57,7 +57,8 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (0.0 where not sampled)
     # "stop" (EOS / stop token) or "length"; "abort": cut short by an interrupted engine (``abort``), a partial
-    # output that the rollout continues and never trains as it is
+    # output that the rollout continues and never trains as it is; a multi-turn episode of a vision-language policy
+    # also "vision_token" (it sampled an image placeholder id: hybridrl.rollout.episodes)
     finish_reason: str
     weight_version: int  # the oldest version that sampled any of its tokens
     # 1 where the policy sampled the token (trained on), 0 where it did not (a tool's output, a template

@@ -19,6 +19,10 @@ tokens (a turn's generation is cut to what is left; an episode whose appended id
 failed ends there: under ``reward.on_error=raise`` the step stops on every rank naming it, under ``zero`` it scores
 0.0 and counts in ``reward/errors``.
 
+A vision-language policy's sample carries its images in sequence order (``SampleMeta.images``): the prompt's, then
+each tool result's as its act appends them (an image whose placeholders do not all fit the budget is left out, with
+the ids from its run on); every turn generates with all of them.
+
 The engines stay awake over the step's turns (SGLang keeps its prefix cache); the trainers wait in host memory as
 in a single-turn rollout. Metrics: ``multi_turn/turns_mean`` (policy turns per sample) and the step's totals
 ``multi_turn/tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``, ``env_errors`` and

@@ -80,6 +80,18 @@ def tool_flipped(inputs: ImageInputs) -> ImageInputs:
     return ImageInputs(pixel_values=pixels, image_grid_thw=inputs.image_grid_thw, images=inputs.images)
 
 
+def tool_context_gaps(engine: Any, model_dir: Path) -> tuple[float, float]:
+    """``engine``'s next turn of :func:`tool_context` (a few tokens at temperature 0.7): the largest |engine −
+    transformers| log-prob, and the largest gap to transformers given another tool image (:func:`tool_flipped`)."""
+    from hybridrl.interfaces import SamplingParams
+
+    ids, images = tool_context(model_dir)
+    gens = engine.generate([ids], SamplingParams(temperature=0.7, max_new_tokens=8, n=1), seeds=[5], images=[images])
+    assert gens[0].token_ids
+    ref = Reference(model_dir)
+    return max_gap(gens, [ids], [images], ref, 0.7), max_gap(gens, [ids], [tool_flipped(images)], ref, 0.7)
+
+
 class Reference:
     """transformers' Qwen2.5-VL or Qwen3-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and
     images."""
