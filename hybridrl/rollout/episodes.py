@@ -328,10 +328,13 @@ def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> Episode
 def tool_images(cfg: RLConfig) -> tuple[ToolImages | None, frozenset[int]]:
     """A vision-language policy's tool-image encoder (its processor's) and vision placeholder ids; (None, {}) for a
     text policy."""
+    from pathlib import Path
+
+    from hybridrl.hf.arch import CONFIG_FILE
     from hybridrl.hf.vlm import checkpoint_vision
 
     model = cfg.actor_rollout_ref.model
-    vision = checkpoint_vision(model.path)
+    vision = checkpoint_vision(model.path) if (Path(model.path) / CONFIG_FILE).is_file() else None
     if vision is None:
         return None, frozenset()
     from transformers import AutoProcessor

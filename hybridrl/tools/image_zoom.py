@@ -1,5 +1,6 @@
-"""``image_zoom_in``: verl's tool of that name (its geo3k-style multi-turn recipes) — the policy names a box of the
-sample's image and gets the crop back as an image.
+"""``image_zoom_in``: verl's ``ImageZoomInTool`` (its geo3k-style multi-turn recipes; the policy calls it by verl's
+schema name, ``image_zoom_in_tool``) — the policy names a box of the sample's image and gets the crop back as an
+image, with verl's line of text.
 
 Arguments: ``bbox_2d`` = [x1, y1, x2, y2] in the image's pixels (x right, y down; x2, y2 exclusive), ``label`` (an
 optional name of what is in it, echoed back). The box is clipped to the image; a crop with a side under
@@ -8,7 +9,9 @@ keeping its aspect ratio, to have that side. The image is the sample's ``image_i
 through :class:`~hybridrl.interfaces.ToolSample` (``takes_sample``).
 
 Departures from verl: verl grows a small box around its centre to 28 pixels before cropping; this resizes the crop
-instead (the same size, without reading pixels outside the box). A bad box — not four numbers, x2 ≤ x1 or y2 ≤ y1
+instead (the same size, without reading pixels outside the box). verl's image is its row's
+``tools_kwargs.image_zoom_in_tool.create_kwargs.image`` (the prompt's image in its geo3k data); here it is the
+sample's own. A bad box — not four numbers, x2 ≤ x1 or y2 ≤ y1
 after clipping, outside the image, or an aspect ratio over ``max_aspect_ratio`` (Qwen's processor refuses more than
 200) — raises ``ValueError`` saying what is wrong; the rollout turns it into an error observation for the policy.
 """
@@ -22,7 +25,8 @@ from hybridrl.interfaces import ToolResult, ToolSample
 
 
 class ImageZoomIn:
-    """``image_zoom_in`` tool: ``{"bbox_2d": [10, 20, 60, 80], "label": "cat"}`` → the crop, and a line of text."""
+    """``image_zoom_in`` tool (schema name ``image_zoom_in_tool``): ``{"bbox_2d": [10, 20, 60, 80], "label": "cat"}``
+    → the crop, and a line of text."""
 
     takes_sample: ClassVar[bool] = True
 
@@ -41,12 +45,15 @@ class ImageZoomIn:
                 raise ValueError(f"image_index={self.image_index} must be ≥ 0")
 
     schema: ClassVar[dict[str, Any]] = {"type": "function", "function": {
-        "name": "image_zoom_in",
-        "description": "Zoom in on a region of the image: crop it to a bounding box and look at the crop.",
+        "name": "image_zoom_in_tool",  # verl's
+        "description": ("Zoom in on a specific region of an image by cropping it based on a bounding box (bbox) and an "
+                        "optional object label."),
         "parameters": {"type": "object", "properties": {
             "bbox_2d": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
-                        "description": "the box [x1, y1, x2, y2] in the image's pixels"},
-            "label": {"type": "string", "description": "the name of what is in the box (optional)"}},
+                        "description": ("The bounding box of the region to zoom in, as [x1, y1, x2, y2], where "
+                                        "(x1, y1) is the top-left corner and (x2, y2) is the bottom-right corner.")},
+            "label": {"type": "string",
+                      "description": "The name or label of the object in the specified bounding box (optional)."}},
             "required": ["bbox_2d"]}}}
 
     def __init__(self, config: ImageZoomIn.Config | None = None, **ctx: Any) -> None:
@@ -54,21 +61,20 @@ class ImageZoomIn:
 
     def __call__(self, arguments: dict[str, Any], *, sample: ToolSample) -> ToolResult:
         if extra := sorted(set(arguments) - {"bbox_2d", "label"}):
-            raise ValueError(f"image_zoom_in takes bbox_2d and label; got unknown arguments {extra}")
+            raise ValueError(f"image_zoom_in_tool takes bbox_2d and label; got unknown arguments {extra}")
         box, label = arguments.get("bbox_2d"), arguments.get("label")
         if label is not None and not isinstance(label, str):
             raise ValueError(f"label must be a string, got {label!r}")
         i = self.config.image_index
         if len(sample.images) <= i:
-            raise ValueError(f"this sample has {len(sample.images)} image(s); image_zoom_in zooms image {i} "
+            raise ValueError(f"this sample has {len(sample.images)} image(s); image_zoom_in_tool zooms image {i} "
                              "(tool_kwargs.image_zoom_in.image_index)")
         image = sample.images[i]
         x1, y1, x2, y2 = self.box(box, width=image.width, height=image.height)
         crop = image.crop((x1, y1, x2, y2)).convert("RGB")
         crop = self.resized(crop)
-        named = f" ({label})" if label else ""
-        return ToolResult(text=f"Zoomed in on the region [{x1}, {y1}, {x2}, {y2}]{named} of the image.",
-                          images=[crop])
+        named = f" with label {label}" if label else ""  # verl's text, with the box as the policy wrote it
+        return ToolResult(text=f"Zoomed in on the image to the region {list(box)}{named}.", images=[crop])
 
     def box(self, box: Any, *, width: int, height: int) -> tuple[int, int, int, int]:
         """``bbox_2d`` checked and clipped to a ``width``×``height`` image, as integer pixels."""

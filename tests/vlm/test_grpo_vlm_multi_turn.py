@@ -22,7 +22,7 @@ from hybridrl.data.dots import DotsTaskConfig, write_dots_splits
 from hybridrl.models.tiny import TinyModelSpec
 from hybridrl.models.tiny_vlm import make_tiny_vlm
 
-CALL = '<tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [0, 0, 56, 28]}}</tool_call>'
+CALL = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 56, 28]}}</tool_call>'
 
 ZOOM_FIRST = f'''
 import torch

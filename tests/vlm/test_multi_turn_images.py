@@ -50,7 +50,7 @@ def _actors(vlm: dict[str, Any], *, images: bool = True) -> EpisodeActors:
     tok, vision = vlm["processor"].tokenizer, vlm["vision"]
     renderer = TurnRenderer(tok)
     renderer.check()
-    runner = ToolRunner({"image_zoom_in": ImageZoomIn()}, timeout_s=10, max_tokens=64, cut=tokenizer_cut(tok),
+    runner = ToolRunner({"image_zoom_in_tool": ImageZoomIn()}, timeout_s=10, max_tokens=64, cut=tokenizer_cut(tok),
                         images=images)
     return EpisodeActors(renderer, runner, format="hermes", environment=None, environment_timeout_s=10,
                          max_assistant_turns=4,
@@ -67,7 +67,7 @@ def _meta(vlm: dict[str, Any]) -> tuple[SampleMeta, list[int]]:
 
 
 def _call(box: list[int]) -> str:
-    return f"<tool_call>{json.dumps({'name': 'image_zoom_in', 'arguments': {'bbox_2d': box}})}</tool_call>"
+    return f"<tool_call>{json.dumps({'name': 'image_zoom_in_tool', 'arguments': {'bbox_2d': box}})}</tool_call>"
 
 
 def _turn(vlm: dict[str, Any], sample: _Sample, meta: SampleMeta, ids: list[int], turns: int) -> OwnedTurn:
@@ -101,7 +101,7 @@ def test_tool_images_render_and_expand_as_the_processor_does(vlm: dict[str, Any]
     crops = [ImageZoomIn()({"bbox_2d": b}, sample=_sample_of(vlm)).images[0] for b in boxes]
     conversation = [*image_messages(PROMPT)]
     for box in boxes:
-        said = f"Zoomed in on the region {box} of the image."
+        said = f"Zoomed in on the image to the region {box}."
         conversation += [{"role": "assistant", "content": _call(box)},
                          {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": said}]}]
     conversation.append({"role": "assistant", "content": "1"})
@@ -155,10 +155,10 @@ def test_an_image_past_the_budget_is_left_out_whole(vlm: dict[str, Any]) -> None
 def test_a_text_policy_gets_an_error_observation_for_images(vlm: dict[str, Any]) -> None:
     from hybridrl.tools.calls import ToolCall
 
-    runner = ToolRunner({"image_zoom_in": ImageZoomIn()}, timeout_s=10, max_tokens=256,
+    runner = ToolRunner({"image_zoom_in_tool": ImageZoomIn()}, timeout_s=10, max_tokens=256,
                         cut=tokenizer_cut(vlm["processor"].tokenizer))
     meta, _ = _meta(vlm)
-    obs, = runner.run([ToolCall(name="image_zoom_in", arguments={"bbox_2d": [0, 0, 9, 9]})], metas=[meta])
+    obs, = runner.run([ToolCall(name="image_zoom_in_tool", arguments={"bbox_2d": [0, 0, 9, 9]})], metas=[meta])
     assert obs.error and "returned 1 image(s), which this policy cannot see (a text model)" in obs.text
 
 

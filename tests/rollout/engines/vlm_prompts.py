@@ -62,7 +62,7 @@ def tool_context(model_dir: Path) -> tuple[list[int], ImageInputs]:
     with transformers_rope_rules():
         processor = AutoProcessor.from_pretrained(model_dir)
     first, crop = image(56, 84, 7), image(28, 56, 8)
-    call = '<tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [0, 0, 56, 28]}}</tool_call>'
+    call = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 56, 28]}}</tool_call>'
     conversation = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is left?"}]},
         {"role": "assistant", "content": call},
