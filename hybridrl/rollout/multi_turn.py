@@ -61,7 +61,8 @@ class Generate(Protocol):
     """An engine's ``generate`` of token-id contexts (``images``: each context's, passed only when one has any)."""
 
     def __call__(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-                 max_new_tokens: Sequence[int] | None = None, **images: Any) -> list[Generation]: ...
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]: ...
 
 
 class TurnEngines(Protocol):
