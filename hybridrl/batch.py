@@ -39,7 +39,9 @@ class SampleMeta:
 
     ground_truth: str | None = None  # the reference answer of a verifiable task
     data_source: str = ""  # dataset name, for per-source metrics
-    finish_reason: str = ""  # "stop" (EOS / stop token) or "length"; "" before generation
+    # "stop" (EOS / stop token) or "length"; a multi-turn episode also "vision_token" (hybridrl.rollout.episodes); ""
+    # before generation
+    finish_reason: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # other dataset columns, untouched
     # the chat messages the prompt was rendered from (None: a plain-text prompt); a multi-turn rollout renders
     # its turns after them
@@ -48,8 +50,9 @@ class SampleMeta:
     # adds it to reward.name's score
     env_reward: float | None = None
     env_error: str | None = None  # the sample's environment failed (reward.on_error=zero: it scores 0.0)
-    # the prompt's images (a vision-language model; hybridrl.vlm.inputs.ImageInputs), None: a text prompt. The
-    # engine generates with them and the actor/ref feed them to the vision tower
+    # the sample's images in sequence order (a vision-language model; hybridrl.vlm.inputs.ImageInputs): the prompt's,
+    # then (a multi-turn episode) each tool result's; None: text only. The engine generates with them and the
+    # actor/ref feed them to the vision tower
     images: ImageInputs | None = None
 
 

@@ -57,7 +57,8 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution (0.0 where not sampled)
     # "stop" (EOS / stop token) or "length"; "abort": cut short by an interrupted engine (``abort``), a partial
-    # output that the rollout continues and never trains as it is
+    # output that the rollout continues and never trains as it is; a multi-turn episode of a vision-language policy
+    # also "vision_token" (it sampled an image placeholder id: hybridrl.rollout.episodes)
     finish_reason: str
     weight_version: int  # the oldest version that sampled any of its tokens
     # 1 where the policy sampled the token (trained on), 0 where it did not (a tool's output, a template
@@ -324,6 +325,16 @@ class PolicyTurn:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ToolResult:
+    """A tool's observation with images (verl's ``ToolResponse(text=, image=[...])``): the tool message shows the
+    images first, then the text. A vision-language policy sees each image as the processor encodes it (its
+    placeholders count in the response budget); a text policy's rollout refuses images (an error observation)."""
+
+    text: str = ""
+    images: Sequence[Any] = ()  # PIL images (converted to RGB)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolSample:
     """The sample a tool call serves, for a tool that asks for it (``Tool.takes_sample``): verl's per-trajectory
     ``create(instance_id, **create_kwargs)`` data."""
@@ -331,15 +342,20 @@ class ToolSample:
     meta: SampleMeta  # the dataset row: ground_truth (data.ground_truth_key), data_source, extra (its other columns)
     # the row's extra_info.tools_kwargs.<the tool's schema name>.create_kwargs (verl's layout); {} where it has none
     create_kwargs: Mapping[str, Any]
+    # the sample's decoded images so far (PIL, RGB), in sequence order: its prompt's, then earlier tool results'
+    images: Sequence[Any] = ()
 
     @classmethod
-    def of(cls, meta: SampleMeta, name: str) -> ToolSample:
+    def of(cls, meta: SampleMeta, name: str, *, images: Sequence[Any] | None = None) -> ToolSample:
         """What tool ``name`` (its schema's function name, as verl keys ``tools_kwargs``) gets of the row ``meta``
-        (a missing level, or None where a parquet struct left one empty, is no kwargs)."""
+        (a missing level, or None where a parquet struct left one empty, is no kwargs); ``images``: the episode's
+        images so far (None: the prompt's)."""
         node: Any = meta.extra
         for key in ("extra_info", "tools_kwargs", name, "create_kwargs"):
             node = node.get(key) if isinstance(node, Mapping) else None
-        return cls(meta=meta, create_kwargs=dict(node) if isinstance(node, Mapping) else {})
+        if images is None:
+            images = list(meta.images.images) if meta.images is not None else []
+        return cls(meta=meta, create_kwargs=dict(node) if isinstance(node, Mapping) else {}, images=list(images))
 
 
 @runtime_checkable
@@ -349,8 +365,9 @@ class Tool(Protocol):
     takes ``**ctx`` so that later context keys do not break it).
 
     ``schema`` is an OpenAI function schema ``{"type": "function", "function": {"name", "description",
-    "parameters"}}``. ``__call__`` returns the observation text the policy reads next; it may be a coroutine
-    function. An exception is an error observation for the policy, never a crash of the run.
+    "parameters"}}``. ``__call__`` returns the observation text the policy reads next, or a :class:`ToolResult` with
+    images as well (a vision-language policy's); it may be a coroutine function. An exception is an error
+    observation for the policy, never a crash of the run.
 
     Opt-in: a tool whose class sets ``takes_sample: ClassVar[bool] = True`` is called
     ``tool(arguments, sample=ToolSample)``, with the sample the call serves (its row's ground truth and per-tool
@@ -360,7 +377,7 @@ class Tool(Protocol):
     Config: ClassVar[type]
     schema: dict[str, Any]
 
-    def __call__(self, arguments: dict[str, Any]) -> str: ...
+    def __call__(self, arguments: dict[str, Any]) -> str | ToolResult: ...
 
 
 @runtime_checkable

@@ -61,8 +61,6 @@ def vlm_problems(cfg: RLConfig, model: HFArch | None, *, planning: bool) -> list
     refusals = (
         (f"{AOR}.actor.use_prefix_grouper", aor.actor.use_prefix_grouper, aor.actor.use_prefix_grouper is True,
          "shared-prompt rows carry no multimodal positions; set it to false"),
-        (f"{AOR}.rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,
-         "multi-turn episodes do not carry images yet; set it to false"),
         (f"{AOR}.rollout.placement", r.placement, r.placement != "colocated",
          "engines on ranks of their own do not receive images yet; use colocated"),
         (f"{AOR}.teacher.model.path", aor.teacher.model.path, aor.teacher.enabled,

@@ -67,6 +67,9 @@ _SANDBOX = VerlTool(tool="python", kwargs=_sandbox_kwargs, used=("default_timeou
                     note="the code runs in hybridrl's local sandbox, not on a Sandbox Fusion server")
 VERL_BUILTINS: dict[str, VerlTool] = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": _SANDBOX,
+    "verl.tools.image_zoom_in_tool.ImageZoomInTool": VerlTool(
+        tool="image_zoom_in", used=(), note="the crop of the sample's own image, a small one resized up rather than "
+        "its box grown; no Ray worker pool or rate limit"),
     "verl.tools.gsm8k_tool.Gsm8kTool": VerlTool(tool="gsm8k", note=(
         "the answer checked against the row's extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth, "
         "else its data.ground_truth_key; the tool replies, reward.name scores")),

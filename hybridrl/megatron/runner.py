@@ -209,7 +209,8 @@ class MegatronRunner:
                 elif self.arch.vision is not None:  # image features into the first stage, multimodal positions
                     output = forward_rows(model, self.arch, rows.tokens_BS, rows.prompt_len_B,
                                           rows.prompt_len_B + rows.response_mask_BT.sum(-1),
-                                          [m.images for m in mb.batch.meta], masks[rows.seq_len], **fp16_kwargs)
+                                          [m.images for m in mb.batch.meta], masks[rows.seq_len],
+                                          loss_mask_BT=mb.batch.loss_mask, **fp16_kwargs)
                 else:
                     tokens_BS = rows.tokens_BS
                     position_ids_BS = torch.arange(rows.seq_len, device=tokens_BS.device)[None].expand_as(tokens_BS)

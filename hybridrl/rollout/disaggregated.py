@@ -187,7 +187,9 @@ def serve(cfg: RLConfig, plan: Plan) -> None:
         return generate_share(engine, share, contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
 
     def local(contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-              max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+              max_new_tokens: Sequence[int] | None = None, images: Sequence[Any] | None = None) -> list[Generation]:
+        if images is not None:  # validation refuses a vision-language model here (check_vlm)
+            raise ValueError("engines on ranks of their own do not take images yet (rollout.placement=disaggregated)")
         return generate_on(range(len(contexts)), contexts, params, seeds=seeds, max_new_tokens=max_new_tokens)
 
     @contextmanager

@@ -6,6 +6,16 @@ episodes' together, each call within ``tool_timeout_s``), or, without calls, the
 messages, the template's separators and the next generation prompt) is rendered by the chat template into ids
 (:class:`~hybridrl.rollout.turns.TurnRenderer`). An :class:`Act` is what the other ranks learn of it.
 
+A vision-language policy's tool results may carry images (:class:`~hybridrl.interfaces.ToolResult`): the tool message
+renders them as image parts before its text, their placeholders are expanded as the processor expands them
+(:mod:`hybridrl.vlm.tool_images`) and the act carries them (``Act.images``), so the episode's images grow in
+sequence order. A vision-language policy that *samples* an image (or video) placeholder id in a turn that would go
+on ends its episode there (``Act.finish = "vision_token"``): the next turn's context would be re-prefilled with
+that id read as an image the episode does not have (every engine's image path takes placeholders wherever they are
+in the ids), and an engine would fail or see a different context than the one sampled. Ending the episode keeps
+the sample as sampled — the actor reads a response's sampled ids as text, as the engine decoded them — where
+forbidding the ids would change the sampling distribution the actor's log-probs must equal.
+
 Faults of tools are observations for the policy (:mod:`hybridrl.tools.runner`). An environment whose ``open()`` or
 ``step()`` raises, times out or returns something that is not an ``EnvStep`` ends its episode with an error
 (``Act.error``; the rollout applies ``reward.on_error``); a ``close()`` that raises or times out is a warning. Each of
@@ -32,6 +42,8 @@ from hybridrl.tools.calls import CallError, ToolCall, parse_calls
 from hybridrl.tools.config import KEY
 from hybridrl.tools.runner import ToolRunner, tokenizer_cut
 from hybridrl.tracking import say
+from hybridrl.vlm.inputs import ImageInputs
+from hybridrl.vlm.tool_images import ToolImages, image_message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,6 +63,10 @@ class Act:
     # exception's ``kind`` attribute where it has one (openai_agent's), else open_raised / step_raised
     error_kind: str | None = None
     keep: int | None = None  # the turn is kept up to its first `keep` sampled ids (EnvStep.keep_tokens)
+    # the images of the appended ids' placeholder runs, in order (tool results'), and each run's (start, length)
+    images: ImageInputs | None = None
+    image_runs: list[tuple[int, int]] = field(default_factory=list)
+    finish: str | None = None  # why the episode ended, where it is not "stop"/"length" ("vision_token": module doc)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,14 +88,18 @@ class OwnedTurn:
 class _Owned:
     messages: list[Message]  # the conversation so far
     episode: Episode | None = None  # the environment's, opened at its first step
+    images: list[Any] = field(default_factory=list)  # the episode's decoded images so far (the prompt's first)
 
 
 class EpisodeActors:
     """The episodes one rank owns: their conversations and environment episodes, and how they act."""
 
     def __init__(self, renderer: TurnRenderer, tools: ToolRunner, *, format: str, environment: Environment | None,
-                 environment_timeout_s: float, max_assistant_turns: int) -> None:
+                 environment_timeout_s: float, max_assistant_turns: int, images: ToolImages | None = None,
+                 vision_ids: frozenset[int] = frozenset()) -> None:
         self.renderer, self.tools, self.format = renderer, tools, format
+        # a vision-language policy: tool images, and the placeholder ids that end an episode when sampled
+        self.images, self.vision_ids = images, vision_ids
         self.environment, self.env_timeout_s = environment, environment_timeout_s
         self.max_turns = max_assistant_turns
         self.bounded = Bounded(key=f"{KEY}.environment_timeout_s")
@@ -87,7 +107,8 @@ class EpisodeActors:
 
     def open(self, sample: int, meta: SampleMeta) -> None:
         assert meta.messages is not None, "the dataset keeps each prompt's messages under a chat template"
-        self.owned[sample] = _Owned(messages=[dict(m) for m in meta.messages])
+        self.owned[sample] = _Owned(messages=[dict(m) for m in meta.messages],
+                                    images=list(meta.images.images) if meta.images is not None else [])
 
     def act(self, turns: Sequence[OwnedTurn]) -> dict[int, Act]:
         """The :class:`Act` of each owned live episode's latest turn."""
@@ -99,6 +120,8 @@ class EpisodeActors:
             s = t.sample
             if t.cut or t.turns >= self.max_turns:
                 acts[s] = Act(done=True)
+            elif self.vision_ids.intersection(t.ids):  # would be read as an image next turn (module docstring)
+                acts[s] = Act(done=True, finish="vision_token")
             elif self.environment is not None and self._for_environment(calls[s]):
                 env_turns.append(s)
             elif calls[s]:
@@ -110,9 +133,13 @@ class EpisodeActors:
         replies: dict[int, list[Message]] = {}
         by_sample = {t.sample: t for t in turns}
         observations = iter(self.tools.run([c for s in tool_turns for c in calls[s]],
-                                           metas=[by_sample[s].meta for s in tool_turns for _ in calls[s]]))
+                                           metas=[by_sample[s].meta for s in tool_turns for _ in calls[s]],
+                                           images=[self.owned[s].images for s in tool_turns for _ in calls[s]]))
+        shown: dict[int, list[Any]] = {}  # each episode's new images, in the order its messages show them
         for s in tool_turns:
-            replies[s] = [{"role": "tool", "content": next(observations).text} for _ in calls[s]]
+            obs = [next(observations) for _ in calls[s]]
+            replies[s] = [image_message(o.text, o.images) for o in obs]
+            shown[s] = [im for o in obs for im in o.images]
         sampled = {t.sample: t.ids for t in turns}
         for s, act in zip(env_turns, self._env_steps([(by_sample[s], text[s]) for s in env_turns]), strict=True):
             if isinstance(act, Act):
@@ -127,11 +154,21 @@ class EpisodeActors:
         for s, new in replies.items():
             owned, assistant = self.owned[s], {"role": "assistant", "content": text[s]}
             if not acts.get(s, Act()).done:
-                acts.setdefault(s, Act()).appended = self.renderer.appended_ids(
-                    [*owned.messages, assistant], new, sampled_ids=sampled[s])
+                act = acts.setdefault(s, Act())
+                act.appended = self.renderer.appended_ids([*owned.messages, assistant], new, sampled_ids=sampled[s])
+                if shown.get(s):
+                    self._with_images(act, shown[s])
+                    owned.images += shown[s]
             owned.messages += [assistant, *new]
         self._close(*(s for s, act in acts.items() if act.done))
         return acts
+
+    def _with_images(self, act: Act, images: list[Any]) -> None:
+        """``act``'s appended ids with each tool image's placeholder run expanded, and the images it carries."""
+        assert self.images is not None, "a tool image reached a text policy's episode (ToolRunner(images=False))"
+        inputs = self.images.encode(images)
+        act.appended = self.images.expand(act.appended, inputs)
+        act.images, act.image_runs = inputs, self.images.runs(act.appended)
 
     def _for_environment(self, calls: Sequence[ToolCall | CallError]) -> bool:
         """A turn goes to the environment when it calls none of the rollout's tools, or calls a tool the environment
@@ -280,7 +317,29 @@ def episode_actors(cfg: RLConfig, tokenizer: PreTrainedTokenizerBase) -> Episode
     built, env = build_tools(cfg), build_environment(cfg)
     renderer = TurnRenderer(tokenizer, tools=_schemas(built, env))
     renderer.check()
+    images, vision_ids = tool_images(cfg)
     runner = ToolRunner({t.schema["function"]["name"]: t for t in built}, timeout_s=m.tool_timeout_s,
-                        max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer))
+                        max_tokens=m.max_tool_response_length, cut=tokenizer_cut(tokenizer), images=images is not None)
     return EpisodeActors(renderer, runner, format=m.format, environment=env,
-                         environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns)
+                         environment_timeout_s=m.environment_timeout_s, max_assistant_turns=m.max_assistant_turns,
+                         images=images, vision_ids=vision_ids)
+
+
+def tool_images(cfg: RLConfig) -> tuple[ToolImages | None, frozenset[int]]:
+    """A vision-language policy's tool-image encoder (its processor's) and vision placeholder ids; (None, {}) for a
+    text policy."""
+    from pathlib import Path
+
+    from hybridrl.hf.arch import CONFIG_FILE
+    from hybridrl.hf.vlm import checkpoint_vision
+
+    model = cfg.actor_rollout_ref.model
+    vision = checkpoint_vision(model.path) if (Path(model.path) / CONFIG_FILE).is_file() else None
+    if vision is None:
+        return None, frozenset()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.path)
+    ids = {vision.image_token_id} | ({vision.video_token_id} if vision.video_token_id is not None else set())
+    return (ToolImages(processor, image_token_id=vision.image_token_id, merge_size=vision.spatial_merge_size),
+            frozenset(ids))

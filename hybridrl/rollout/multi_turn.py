@@ -19,6 +19,10 @@ tokens (a turn's generation is cut to what is left; an episode whose appended id
 failed ends there: under ``reward.on_error=raise`` the step stops on every rank naming it, under ``zero`` it scores
 0.0 and counts in ``reward/errors``.
 
+A vision-language policy's sample carries its images in sequence order (``SampleMeta.images``): the prompt's, then
+each tool result's as its act appends them (an image whose placeholders do not all fit the budget is left out, with
+the ids from its run on); every turn generates with all of them.
+
 The engines stay awake over the step's turns (SGLang keeps its prefix cache); the trainers wait in host memory as
 in a single-turn rollout. Metrics: ``multi_turn/turns_mean`` (policy turns per sample) and the step's totals
 ``multi_turn/tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``, ``env_errors`` and
@@ -46,21 +50,27 @@ from hybridrl.rollout.episodes import Act, EpisodeActors, OwnedTurn
 from hybridrl.seeds import prompt_seed
 from hybridrl.tools.runner import ToolCounts
 from hybridrl.tracking import say
+from hybridrl.vlm.inputs import ImageInputs, stack_images
+from hybridrl.vlm.tool_images import first_images
 
 if TYPE_CHECKING:
     from hybridrl.metrics import Timer
 
 
 class Generate(Protocol):
+    """An engine's ``generate`` of token-id contexts (``images``: each context's, passed only when one has any)."""
+
     def __call__(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]: ...
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[ImageInputs | None] | None = None) -> list[Generation]: ...
 
 
 class TurnEngines(Protocol):
     """What the rollout uses of :class:`~hybridrl.rollout.colocated.ColocatedEngines`."""
 
     def generate_ids(self, contexts: Sequence[list[int]], params: SamplingParams, *, seeds: Sequence[int],
-                     max_new_tokens: Sequence[int] | None = None) -> list[Generation]: ...
+                     max_new_tokens: Sequence[int] | None = None,
+                     images: Sequence[ImageInputs | None] | None = None) -> list[Generation]: ...
 
     def dp_share(self, prompts: PromptBatch, gens: Sequence[Generation]) -> RolloutBatch: ...
 
@@ -98,6 +108,7 @@ class _Sample:
     env_error: str | None = None
     env_error_kind: str | None = None
     turn_start: int = 0  # where the latest turn starts in the response
+    images: ImageInputs | None = None  # the sample's images in sequence order: the prompt's, then tool results'
 
     def add_turn(self, g: Generation, room: int) -> list[int]:
         """Append the policy's turn ``g`` (cut to ``room`` tokens); its ids."""
@@ -130,6 +141,11 @@ class _Sample:
             end = self.turn_start + act.keep
             del self.response[end:], self.logprobs[end:], self.mask[end:], self.versions[end:]
         room = budget - len(self.response)
+        if act.images is not None:  # an image whose placeholders do not all fit is left out, with the ids after it
+            fits = sum(start + n <= room for start, n in act.image_runs)
+            if fits < len(act.image_runs):
+                room = act.image_runs[fits][0]
+            self.images = stack_images([self.images, first_images(act.images, fits)])
         appended = act.appended[:room]
         self.response += appended
         self.logprobs += [0.0] * len(appended)
@@ -139,6 +155,8 @@ class _Sample:
             self.done = True
             if not act.done:
                 self.finish = "length"
+            elif act.finish is not None:
+                self.finish = act.finish
 
 
 class MultiTurnRollout:
@@ -181,7 +199,8 @@ class MultiTurnRollout:
              seed: int) -> tuple[RolloutBatch, dict[str, float]]:
         n = params.n
         contexts = prompts.token_lists()
-        samples = {s: _Sample(prompt_index=s // n, prompt=contexts[s // n]) for s in range(len(prompts) * n)}
+        samples = {s: _Sample(prompt_index=s // n, prompt=contexts[s // n], images=prompts.meta[s // n].images)
+                   for s in range(len(prompts) * n)}
         for s in range(self.rank, len(samples), self.world):
             self.actors.open(s, prompts.meta[s // n])
         with self.workers.generating() as engines:
@@ -224,9 +243,11 @@ def play(samples: dict[int, _Sample], metas: Sequence[SampleMeta], params: Sampl
         if not live:
             break
         left = [budget - len(samples[s].response) for s in live]
+        images = [samples[s].images for s in live]  # all of each context's images so far, in sequence order
         gens = generate([samples[s].prompt + samples[s].response for s in live],
                         dataclasses.replace(params, n=1, max_new_tokens=max(left)),
-                        seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live], max_new_tokens=left)
+                        seeds=[prompt_seed(prompt_seed(seed, s), turn) for s in live], max_new_tokens=left,
+                        **({"images": images} if any(x is not None for x in images) else {}))
         mine = []
         for s, g, room in zip(live, gens, left, strict=True):
             x = samples[s]
@@ -245,7 +266,7 @@ def play_share(actors: EpisodeActors, share: range, contexts: Sequence[list[int]
     """The episodes of the prompts at positions ``share``, all played here (one engine and its own actors: an
     engine rank of an asynchronous run); the same seeds as :class:`MultiTurnRollout` gives them."""
     n = params.n
-    samples = {s: _Sample(prompt_index=s // n, prompt=list(contexts[s // n]))
+    samples = {s: _Sample(prompt_index=s // n, prompt=list(contexts[s // n]), images=metas[s // n].images)
                for s in range(share.start * n, share.stop * n)}
     try:
         for s in samples:
@@ -265,18 +286,20 @@ class Episodes:
     error_kinds: list[str | None]  # how each failed (Act.error_kind), None where it did not
     turns: list[int]  # the policy's turns of each
     counts: ToolCounts
+    images: list[ImageInputs | None]  # each one's images in sequence order (the prompt's, then tool results')
 
     @classmethod
     def of(cls, samples: Sequence[_Sample], *, counts: ToolCounts) -> Episodes:
         return cls(gens=[x.generation() for x in samples], env=[(x.env_reward, x.env_error) for x in samples],
-                   error_kinds=[x.env_error_kind for x in samples], turns=[x.turns for x in samples], counts=counts)
+                   error_kinds=[x.env_error_kind for x in samples], turns=[x.turns for x in samples], counts=counts,
+                   images=[x.images for x in samples])
 
     @classmethod
     def joined(cls, parts: Sequence[Episodes]) -> Episodes:
         """Engine shares in engine order (their prompts are consecutive ranges): the whole step's."""
         return cls(gens=[g for p in parts for g in p.gens], env=[e for p in parts for e in p.env],
                    error_kinds=[k for p in parts for k in p.error_kinds], turns=[t for p in parts for t in p.turns],
-                   counts=sum_counts([p.counts for p in parts]))
+                   counts=sum_counts([p.counts for p in parts]), images=[x for p in parts for x in p.images])
 
     def metrics(self) -> dict[str, float]:
         c = self.counts
@@ -300,10 +323,12 @@ def sum_counts(parts: Sequence[ToolCounts]) -> ToolCounts:
 
 
 def with_episode_meta(batch: RolloutBatch, episodes: Episodes, *, kept: range, n: int) -> None:
-    """Give this rank's DP share (``batch``, the prompts ``kept``) its episodes' environment rewards and errors."""
+    """Give this rank's DP share (``batch``, the prompts ``kept``) its episodes' environment rewards and errors, and
+    their images (the prompt's and the tool results')."""
     env = episodes.env[kept.start * n:kept.stop * n]
-    batch.meta = [dataclasses.replace(m, env_reward=r, env_error=e) for m, (r, e) in zip(batch.meta, env,
-                                                                                         strict=True)]
+    images = episodes.images[kept.start * n:kept.stop * n]
+    batch.meta = [dataclasses.replace(m, env_reward=r, env_error=e, images=x)
+                  for m, (r, e), x in zip(batch.meta, env, images, strict=True)]
 
 
 def raise_failures(episodes: Episodes, *, on_error: str, environment: str | None, shown: int = 3) -> None:

@@ -29,8 +29,9 @@ def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str
     "parameters": {"type": "object", ...}}}``); ``takes_sample``, where set, a bool; called with ``arguments``
     (default: one dict of placeholder values for the schema's required parameters), and ``sample=`` the
     :class:`~hybridrl.interfaces.ToolSample` of ``meta`` (default: a row with a ground truth) where it takes one, it
-    returns a ``str`` or raises an ``Exception`` (an error observation); the same call returns the same text."""
-    from hybridrl.interfaces import ToolSample
+    returns a ``str`` or a :class:`~hybridrl.interfaces.ToolResult` (text and PIL images), or raises an ``Exception``
+    (an error observation); the same call returns the same text (and images)."""
+    from hybridrl.interfaces import ToolResult, ToolSample
     from hybridrl.tools.runner import takes_sample
 
     p = _Plugin(cls, "tools")
@@ -59,11 +60,15 @@ def check_tool(cls: type, *, config: Any = None, arguments: Sequence[Mapping[str
         outs = []
         for _ in range(2):
             try:
-                outs.append(_run(partial(tool, dict(args), **sample)))
+                out = _run(partial(tool, dict(args), **sample))
+                if isinstance(out, ToolResult) and isinstance(out.text, str):  # its text and images, compared
+                    out = out.text + "".join(f"\n<image {im.size} {hash(im.tobytes())}>" for im in out.images)
+                outs.append(out)
             except Exception as e:  # an error observation: allowed
                 outs.append(f"raised {type(e).__name__}: {e}")
         p.expect(all(isinstance(o, str) for o in outs), "returns str",
-                 f"called with {dict(args)!r} it returned {type(outs[0]).__name__}: the policy reads text")
+                 f"called with {dict(args)!r} it returned {type(outs[0]).__name__}: the policy reads text (or a "
+                 "ToolResult's text and images)")
         p.expect(outs[0] == outs[1], "same call, same text", f"{dict(args)!r} gave {outs[0]!r}, then {outs[1]!r}")
 
 

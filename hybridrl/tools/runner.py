@@ -10,18 +10,22 @@ synchronous call abandoned), so a tool that never returns costs each round of ca
 the run; :mod:`hybridrl.tools.bounded` says what bounds the abandoned calls.
 
 A tool that sets ``takes_sample = True`` (:class:`~hybridrl.interfaces.Tool`) gets each call's sample as well:
-``tool(arguments, sample=ToolSample)``, from the ``metas`` handed in with the calls (the episode each call belongs
-to); any other tool is called with the arguments alone.
+``tool(arguments, sample=ToolSample)``, from the ``metas`` (and the episode's ``images`` so far) handed in with the
+calls (the episode each call belongs to); any other tool is called with the arguments alone.
+
+A tool may return a :class:`~hybridrl.interfaces.ToolResult`: its text is the observation (cut as above) and its
+images travel with it (``Observation.images``, PIL RGB); a runner built with ``images=False`` (a text policy) answers
+a result with images with an error observation, since the policy could not see them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.interfaces import ToolSample
+from hybridrl.interfaces import ToolResult, ToolSample
 from hybridrl.tools.bounded import Bounded
 from hybridrl.tools.calls import CallError, ToolCall
 from hybridrl.tools.config import KEY
@@ -34,7 +38,8 @@ ERROR_PREFIX = "Error: "
 
 @dataclass(slots=True, kw_only=True)
 class Observation:
-    text: str  # the tool message's content
+    text: str  # the tool message's content (its text part where there are images)
+    images: list[Any] = field(default_factory=list)  # PIL images (RGB) the tool message shows before its text
     error: bool = False  # an error observation (malformed call, unknown tool, raised, timed out)
     timed_out: bool = False
     truncated: bool = False
@@ -59,15 +64,18 @@ class ToolRunner:
     ``cut(text, n)`` returns ``text`` cut to ``n`` tokens and whether it was cut (the policy's tokenizer)."""
 
     def __init__(self, tools: Mapping[str, Callable[[dict[str, Any]], Any]], *, timeout_s: float,
-                 max_tokens: int, cut: Callable[[str, int], tuple[str, bool]], max_workers: int = 32) -> None:
+                 max_tokens: int, cut: Callable[[str, int], tuple[str, bool]], max_workers: int = 32,
+                 images: bool = False) -> None:
         self.tools, self.timeout_s, self.max_tokens, self.cut = dict(tools), timeout_s, max_tokens, cut
+        self.images = images  # a vision-language policy: tool results may carry images
         self.bounded = Bounded(key=f"{KEY}.tool_timeout_s", max_workers=max_workers)
         self.counts = ToolCounts()
 
-    def run(self, calls: Sequence[ToolCall | CallError], *,
-            metas: Sequence[SampleMeta] | None = None) -> list[Observation]:
+    def run(self, calls: Sequence[ToolCall | CallError], *, metas: Sequence[SampleMeta] | None = None,
+            images: Sequence[Sequence[Any]] | None = None) -> list[Observation]:
         """An observation per call, in order; the calls run at once, each within its own time limit. ``metas``: the
-        sample each call serves (for the tools that take it)."""
+        sample each call serves (for the tools that take it); ``images``: each call's episode's images so far (None:
+        its prompt's)."""
         out: list[Observation | None] = [None] * len(calls)
         started: list[tuple[int, str]] = []
         for i, call in enumerate(calls):
@@ -79,8 +87,8 @@ class ToolRunner:
                 out[i] = _error(f"tool {call.name!r} needs the sample it serves, and this rollout gave none")
             else:
                 started.append((i, call.name))
-        work = [self._call(name, calls[i].arguments, None if metas is None else metas[i])  # type: ignore[union-attr]
-                for i, name in started]
+        work = [self._call(name, calls[i].arguments, None if metas is None else metas[i],  # type: ignore[union-attr]
+                           None if images is None else images[i]) for i, name in started]
         outcomes = self.bounded.run(work, timeout_s=self.timeout_s, names=[f"tool {name!r}" for _, name in started])
         for (i, name), o in zip(started, outcomes, strict=True):
             if o.timed_out:
@@ -88,21 +96,36 @@ class ToolRunner:
                                      error=True, timed_out=True)
             elif o.error is not None:
                 out[i] = _error(f"tool {name!r} raised {type(o.error).__name__}: {o.error}")
-            elif not isinstance(o.value, str):
-                out[i] = _error(f"tool {name!r} returned {type(o.value).__name__}, not text")
             else:
-                out[i] = Observation(text=o.value)
+                out[i] = self._observation(name, o.value)
         done = [self._cut(o) for o in out if o is not None]
         for obs in done:
             self.counts.add(obs)
         return done
 
-    def _call(self, name: str, arguments: dict[str, Any], meta: SampleMeta | None) -> Callable[[], Any]:
+    def _call(self, name: str, arguments: dict[str, Any], meta: SampleMeta | None,
+              images: Sequence[Any] | None) -> Callable[[], Any]:
         """The call of tool ``name``: with its sample where the tool takes one."""
         tool = self.tools[name]
         if meta is not None and takes_sample(tool):
-            return partial(tool, dict(arguments), sample=ToolSample.of(meta, name))
+            return partial(tool, dict(arguments), sample=ToolSample.of(meta, name, images=images))
         return partial(tool, dict(arguments))
+
+    def _observation(self, name: str, value: Any) -> Observation:
+        """What tool ``name`` returned, as an observation: text, or a :class:`ToolResult`'s text and images."""
+        if isinstance(value, str):
+            return Observation(text=value)
+        if not isinstance(value, ToolResult) or not isinstance(value.text, str):
+            return _error(f"tool {name!r} returned {type(value).__name__}, not text")  # nor a ToolResult
+        from PIL import Image
+
+        images = list(value.images)
+        if bad := [type(im).__name__ for im in images if not isinstance(im, Image.Image)]:
+            return _error(f"tool {name!r} returned images that are not PIL images: {bad[:3]}")
+        if images and not self.images:
+            return _error(f"tool {name!r} returned {len(images)} image(s), which this policy cannot see (a text "
+                          "model); use a vision-language model (Qwen2.5-VL, Qwen3-VL)")
+        return Observation(text=value.text, images=[im.convert("RGB") for im in images])
 
     def _cut(self, obs: Observation) -> Observation:
         """Every observation, an error's too (a tool's exception may carry any text), at most ``max_tokens``."""

@@ -103,8 +103,8 @@ def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_
                   grid_thw_N3: torch.Tensor | None, arch: HFArch,
                   images_in_BS: torch.Tensor | None = None) -> torch.Tensor:
     """``[s, b, h]``: the first stage's token embeddings with each image placeholder replaced by its feature (the
-    images of sample 0 first, each sample's in order); ``images_in_BS``: where placeholders are images (the prompts;
-    None: everywhere). Qwen3-VL: the DeepStack features of this forward are set on ``gpt`` too."""
+    images of sample 0 first, each sample's in order); ``images_in_BS``: where placeholders are images (the prompts
+    and tool results; None: everywhere). Qwen3-VL: the DeepStack features of this forward are set on ``gpt`` too."""
     v = arch.vision
     assert v is not None
     emb_SBH = gpt.embedding(input_ids=ids_BS, position_ids=None)
@@ -128,18 +128,19 @@ def decoder_input(gpt: Any, tower: torch.nn.Module, ids_BS: torch.Tensor, pixel_
 
 
 def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: torch.Tensor | None,
-                    arch: HFArch, prompt_len_B: torch.Tensor | None = None) -> torch.Tensor:
+                    arch: HFArch, images_in_BS: torch.Tensor | None = None) -> torch.Tensor:
     """``[3, b, s]`` position ids of right-padded rows (padding: 0), each row's images taken from ``grid_thw_N3`` in
-    order. With ``prompt_len_B`` only a row's first ``prompt_len_B[b]`` tokens are multimodal; the tokens after them
-    (a response: whatever the policy sampled, a placeholder id included, is text) continue from the prompt's largest
-    id + 1 on all three axes, as an engine decodes them (transformers' ``rope_deltas``)."""
+    order, over the whole row: what transformers' ``get_rope_index`` gives the row, which is what an engine uses when
+    it prefills a context (a multi-turn episode's next turn) and, for the tokens it decodes, what its
+    ``rope_deltas`` continue with. ``images_in_BS``: where a placeholder id is an image (the prompt's, a tool
+    result's; None: everywhere); elsewhere (a response's sampled ids) it is a text token, as the engine decoded it."""
     assert arch.vision is not None
     out = torch.zeros(3, *ids_BS.shape, dtype=torch.long)
     image = 0
-    for b, total in enumerate(lengths_B.tolist()):
-        n = total if prompt_len_B is None else int(prompt_len_B[b])
+    for b, n in enumerate(lengths_B.tolist()):
         row = ids_BS[b, :n].cpu()
-        k = int((row == arch.vision.image_token_id).sum())
+        slots = None if images_in_BS is None else images_in_BS[b, :n].cpu()
+        k = int(((row == arch.vision.image_token_id) & (True if slots is None else slots)).sum())
         grids, taken = [], 0  # this row's images: as many grids as its placeholders need
         while taken < k:
             assert grid_thw_N3 is not None
@@ -147,11 +148,21 @@ def batch_positions(ids_BS: torch.Tensor, lengths_B: torch.Tensor, grid_thw_N3: 
             grids.append((t, h, w))
             taken += t * h * w // arch.vision.spatial_merge_size ** 2
             image += 1
-        out[:, b, :n] = mrope_positions(row, torch.tensor(grids) if grids else None, arch.vision)
-        if n < total:
-            first = int(out[:, b, :n].max()) + 1 if n else 0
-            out[:, b, n:total] = torch.arange(first, first + total - n)
+        out[:, b, :n] = mrope_positions(row, torch.tensor(grids) if grids else None, arch.vision, slots)
     return out.to(ids_BS.device)
+
+
+def image_slots(prompt_len_B: torch.Tensor, loss_mask_BT: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` bool: where a row's placeholder ids are images — its prompt, and the ids of its response that the
+    policy did not sample (``loss_mask`` 0: a multi-turn episode's tool results; None: a response is all text)."""
+    col_BS = torch.arange(seq_len, device=prompt_len_B.device)[None] - prompt_len_B[:, None]
+    slots_BS = col_BS < 0
+    if loss_mask_BT is None:
+        return slots_BS
+    T = loss_mask_BT.shape[1]
+    inside_BS = (col_BS >= 0) & (col_BS < T)
+    appended_BS = torch.gather(loss_mask_BT.to(prompt_len_B.device) == 0, 1, col_BS.clamp(0, max(T - 1, 0)))
+    return slots_BS | (inside_BS & appended_BS)
 
 
 def attach_vision_tower(chunks: Sequence[torch.nn.Module], arch: HFArch, model_dir: str | Path | None, *,
@@ -174,29 +185,40 @@ def tower_of(gpt: Any) -> torch.nn.Module | None:
 
 
 def forward_rows(model: Any, arch: HFArch, tokens_BS: torch.Tensor, prompt_len_B: torch.Tensor,
-                 lengths_B: torch.Tensor, images: Sequence[Any], attention_mask: Any, **kwargs: Any) -> Any:
+                 lengths_B: torch.Tensor, images: Sequence[Any], attention_mask: Any, *,
+                 loss_mask_BT: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """One padded micro-batch through a VLM chunk: rows of real tokens then padding (``lengths_B`` real tokens, the
     first ``prompt_len_B`` the prompt's), ``images[b]`` the :class:`~hybridrl.vlm.inputs.ImageInputs` of row b's
-    prompt (None: text only). A row whose placeholders were cut away (a filler row cut to its last prompt token)
-    takes no image; a response's tokens are text whatever their ids."""
+    sample (None: text only), in sequence order. A placeholder id is an image in the prompt and in the response's
+    ids the policy did not sample (``loss_mask_BT`` 0: a multi-turn episode's tool results; None: none); the ids the
+    policy sampled are text whatever they are (a multi-turn episode ends at such a turn:
+    :mod:`hybridrl.rollout.episodes`). A row whose placeholders were cut away (a filler row cut to its last prompt
+    token) takes no image."""
     from hybridrl.megatron.context_parallel import shard_sequence
     from hybridrl.megatron.model import unwrap_model
     from hybridrl.vlm.inputs import stack_images
 
     v = arch.vision
     assert v is not None
-    prompt_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)[None] < prompt_len_B[:, None]
-    has_image = ((tokens_BS == v.image_token_id) & prompt_BS).any(-1).tolist()
+    # a row's images are its first placeholders in the prompt and appended ids, as many as its images take: those
+    # precede any the policy sampled (an episode ends at a turn that samples one), and a filler row (a copy with
+    # loss mask 0, its outputs dropped) keeps its own images
+    slots_BS = image_slots(prompt_len_B.to(tokens_BS.device), loss_mask_BT, tokens_BS.shape[1])
+    slots_BS &= tokens_BS == v.image_token_id
+    need_B = torch.tensor([0 if x is None else int(x.image_grid_thw.prod(-1).sum()) // v.spatial_merge_size ** 2
+                           for x in images], device=tokens_BS.device)
+    slots_BS &= slots_BS.cumsum(-1) <= need_B[:, None]
+    has_image = slots_BS.any(-1).tolist()
     stacked = stack_images([x if keep else None for x, keep in zip(images, has_image, strict=True)])
     pixels = None if stacked is None else stacked.pixel_values.to(tokens_BS.device)
     grid = None if stacked is None else stacked.image_grid_thw.to(tokens_BS.device)
-    positions = batch_positions(tokens_BS, lengths_B, grid, arch, prompt_len_B)
+    positions = batch_positions(tokens_BS, lengths_B, grid, arch, slots_BS)
     gpt = unwrap_model(model)
     dec = None
     if gpt.pre_process:
         tower = tower_of(gpt)
         assert tower is not None, "a VLM's first stage without its vision tower (attach_vision_tower)"
-        dec = shard_sequence(decoder_input(gpt, tower, tokens_BS, pixels, grid, arch, prompt_BS), dim=0)
+        dec = shard_sequence(decoder_input(gpt, tower, tokens_BS, pixels, grid, arch, slots_BS), dim=0)
     # CP: each rank its chunks of the sequence (the features were placed in the whole of it); Megatron's multimodal
     # RoPE takes every position and keeps this rank's itself
     return model(shard_sequence(tokens_BS), positions, attention_mask, decoder_input=dec, **kwargs)

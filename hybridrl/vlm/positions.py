@@ -11,8 +11,9 @@ A sequence of text alone gets (p, p, p) at every token — plain RoPE. The image
 ``image_token_id`` placeholders, (T·H·W)/m² of them in a row, in the order of ``image_grid_thw``'s rows.
 
 Deviation: videos (time ids spaced by ``tokens_per_second``) are not handled — a sequence with a video placeholder
-is refused. The rule is transformers 5's ``Qwen2_5_VLModel.get_rope_index`` (the advance after an image is
-max(H, W)/m, which equals the older "largest id + 1" for an image), checked against it in ``tests/vlm``.
+is refused (one the policy sampled is a text token, as any sampled id). The rule is transformers 5's
+``Qwen2_5_VLModel.get_rope_index`` (the advance after an image is max(H, W)/m, which equals the older "largest id +
+1" for an image), checked against it in ``tests/vlm``; ``images_S`` plays its ``mm_token_type_ids``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ import torch
 from hybridrl.hf.vlm import VisionSpec
 
 
-def mrope_positions(ids_S: torch.Tensor, grid_thw_N3: torch.Tensor | None, spec: VisionSpec) -> torch.Tensor:
+def mrope_positions(ids_S: torch.Tensor, grid_thw_N3: torch.Tensor | None, spec: VisionSpec,
+                    images_S: torch.Tensor | None = None) -> torch.Tensor:
     """``[3, S]`` position ids of one sequence's real tokens ``ids_S``; ``grid_thw_N3``: its images' patch grids, one
-    row per image in order (None: no image)."""
-    if spec.video_token_id is not None and bool((ids_S == spec.video_token_id).any()):
+    row per image in order (None: no image); ``images_S``: where a placeholder id is an image (None: everywhere;
+    elsewhere it is a text token — one the policy sampled)."""
+    slots_S = torch.ones_like(ids_S, dtype=torch.bool) if images_S is None else images_S.to(ids_S.device)
+    if spec.video_token_id is not None and bool(((ids_S == spec.video_token_id) & slots_S).any()):
         raise NotImplementedError("a video in a VLM sample: only images are supported (time ids per video frame are "
                                   "not computed)")
-    is_image = (ids_S == spec.image_token_id).tolist()
+    is_image = ((ids_S == spec.image_token_id) & slots_S).tolist()
     grids = [] if grid_thw_N3 is None else [tuple(int(x) for x in row) for row in grid_thw_N3.tolist()]
     m = spec.spatial_merge_size
     out = torch.empty(3, len(is_image), dtype=torch.long)

@@ -98,6 +98,16 @@ def test_verls_gsm8k_tool_is_gsm8k_under_verls_function_name(capsys: pytest.Capt
     assert "the policy reads hybridrl's gsm8k description, not the file's" in out
 
 
+def test_verls_image_zoom_in_tool_is_image_zoom_in_under_verls_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    """verl's own file (examples/sglang_multiturn/config/tool_config/image_zoom_in_tool_config.yaml): its tool_schema,
+    name and description included, is the plugin's."""
+    m = compose(VERL_TOOLS / "image_zoom_in_tool_config.yaml").actor_rollout_ref.rollout.multi_turn
+    assert m.tools == ["image_zoom_in"] and m.tool_kwargs == {}
+    out = capsys.readouterr().out
+    assert "verl.tools.image_zoom_in_tool.ImageZoomInTool is hybridrl's image_zoom_in tool" in out
+    assert "description, not the file's" not in out
+
+
 def test_unknown_classes_and_mcp_are_refused_one_line_each(tmp_path: Path) -> None:
     two = tmp_path / "two.yaml"
     two.write_text("tools:\n  - class_name: my_pkg.tools.Search\n    config: {type: native}\n"
@@ -106,8 +116,8 @@ def test_unknown_classes_and_mcp_are_refused_one_line_each(tmp_path: Path) -> No
         compose(two)
     unknown, mcp = (str(i) for i in e.value.issues)
     assert str(two) in unknown and "tools[0]: class 'my_pkg.tools.Search' is not a hybridrl tool" in unknown
-    assert "calculator (hybridrl.tools.calculator.Calculator), gsm8k (hybridrl.tools.gsm8k.Gsm8kTool), python " \
-           "(hybridrl.tools.python.PythonTool)" in unknown
+    assert "calculator (hybridrl.tools.calculator.Calculator), gsm8k (hybridrl.tools.gsm8k.Gsm8kTool), image_zoom_in " \
+           "(hybridrl.tools.image_zoom.ImageZoomIn), python (hybridrl.tools.python.PythonTool)" in unknown
     assert "verl.tools.gsm8k_tool.Gsm8kTool is hybridrl's gsm8k" in unknown
     assert "tools[1]" in mcp and "MCP" in mcp
 

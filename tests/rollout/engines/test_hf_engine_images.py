@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoProcessor
+from vlm_prompts import tool_context_gaps
 
 from hybridrl.data.dots import draw_dots
 from hybridrl.hf.arch import HFArch
@@ -95,6 +96,14 @@ def test_sampling_with_images_gives_transformers_logprobs(vlms: tuple[Path, Path
     # the images count: without them the same tokens get other log-probs
     blind = full_forward_logprobs(vlms[0], (ids, [None] * 3), out[0], 0.8)
     assert float((torch.tensor(out[0].logprobs) - blind).abs().max()) > 1e-3
+
+
+def test_a_multi_turn_context_with_a_tool_image_gives_transformers_logprobs(vlms: tuple[Path, Path]) -> None:
+    """A multi-turn episode's next turn: its context holds the prompt's image and, after the policy's call, the tool's
+    image; the engine generates with both (log-probs = transformers' over the whole sequence), and the tool's image
+    matters."""
+    gap, other_image = tool_context_gaps(engine(vlms[0]), vlms[0])
+    assert gap <= 1e-5 and other_image > 1e-3, (gap, other_image)
 
 
 @pytest.mark.parametrize("option", ["prefill_once_per_prompt", "drop_finished"])

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from vlm_prompts import Reference, encode_all, flipped, max_gap, tiny_vlm_pair
+from vlm_prompts import Reference, encode_all, flipped, max_gap, tiny_vlm_pair, tool_context_gaps
 
 from hybridrl.hf.vlm import checkpoint_vision
 from hybridrl.interfaces import SamplingParams
@@ -79,6 +79,14 @@ def test_samples_with_images_have_the_log_probs_of_transformers(engine: VLLMRoll
     again = engine.generate(ids, SamplingParams(temperature=0.7, max_new_tokens=8, n=2), seeds=[1, 2, 3],
                             images=images)
     assert [g.token_ids for g in again] == [g.token_ids for g in gens]  # per-sample seeds, with images too
+
+
+def test_a_multi_turn_context_with_a_tool_image_has_the_log_probs_of_transformers(engine: VLLMRolloutEngine,
+                                                                                     vlms: tuple[Path, Path]) -> None:
+    """A multi-turn episode's next turn: its context holds the prompt's image and, after the policy's call, the tool's
+    image; the engine generates with both (log-probs = transformers'), and the tool's image matters."""
+    gap, other_image = tool_context_gaps(engine, vlms[0])
+    assert gap <= 1e-4 and other_image > 1e-3, (gap, other_image)
 
 
 def test_swap_to_another_vlm_gives_its_log_probs_in_place(engine: VLLMRolloutEngine, vlms: tuple[Path, Path],

@@ -52,6 +52,46 @@ def encode_all(model_dir: Path, sizes: list[list[tuple[int, int]]]) -> tuple[lis
     return [ids for ids, _ in encoded], [im for _, im in encoded]
 
 
+def tool_context(model_dir: Path) -> tuple[list[int], ImageInputs]:
+    """A multi-turn episode's next-turn context (issue 46): a user message with an image, the policy's tool call, the
+    tool's message with a second image (its zoomed crop), the next generation prompt — the processor's ids of the
+    conversation (what the rollout's turn-by-turn ids equal: tests/vlm/test_multi_turn_images.py) with both images,
+    in order."""
+    from transformers import AutoProcessor
+
+    with transformers_rope_rules():
+        processor = AutoProcessor.from_pretrained(model_dir)
+    first, crop = image(56, 84, 7), image(28, 56, 8)
+    call = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 56, 28]}}</tool_call>'
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is left?"}]},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "Zoomed in."}]}]
+    rendered = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[rendered], images=[first, crop], return_tensors="pt")
+    return out["input_ids"][0].tolist(), ImageInputs(pixel_values=out["pixel_values"],
+                                                     image_grid_thw=out["image_grid_thw"], images=[first, crop])
+
+
+def tool_flipped(inputs: ImageInputs) -> ImageInputs:
+    """``inputs`` with its last image's patches in reverse order: the tool's image changed, the prompt's kept."""
+    last = int(inputs.image_grid_thw[-1].prod())
+    pixels = torch.cat([inputs.pixel_values[:-last], inputs.pixel_values[-last:].flip(0)])
+    return ImageInputs(pixel_values=pixels, image_grid_thw=inputs.image_grid_thw, images=inputs.images)
+
+
+def tool_context_gaps(engine: Any, model_dir: Path) -> tuple[float, float]:
+    """``engine``'s next turn of :func:`tool_context` (a few tokens at temperature 0.7): the largest |engine −
+    transformers| log-prob, and the largest gap to transformers given another tool image (:func:`tool_flipped`)."""
+    from hybridrl.interfaces import SamplingParams
+
+    ids, images = tool_context(model_dir)
+    gens = engine.generate([ids], SamplingParams(temperature=0.7, max_new_tokens=8, n=1), seeds=[5], images=[images])
+    assert gens[0].token_ids
+    ref = Reference(model_dir)
+    return max_gap(gens, [ids], [images], ref, 0.7), max_gap(gens, [ids], [tool_flipped(images)], ref, 0.7)
+
+
 class Reference:
     """transformers' Qwen2.5-VL or Qwen3-VL (fp32): log_softmax(logits / T) of a sample's tokens after its prompt and
     images."""
