@@ -328,8 +328,6 @@ SCRIPT = textwrap.dedent("""
                                                 model_path=model, device=torch.device("cpu"))
         print("PIDS", json.dumps([p.pid for p in eng.procs]), flush=True)
         eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
-        if mode == "raise":
-            raise ValueError("the trainer fails mid-run")
         if mode == "crash":  # the scheduler dies under a call: the call fails with a clear error
             os.kill(eng.procs[0].pid, 9)
             eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
@@ -382,12 +380,13 @@ def survivors(mode: str) -> list[int]:
 
 
 def test_no_engine_process_outlives_the_trainer(models: tuple[Path, Path], tmp_path: Path) -> None:
-    results = run_script(tmp_path, {"raise": models[0], "sigterm": models[0], "crash": models[0]})
+    """``sigterm`` mid-"training" and a ``crash`` of the scheduler under a call: no engine process is left. (A
+    trainer that raises shuts its engines down on the way out: tests/faults/test_engine_faults.py; a third engine
+    process here made the test slow and flaky on two busy cores: 129 s and a failed engine start in one CI run.)"""
+    results = run_script(tmp_path, {"sigterm": models[0], "crash": models[0]})
     for mode, (proc, pids) in results.items():
         assert len(pids) >= 2, (mode, proc.stdout, proc.stderr[-3000:])  # scheduler + detokenizer
         assert survivors(mode) == [], (mode, proc.stderr[-3000:])
-    raised, _ = results["raise"]
-    assert raised.returncode == 1 and "ValueError: the trainer fails mid-run" in raised.stderr
     assert results["sigterm"][0].returncode == -signal.SIGTERM, results["sigterm"][0].stderr[-3000:]
     crashed, _ = results["crash"]
     assert crashed.returncode == 1, crashed.stderr[-3000:]  # not -9: SGLang's own handler SIGKILLs the trainer

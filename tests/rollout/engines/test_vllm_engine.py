@@ -188,8 +188,6 @@ SCRIPT = textwrap.dedent("""
                                                 model_path=model, device=torch.device("cpu"))
         print("PIDS", json.dumps([p.pid for p in eng.procs]), flush=True)
         eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4))
-        if mode == "raise":
-            raise ValueError("the trainer fails mid-run")
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no signal handler runs
 """)
 
@@ -201,14 +199,16 @@ def marked(tag: str) -> list[int]:
 
 def test_no_engine_process_outlives_its_trainer_not_even_a_sigkilled_one(models: tuple[Path, Path],
                                                                         tmp_path: Path) -> None:
-    """``raise``: the exception's exit shuts the engine down. ``sigkill``: the trainer dies with no handler run;
-    within 30 s (the reaper polls every 0.2 s) no engine process is left. ``sigkill_unwatched`` shows the reaper is
-    still needed: without it vLLM's EngineCore is still alive 10 s after its parent's SIGKILL."""
+    """``sigkill``: the trainer dies with no handler run; within 30 s (the reaper polls every 0.2 s) no engine process
+    is left. ``sigkill_unwatched`` shows the reaper is still needed: without it vLLM's EngineCore is still alive 10 s
+    after its parent's SIGKILL. (A trainer that raises shuts its engines down on the way out:
+    tests/faults/test_engine_faults.py ends runs that way and finds no process left; a third engine process here cost
+    ~30 s of CI on two cores.)"""
     import psutil
 
     script = tmp_path / "lifecycle.py"
     script.write_text(SCRIPT)
-    tags = {m: f"{os.getpid()}-{m}" for m in ("raise", "sigkill", "sigkill_unwatched")}
+    tags = {m: f"{os.getpid()}-{m}" for m in ("sigkill", "sigkill_unwatched")}
     logs = {m: (tmp_path / f"{m}.out", tmp_path / f"{m}.err") for m in tags}  # files: an orphan holds no pipe open
     procs = {m: subprocess.Popen([sys.executable, str(script), m, str(models[0])], stdout=logs[m][0].open("w"),
                                  stderr=logs[m][1].open("w"), env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -219,16 +219,14 @@ def test_no_engine_process_outlives_its_trainer_not_even_a_sigkilled_one(models:
     for mode, ((out, err), _) in results.items():
         pids = next((json.loads(line[5:]) for line in out.splitlines() if line.startswith("PIDS ")), [])
         assert pids, (mode, out, err[-3000:])
-    (_, err), code = results["raise"]
-    assert code == 1 and "ValueError: the trainer fails mid-run" in err
     assert results["sigkill"][1] == -signal.SIGKILL
     left: dict[str, list[int]] = {}
     while time.time() < ended + 30:
-        left = {m: marked(tags[m]) for m in ("raise", "sigkill")}
+        left = {m: marked(tags[m]) for m in ("sigkill",)}
         if not any(left.values()):
             break
         time.sleep(0.5)
-    assert left == {"raise": [], "sigkill": []}, left
+    assert left == {"sigkill": []}, left
     unwatched = marked(tags["sigkill_unwatched"])
     try:
         if time.time() < ended + 10:
