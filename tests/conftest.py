@@ -22,16 +22,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# torchrun's own store could not listen on the port free_port() found: another process (a test of the other worker, an
+# engine) took it in between, before any rank started (seen in CI: EADDRINUSE at the agent's rendezvous)
+PORT_TAKEN = "The server socket has failed to listen on any local network address"
+
+
 def run_ranks(args: Sequence[str], *, nproc: int, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc-per-node=nproc <args>`` on a free local port, 1 torch thread per rank.
+    """``torchrun --nproc-per-node=nproc <args>`` on a free local port, 1 torch thread per rank; launched again on
+    another port (up to 3 tries) when the port was taken before any rank started.
 
     ``args`` is what follows torchrun's options: a script path or ``-m module``, then its arguments.
     Raises with the ranks' output when they fail.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        if not (proc.returncode != 0 and PORT_TAKEN in proc.stderr and "EADDRINUSE" in proc.stderr):
+            break
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
